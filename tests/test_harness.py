@@ -1,0 +1,248 @@
+"""Every triaccel variant in ``harness.VARIANTS`` through the common optimizer checks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from harness import VARIANTS
+
+import triaccel_jax
+
+variants = pytest.mark.parametrize("variant", VARIANTS, ids=str)
+
+
+def make_params():
+    keys = jax.random.split(jax.random.key(0), 3)
+    return {
+        "conv": jax.random.normal(keys[0], (3, 3, 2, 4)),
+        "dense": {
+            "kernel": jax.random.normal(keys[1], (8, 3)),
+            "bias": jnp.zeros((3,)),
+        },
+    }
+
+
+# Per-leaf curvatures differ by 100x so the step-size scales differ between leaves.
+_CURVATURE = {"conv": 10.0, "dense": {"kernel": 1.0, "bias": 0.1}}
+
+
+def loss_fn(params):
+    targets = jax.tree.map(lambda p: jnp.ones_like(p) * 0.5, params)
+    quadratic = jax.tree.map(
+        lambda p, t, c: 0.5 * c * jnp.sum((p - t) ** 2), params, targets, _CURVATURE
+    )
+    coupling = jnp.sum(jnp.tanh(params["dense"]["kernel"] @ params["dense"]["bias"]))
+    return sum(jax.tree.leaves(quadratic)) + 0.1 * coupling
+
+
+def run(tx, variant, params, steps, loss=loss_fn, jit=True):
+    state = tx.init(params)
+
+    def step(params, state):
+        grads = jax.grad(loss)(params)
+        updates, state = tx.update(grads, state, params, **variant.extra_args(loss))
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(step) if jit else step
+    for _ in range(steps):
+        params, state = step(params, state)
+    return params, state
+
+
+def assert_trees_equal_types(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.shape == y.shape and x.dtype == y.dtype, (x, y)
+
+
+@variants
+def test_jit_matches_eager(variant):
+    tx = variant.make(1e-2)
+    eager, _ = run(tx, variant, make_params(), 2, jit=False)
+    jitted, _ = run(tx, variant, make_params(), 2, jit=True)
+    for x, y in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@variants
+def test_state_types_stable_through_cond(variant):
+    tx = variant.make(1e-2)
+    params = make_params()
+    state = tx.init(params)
+    grads = jax.grad(loss_fn)(params)
+
+    @jax.jit
+    def maybe_update(pred, state):
+        def update(state):
+            return tx.update(grads, state, params, **variant.extra_args(loss_fn))[1]
+
+        return jax.lax.cond(pred, update, lambda state: state, state)
+
+    for pred in (True, False, True):
+        new_state = maybe_update(pred, state)
+        assert_trees_equal_types(state, new_state)
+        state = new_state
+    count = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, triaccel_jax.ScaleByTriAccelState))
+    assert any(
+        isinstance(s, triaccel_jax.ScaleByTriAccelState) and int(s.count) == 2 for s in count
+    )
+
+
+@variants
+def test_no_recompilation_on_second_call(variant, count_compiles):
+    tx = variant.make(1e-2)
+    params = make_params()
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.grad(loss_fn)(params)
+        updates, state = tx.update(grads, state, params, **variant.extra_args(loss_fn))
+        return optax.apply_updates(params, updates), state
+
+    params, state = step(params, state)  # compiles once
+    with count_compiles() as counter:
+        for _ in range(3):
+            params, state = step(params, state)
+        jax.block_until_ready(params)
+    assert counter.count == 0
+
+
+@variants
+def test_abstract_init_matches_concrete(variant):
+    tx = variant.make(1e-2)
+    params = make_params()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    assert_trees_equal_types(tx.init(abstract), tx.init(params))
+    assert_trees_equal_types(jax.eval_shape(tx.init, params), tx.init(params))
+
+
+@variants
+def test_update_dtype_is_gradient_dtype(variant):
+    tx = variant.make(1e-2)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), make_params())
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, new_state = jax.jit(
+        lambda g, s, p: tx.update(g, s, p, **variant.extra_args(loss_fn))
+    )(grads, state, params)
+    for g, u in zip(jax.tree.leaves(grads), jax.tree.leaves(updates), strict=True):
+        assert u.dtype == g.dtype == jnp.bfloat16
+    assert_trees_equal_types(state, new_state)
+
+
+@variants
+def test_composes_with_clipping_chain(variant):
+    tx = optax.chain(optax.clip_by_global_norm(1.0), variant.make(1e-1))
+    params, state = run(tx, variant, make_params(), 150)
+    assert float(loss_fn(params)) < 0.1 * float(loss_fn(make_params()))
+    assert set(triaccel_jax.signals(state)) == {"conv", "dense/bias", "dense/kernel"}
+
+
+@variants
+def test_inject_hyperparams_changes_learning_rate_without_retracing(variant, count_compiles):
+    factory = optax.inject_hyperparams(lambda learning_rate: variant.make(learning_rate))
+    tx = factory(learning_rate=0.1)
+    params = make_params()
+    state = tx.init(params)
+    grads = jax.grad(loss_fn)(params)
+    update = jax.jit(lambda g, s, p: tx.update(g, s, p, **variant.extra_args(loss_fn)))
+    updates, _ = update(grads, state, params)
+    assert any(float(jnp.max(jnp.abs(u))) > 0 for u in jax.tree.leaves(updates))
+    state.hyperparams["learning_rate"] = jnp.zeros((), jnp.float32)
+    with count_compiles() as counter:
+        zero_updates, new_state = update(grads, state, params)
+    assert counter.count == 0
+    assert all(float(jnp.max(jnp.abs(u))) == 0 for u in jax.tree.leaves(zero_updates))
+    assert "conv" in triaccel_jax.signals(new_state)
+
+
+@variants
+def test_multisteps_accumulates(variant):
+    tx = optax.MultiSteps(variant.make(1e-1), every_k_schedule=2)
+    params = make_params()
+    state = tx.init(params)
+    grads = jax.grad(loss_fn)(params)
+    update = jax.jit(lambda g, s: tx.update(g, s, params, **variant.extra_args(loss_fn)))
+    first, state = update(grads, state)
+    assert all(float(jnp.max(jnp.abs(u))) == 0 for u in jax.tree.leaves(first))
+    second, state = update(grads, state)
+    assert all(float(jnp.max(jnp.abs(u))) > 0 for u in jax.tree.leaves(second))
+    assert triaccel_jax.signals(state)["conv"]["step_scale"] > 0
+
+
+@variants
+def test_apply_if_finite_skips_nan_step(variant):
+    tx = optax.apply_if_finite(variant.make(1e-1), max_consecutive_errors=5)
+    params = make_params()
+    state = tx.init(params)
+    update = jax.jit(lambda g, s: tx.update(g, s, params, **variant.extra_args(loss_fn)))
+    grads = jax.grad(loss_fn)(params)
+    _, state = update(grads, state)
+    bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads)
+    updates, bad_state = update(bad, state)
+    assert int(bad_state.notfinite_count) == 1
+    assert all(float(jnp.max(jnp.abs(u))) == 0 for u in jax.tree.leaves(updates))
+    for before, after in zip(
+        jax.tree.leaves(state.inner_state), jax.tree.leaves(bad_state.inner_state), strict=True
+    ):
+        np.testing.assert_array_equal(before, after)
+
+
+def _merge_masked(masked, full):
+    """Fills a masked params tree's MaskedNodes back in from ``full``."""
+    return jax.tree.map(
+        lambda m, f: f if isinstance(m, optax.MaskedNode) else m,
+        masked,
+        full,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    )
+
+
+@variants
+def test_masked_leaves_pass_through(variant):
+    params = make_params()
+    mask = {"conv": True, "dense": {"kernel": True, "bias": False}}
+    tx = optax.masked(variant.make(1e-1), mask)
+    state = tx.init(params)
+    grads = jax.grad(loss_fn)(params)
+    extra = variant.extra_args(lambda masked: loss_fn(_merge_masked(masked, params)))
+    updates, state = tx.update(grads, state, params, **extra)
+    np.testing.assert_array_equal(updates["dense"]["bias"], grads["dense"]["bias"])
+    assert not np.allclose(updates["conv"], grads["conv"])
+    assert set(triaccel_jax.signals(state)) == {"conv", "dense/kernel"}
+
+
+@variants
+def test_partition_with_sgd(variant):
+    params = make_params()
+    labels = {"conv": "tri", "dense": {"kernel": "tri", "bias": "sgd"}}
+    tx = optax.partition({"tri": variant.make(1e-1), "sgd": optax.sgd(1e-1)}, labels)
+    extra = variant.extra_args(lambda masked: loss_fn(_merge_masked(masked, params)))
+    state = tx.init(params)
+    grads = jax.grad(loss_fn)(params)
+    updates, state = tx.update(grads, state, params, **extra)
+    np.testing.assert_allclose(updates["dense"]["bias"], -0.1 * grads["dense"]["bias"], rtol=1e-6)
+    assert set(triaccel_jax.signals(state)) == {"conv", "dense/kernel"}
+
+
+@variants
+def test_converges_on_quadratic(variant):
+    params, _ = run(variant.make(5e-2), variant, make_params(), 300)
+    assert float(loss_fn(params)) < 1e-3 * float(loss_fn(make_params())) + 1e-2
+
+
+def rosenbrock(params):
+    x, y = params["x"], params["y"]
+    return jnp.sum((1 - x) ** 2 + 100 * (y - x**2) ** 2)
+
+
+@variants
+def test_converges_on_rosenbrock(variant):
+    params = {"x": jnp.array([-1.2, 0.0]), "y": jnp.array([1.0, 0.5])}
+    final, _ = run(variant.make(2e-2, weight_decay=0.0), variant, params, 2000, loss=rosenbrock)
+    np.testing.assert_allclose(final["x"], 1.0, atol=0.05)
+    np.testing.assert_allclose(final["y"], 1.0, atol=0.1)

@@ -1,0 +1,1 @@
+"""Private implementation of triaccel_jax; import from ``triaccel_jax`` instead."""

@@ -1,0 +1,330 @@
+"""``scale_by_triaccel``: Adam moments scaled per leaf by a curvature-derived step size.
+
+Tri-Accel (arXiv 2508.16905) steers each layer's step size with a cheap second-order signal. Here
+that is, per leaf ``l`` (DESIGN §3):
+
+* the direction ``m_hat / (sqrt(v_hat) + eps)`` of Adam (Kingma & Ba, 2015), with the moments
+  stored in the state dtype (bfloat16 writes are stochastically rounded);
+* every ``curvature_every`` steps (under ``lax.cond``), a diagonal curvature estimate (empirical
+  Fisher or Hutchinson) folded into an EMA that is stored compressed (block means + top-k);
+* the step-size scale ``s_l = clip((kappa_ref / kappa_l) ** alpha, min_scale, max_scale)`` from the
+  mean curvature ``kappa_l`` and its median ``kappa_ref`` over leaves (scale-free): flat leaves
+  take longer steps, sharp ones shorter;
+* the noise-to-signal ratio ``mean(v_hat - m_hat**2) / mean(m_hat**2)``, read from the moments.
+
+The per-leaf scalars are kept in the state for :func:`triaccel_jax.signals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from triaccel_jax._src import compression
+from triaccel_jax._src import curvature as curvature_lib
+from triaccel_jax._src import tree as tree_lib
+from triaccel_jax._src import validation
+from triaccel_jax.kernels import cast as cast_kernel
+
+ESTIMATORS = ("fisher", "hutchinson")
+STATE_DTYPES = ("float32", "bfloat16")
+
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+class LeafSignals(NamedTuple):
+    """Per-leaf float32 scalars that ``scale_by_triaccel`` keeps for the planner and controller.
+
+    Attributes:
+      mean_curvature: mean of the (bias-corrected) curvature EMA over the leaf, ``kappa_l``.
+      max_curvature: largest magnitude of the curvature EMA in the leaf.
+      trace: sum of the curvature EMA over the leaf.
+      noise_to_signal: ``mean(v_hat - m_hat**2) / mean(m_hat**2)``, the gradient noise.
+      step_scale: the step-size multiplier ``s_l`` applied on the last update.
+    """
+
+    mean_curvature: jax.Array
+    max_curvature: jax.Array
+    trace: jax.Array
+    noise_to_signal: jax.Array
+    step_scale: jax.Array
+
+
+class ScaleByTriAccelState(NamedTuple):
+    """State of :func:`scale_by_triaccel`; arrays only.
+
+    Trees are shaped like the params; leaves the optimizer does not act on (integer, boolean,
+    empty) hold ``optax.MaskedNode()``.
+
+    Attributes:
+      count: int32 number of updates, saturating.
+      curvature_count: int32 number of curvature estimates folded into the EMA, saturating.
+      mu: first moments, in the state dtype.
+      nu: second moments, in the state dtype.
+      curvature: the curvature EMA per leaf, a :class:`triaccel_jax.CompressedDiagonal`.
+      leaf_signals: :class:`LeafSignals` per leaf.
+      estimator_state: the curvature estimator's state.
+      rounding_key: uint32 PRNG key data for the stochastic rounding of the moments.
+    """
+
+    count: jax.Array
+    curvature_count: jax.Array
+    mu: Any
+    nu: Any
+    curvature: Any
+    leaf_signals: Any
+    estimator_state: Any
+    rounding_key: jax.Array
+
+
+def _state_dtype(param_dtype: Any, state_dtype: Any) -> jnp.dtype:
+    if state_dtype is None:
+        # Never below float32 by default: half-precision params keep float32 moments.
+        return jnp.promote_types(param_dtype, jnp.float32)
+    return jnp.dtype(state_dtype)
+
+
+def _check_state_dtype(state_dtype: Any) -> None:
+    if state_dtype is None:
+        return
+    try:
+        name = jnp.dtype(state_dtype).name
+    except TypeError:
+        name = None
+    if name not in STATE_DTYPES:
+        raise ValueError(
+            f"`state_dtype` must be None or one of {STATE_DTYPES} (moments are never stored below "
+            f"bfloat16), got {state_dtype!r}"
+        )
+
+
+def _make_estimator(estimator: str, num_samples: int, seed: int):
+    if estimator == "hutchinson":
+        return curvature_lib.hutchinson_diagonal(num_samples, seed=seed)
+    return curvature_lib.fisher_diagonal()
+
+
+def _write(value: jax.Array, dtype: jnp.dtype, key: jax.Array) -> jax.Array:
+    """Casts a freshly computed float32 moment to its state dtype, stochastically when narrower."""
+    return cast_kernel.cast_reference(value, dtype, rounding="stochastic", key=key)
+
+
+def scale_by_triaccel(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    estimator: str = "fisher",
+    curvature_every: int = 10,
+    curvature_decay: float = 0.95,
+    block_size: int = 64,
+    rho: float = 0.01,
+    num_samples: int = 1,
+    alpha: float = 0.5,
+    min_scale: float = 0.5,
+    max_scale: float = 2.0,
+    state_dtype: Any = None,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Rescales updates by Adam's moments times a per-leaf curvature step-size scale.
+
+    The direction part of :func:`triaccel_jax.triaccel` (no learning rate, no weight decay), under
+    optax's ``scale_by_*`` contract: chain it with ``optax.scale_by_learning_rate``.
+
+    Args:
+      b1: decay of the first moment, in [0, 1).
+      b2: decay of the second moment, in [0, 1).
+      eps: added to ``sqrt(v_hat)`` in the denominator, >= 0.
+      estimator: ``"fisher"`` (squared gradient; needs no extra argument) or ``"hutchinson"``
+        (Hessian diagonal from HVPs; needs ``loss_fn=`` in ``update``).
+      curvature_every: estimate curvature every this many steps (>= 1), starting at the first.
+      curvature_decay: EMA decay of the curvature estimates, in [0, 1).
+      block_size: elements per block of the compressed curvature store (>= 1; static).
+      rho: fraction of each leaf's curvature entries kept exactly, in (0, 1] (static).
+      num_samples: Hutchinson probes per estimate (>= 1; static).
+      alpha: exponent of the step-size scale (>= 0; 0 turns the scaling off).
+      min_scale: lower clip of the step-size scale, > 0.
+      max_scale: upper clip of the step-size scale, >= min_scale.
+      state_dtype: dtype of ``mu`` and ``nu``: None (float32, or float64 for float64 params),
+        ``jnp.float32`` or ``jnp.bfloat16`` (stochastically rounded writes).
+      seed: seed of the PRNG keys for stochastic rounding and Hutchinson probes.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``. Its ``update`` takes the keyword-only extra
+      argument ``loss_fn`` (used by the Hutchinson estimator, ignored otherwise) and ignores
+      other extra arguments. The update has each gradient's dtype.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from triaccel_jax import scale_by_triaccel
+      >>> tx = optax.chain(scale_by_triaccel(), optax.scale_by_learning_rate(0.1))
+      >>> params = {"w": jnp.array([1.0, -2.0])}
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.array([0.5, -0.5])}, state, params)
+      >>> updates["w"].round(3).tolist()
+      [-0.1, 0.1]
+
+    References:
+      Tri-Accel, arXiv 2508.16905. Kingma & Ba, 2015, "Adam". Yao et al., 2021, "ADAHESSIAN".
+    """
+    validation.check_in_range("b1", b1, 0.0, 1.0, high_inclusive=False)
+    validation.check_in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
+    validation.check_in_range("eps", eps, 0.0, float("inf"))
+    validation.check_choice("estimator", estimator, ESTIMATORS)
+    validation.check_in_range("curvature_every", curvature_every, 1.0, float("inf"))
+    validation.check_in_range("curvature_decay", curvature_decay, 0.0, 1.0, high_inclusive=False)
+    block_size = validation.check_static_int("block_size", block_size, 1)
+    validation.check_in_range("rho", rho, 0.0, 1.0, low_inclusive=False)
+    if isinstance(rho, jax.core.Tracer):
+        raise ValueError(
+            "`rho` sets array shapes, so it must be a static float; under "
+            "optax.inject_hyperparams pass static_args=('rho',)"
+        )
+    rho = float(rho)
+    num_samples = validation.check_static_int("num_samples", num_samples, 1)
+    validation.check_in_range("alpha", alpha, 0.0, float("inf"))
+    validation.check_in_range("min_scale", min_scale, 0.0, float("inf"), low_inclusive=False)
+    validation.check_in_range("max_scale", max_scale, 0.0, float("inf"), low_inclusive=False)
+    if not any(isinstance(x, jax.core.Tracer) for x in (min_scale, max_scale)):
+        if float(max_scale) < float(min_scale):
+            raise ValueError(
+                f"`max_scale` must be >= `min_scale`, got max_scale={max_scale!r} < "
+                f"min_scale={min_scale!r}"
+            )
+    _check_state_dtype(state_dtype)
+    estimator_tx = _make_estimator(estimator, num_samples, seed)
+
+    def init_fn(params: Any) -> ScaleByTriAccelState:
+        def zeros_or_skip(leaf):
+            if not tree_lib.is_trainable(leaf):
+                return optax.MaskedNode()
+            return jnp.zeros(leaf.shape, _state_dtype(leaf.dtype, state_dtype))
+
+        def store_or_skip(leaf):
+            if not tree_lib.is_trainable(leaf):
+                return optax.MaskedNode()
+            return compression.empty_store(leaf.shape, block_size=block_size, rho=rho)
+
+        def signals_or_skip(leaf):
+            if not tree_lib.is_trainable(leaf):
+                return optax.MaskedNode()
+            zero = jnp.zeros((), jnp.float32)
+            return LeafSignals(zero, zero, zero, zero, jnp.ones((), jnp.float32))
+
+        return ScaleByTriAccelState(
+            count=jnp.zeros([], jnp.int32),
+            curvature_count=jnp.zeros([], jnp.int32),
+            mu=jax.tree.map(zeros_or_skip, params),
+            nu=jax.tree.map(zeros_or_skip, params),
+            curvature=jax.tree.map(store_or_skip, params),
+            leaf_signals=jax.tree.map(signals_or_skip, params),
+            estimator_state=estimator_tx.init(params),
+            rounding_key=jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1)),
+        )
+
+    def update_fn(
+        updates: Any,
+        state: ScaleByTriAccelState,
+        params: Any = None,
+        *,
+        loss_fn: Callable[..., Any] | None = None,
+        **extra_args: Any,
+    ) -> tuple[Any, ScaleByTriAccelState]:
+        del extra_args  # optax's contract: ignore extra arguments meant for other transforms
+        if estimator == "hutchinson" and loss_fn is None:
+            raise ValueError(curvature_lib._LOSS_FN_HELP)
+        grads, treedef = jax.tree.flatten(updates)
+        active = [i for i, g in enumerate(grads) if tree_lib.is_trainable(g)]
+        mu = treedef.flatten_up_to(state.mu)
+        nu = treedef.flatten_up_to(state.nu)
+        stores = treedef.flatten_up_to(state.curvature)
+        old_signals = treedef.flatten_up_to(state.leaf_signals)
+
+        # Curvature: estimate and fold into the compressed EMA every `curvature_every` steps.
+        def estimate(operand):
+            stores, estimator_state, curvature_count = operand
+            diagonal, estimator_state = estimator_tx.update(
+                updates, estimator_state, params, loss_fn=loss_fn
+            )
+            diagonal = treedef.flatten_up_to(diagonal)
+            stores = list(stores)
+            for i in active:
+                stores[i] = compression.update_compressed_ema(
+                    stores[i], diagonal[i], curvature_decay, block_size=block_size
+                )
+            return stores, estimator_state, optax.safe_increment(curvature_count)
+
+        due = state.count % jnp.asarray(curvature_every, jnp.int32) == 0
+        operand = (stores, state.estimator_state, state.curvature_count)
+        stores, estimator_state, curvature_count = lax.cond(
+            due, estimate, lambda operand: operand, operand
+        )
+
+        # Per-leaf summaries of the bias-corrected EMA, and the step-size scales from them.
+        correction = 1 - jnp.asarray(curvature_decay, jnp.float32) ** curvature_count
+        correction = jnp.maximum(correction, _TINY)
+        summaries = {
+            i: compression.summarize_diagonal(stores[i], grads[i].shape, block_size=block_size)
+            for i in active
+        }
+        kappa = {i: jnp.maximum(summaries[i].mean / correction, 0.0) for i in active}
+        kappa_ref = jnp.median(jnp.stack([kappa[i] for i in active])) if active else None
+        scale = {
+            i: jnp.clip(
+                ((kappa_ref + _TINY) / (kappa[i] + _TINY)) ** jnp.asarray(alpha, jnp.float32),
+                min_scale,
+                max_scale,
+            ).astype(jnp.float32)
+            for i in active
+        }
+
+        # Moments and direction (Adam, with bias correction).
+        count = optax.safe_increment(state.count)
+        step = count.astype(jnp.float32)
+        b1_f = jnp.asarray(b1, jnp.float32)
+        b2_f = jnp.asarray(b2, jnp.float32)
+        bias1 = 1 - b1_f**step
+        bias2 = 1 - b2_f**step
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rounding_key), state.count)
+        out = list(grads)
+        new_mu, new_nu, new_signals = list(mu), list(nu), list(old_signals)
+        for i in active:
+            g = grads[i].astype(jnp.float32)
+            mu_f = b1_f * mu[i].astype(jnp.float32) + (1 - b1_f) * g
+            nu_f = b2_f * nu[i].astype(jnp.float32) + (1 - b2_f) * jnp.square(g)
+            m_hat = mu_f / bias1
+            v_hat = nu_f / bias2
+            direction = m_hat / (jnp.sqrt(v_hat) + eps)
+            out[i] = (scale[i] * direction).astype(grads[i].dtype)
+            leaf_key = jax.random.fold_in(step_key, i)
+            new_mu[i] = _write(mu_f, mu[i].dtype, jax.random.fold_in(leaf_key, 0))
+            new_nu[i] = _write(nu_f, nu[i].dtype, jax.random.fold_in(leaf_key, 1))
+            signal = jnp.mean(jnp.square(m_hat))
+            noise = jnp.maximum(jnp.mean(v_hat) - signal, 0.0)
+            summary = summaries[i]
+            new_signals[i] = LeafSignals(
+                mean_curvature=summary.mean / correction,
+                max_curvature=summary.max_abs / correction,
+                trace=summary.trace / correction,
+                noise_to_signal=noise / (signal + _TINY),
+                step_scale=scale[i],
+            )
+
+        new_state = ScaleByTriAccelState(
+            count=count,
+            curvature_count=curvature_count,
+            mu=treedef.unflatten(new_mu),
+            nu=treedef.unflatten(new_nu),
+            curvature=treedef.unflatten(stores),
+            leaf_signals=treedef.unflatten(new_signals),
+            estimator_state=estimator_state,
+            rounding_key=state.rounding_key,
+        )
+        return treedef.unflatten(out), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

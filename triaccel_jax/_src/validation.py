@@ -1,0 +1,91 @@
+"""Argument checks shared by the factories.
+
+Every check accepts traced values silently: under ``optax.inject_hyperparams`` the numeric
+hyperparameters arrive as arrays inside ``jit``, where they cannot be inspected, and they were
+already checked when the state was initialised outside ``jit``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def _concrete_float(value: Any) -> float | None:
+    """Returns ``value`` as a Python float, or None when it cannot be inspected (traced)."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    array = np.asarray(value)
+    if array.shape != ():
+        raise ValueError(f"expected a scalar, got an array of shape {array.shape}")
+    return float(array)
+
+
+def check_in_range(
+        name: str,
+        value: Any,
+        low: float,
+        high: float,
+        *,
+        low_inclusive: bool = True,
+        high_inclusive: bool = True,
+) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``value`` lies in the given interval."""
+    if callable(value):  # a schedule: checked by the caller on its own values, if at all
+        return
+    try:
+        number = _concrete_float(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"`{name}` must be a real scalar, got {value!r}: {error}") from None
+    if number is None:
+        return
+    above = number >= low if low_inclusive else number > low
+    below = number <= high if high_inclusive else number < high
+    if not math.isfinite(number) or not (above and below):
+        left = "[" if low_inclusive else "("
+        right = "]" if high_inclusive else ")"
+        raise ValueError(f"`{name}` must be in {left}{low}, {high}{right}, got {value!r}")
+
+
+def check_learning_rate(value: Any) -> None:
+    """Raises ``ValueError`` for a negative or non-finite constant learning rate."""
+    if callable(value):
+        return
+    number = _concrete_float(value) if not isinstance(value, str) else math.nan
+    if number is not None and not (math.isfinite(number) and number >= 0):
+        raise ValueError(
+                f"`learning_rate` must be a finite number >= 0 or a schedule, got {value!r}"
+        )
+
+
+def check_static_int(name: str, value: Any, minimum: int) -> int:
+    """Returns ``value`` as an int >= ``minimum``; it must be static (it sets array shapes)."""
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(
+                f"`{name}` sets array shapes, so it must be a static Python int, got a traced value; "
+                f"under optax.inject_hyperparams pass static_args=({name!r},)"
+        )
+    if isinstance(value, bool) or not float(np.asarray(value)).is_integer():
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+    number = int(np.asarray(value))
+    if number < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """Returns ``value`` if it is one of ``choices``, else raises ``ValueError`` listing them."""
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}")
+    return value
+
+
+def check_callable(name: str, value: Any) -> Callable[..., Any]:
+    """Returns ``value`` if callable, else raises ``TypeError`` naming ``name``."""
+    if not callable(value):
+        raise TypeError(f"`{name}` must be callable, got {type(value).__name__}")
+    return value
