@@ -53,22 +53,29 @@ def num_outliers(size: int, rho: float) -> int:
     return min(size, math.ceil(round(rho * size, 9)))
 
 
-def _block_counts(size: int, block_size: int) -> np.ndarray:
-    """Elements per block of a flattened leaf; only the last block may be short."""
-    num_blocks = -(-size // block_size)
-    counts = np.full((num_blocks,), block_size, np.float32)
-    if num_blocks:
-        counts[-1] = size - (num_blocks - 1) * block_size
-    return counts
+def num_blocks(size: int, block_size: int) -> int:
+    """Blocks of a flattened leaf of ``size`` elements: ``ceil(size / block_size)``."""
+    return -(-size // block_size)
+
+
+def _block_counts(size: int, blocks: int) -> tuple[int, np.ndarray]:
+    """Block length and elements per block when ``size`` elements are cut into ``blocks``.
+
+    Blocks are contiguous and of length ``ceil(size / blocks)`` (at most ``block_size``), the
+    last one possibly shorter. The layout depends only on the number of blocks, which the store's
+    shape records, so the update needs no static ``block_size`` (it may be an injected
+    hyperparameter).
+    """
+    length = -(-size // blocks)
+    counts = np.full((blocks,), length, np.float32)
+    counts[-1] = size - (blocks - 1) * length
+    return length, counts
 
 
 def empty_store(shape: tuple[int, ...], *, block_size: int, rho: float) -> CompressedDiagonal:
     """The all-zero store for a leaf of ``shape`` (the initial curvature EMA)."""
     size = math.prod(shape)
-    if uses_channel_pairs(shape):
-        means_shape = shape[2:]
-    else:
-        means_shape = (-(-size // block_size),)
+    means_shape = shape[2:] if uses_channel_pairs(shape) else (num_blocks(size, block_size),)
     k = num_outliers(size, rho)
     return CompressedDiagonal(
         block_means=jnp.zeros(means_shape, jnp.float32),
@@ -77,14 +84,13 @@ def empty_store(shape: tuple[int, ...], *, block_size: int, rho: float) -> Compr
     )
 
 
-def block_means(h: jax.Array, *, block_size: int) -> jax.Array:
-    """Block means of ``h`` as stored by :func:`compress_diagonal` (float32)."""
+def _block_means(h: jax.Array, blocks: int) -> jax.Array:
     h = h.astype(jnp.float32)
     if uses_channel_pairs(h.shape):
         return jnp.mean(h, axis=(0, 1))
-    counts = _block_counts(h.size, block_size)
-    padded = jnp.pad(h.reshape(-1), (0, counts.size * block_size - h.size))
-    return jnp.sum(padded.reshape(counts.size, block_size), axis=1) / counts
+    length, counts = _block_counts(h.size, blocks)
+    padded = jnp.pad(h.reshape(-1), (0, blocks * length - h.size))
+    return jnp.sum(padded.reshape(blocks, length), axis=1) / counts
 
 
 def _top_magnitude(h: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -98,8 +104,9 @@ def compress_diagonal(h: jax.Array, *, block_size: int, rho: float) -> Compresse
 
     Args:
       h: the diagonal, shaped like its parameter leaf.
-      block_size: elements per block of the flattened leaf (ignored for conv kernels, which are
-        averaged per channel pair).
+      block_size: the flattened leaf is cut into ``ceil(h.size / block_size)`` contiguous blocks
+        of equal length (the last possibly shorter), at most ``block_size`` long. Ignored for 2-D
+        conv kernels, which are averaged per (in, out) channel pair.
       rho: fraction of entries kept exactly, ``k = ceil(rho * h.size)``.
 
     Returns:
@@ -112,19 +119,17 @@ def compress_diagonal(h: jax.Array, *, block_size: int, rho: float) -> Compresse
       >>> store.block_means.tolist(), store.outlier_indices.tolist()
       ([2.0, 4.0], [3])
     """
+    means = _block_means(h, num_blocks(h.size, block_size))
     indices, values = _top_magnitude(h, num_outliers(h.size, rho))
-    return CompressedDiagonal(block_means(h, block_size=block_size), indices, values)
+    return CompressedDiagonal(means, indices, values)
 
 
-def expand_diagonal(
-    store: CompressedDiagonal, shape: tuple[int, ...], *, block_size: int
-) -> jax.Array:
+def expand_diagonal(store: CompressedDiagonal, shape: tuple[int, ...]) -> jax.Array:
     """The full-size approximation of a compressed diagonal: block means, outliers exact.
 
     Args:
       store: the compressed diagonal.
       shape: the leaf's shape.
-      block_size: the block size the store was made with.
 
     Returns:
       A float32 array of ``shape`` holding each element's block mean, except at the outlier
@@ -134,23 +139,20 @@ def expand_diagonal(
       >>> import jax.numpy as jnp
       >>> from triaccel_jax import compress_diagonal, expand_diagonal
       >>> store = compress_diagonal(jnp.array([1.0, 3.0, 0.0, 8.0]), block_size=2, rho=0.25)
-      >>> expand_diagonal(store, (4,), block_size=2).tolist()
+      >>> expand_diagonal(store, (4,)).tolist()
       [2.0, 2.0, 4.0, 8.0]
     """
     size = math.prod(shape)
     if uses_channel_pairs(shape):
         full = jnp.broadcast_to(store.block_means, shape).reshape(-1)
     else:
-        full = jnp.repeat(store.block_means, block_size, total_repeat_length=None)[:size]
+        length, _ = _block_counts(size, store.block_means.size)
+        full = jnp.repeat(store.block_means, length)[:size]
     return full.at[store.outlier_indices].set(store.outlier_values).reshape(shape)
 
 
 def update_compressed_ema(
-    store: CompressedDiagonal,
-    h: jax.Array,
-    decay: jax.typing.ArrayLike,
-    *,
-    block_size: int,
+    store: CompressedDiagonal, h: jax.Array, decay: jax.typing.ArrayLike
 ) -> CompressedDiagonal:
     """Folds a new diagonal estimate ``h`` into the exponential moving average held in ``store``.
 
@@ -162,15 +164,14 @@ def update_compressed_ema(
       store: the current EMA (not bias-corrected).
       h: the new diagonal estimate, shaped like the leaf.
       decay: the EMA decay in [0, 1).
-      block_size: as for :func:`compress_diagonal`.
 
     Returns:
       The updated store, with the dtypes and shapes of ``store``.
     """
     decay = jnp.asarray(decay, jnp.float32)
     h = h.astype(jnp.float32)
-    means = decay * store.block_means + (1 - decay) * block_means(h, block_size=block_size)
-    blended = decay * expand_diagonal(store, h.shape, block_size=block_size) + (1 - decay) * h
+    means = decay * store.block_means + (1 - decay) * _block_means(h, store.block_means.size)
+    blended = decay * expand_diagonal(store, h.shape) + (1 - decay) * h
     indices, values = _top_magnitude(blended, store.outlier_values.size)
     return CompressedDiagonal(means.astype(jnp.float32), indices, values)
 
@@ -183,9 +184,7 @@ class DiagonalSummary(NamedTuple):
     trace: jax.Array
 
 
-def summarize_diagonal(
-    store: CompressedDiagonal, shape: tuple[int, ...], *, block_size: int
-) -> DiagonalSummary:
+def summarize_diagonal(store: CompressedDiagonal, shape: tuple[int, ...]) -> DiagonalSummary:
     """Mean, largest magnitude and trace of the diagonal a store represents.
 
     The trace and mean are exact (block means weighted by block sizes); the largest magnitude is
@@ -195,6 +194,7 @@ def summarize_diagonal(
     if uses_channel_pairs(shape):
         trace = jnp.sum(store.block_means) * (shape[0] * shape[1])
     else:
-        trace = jnp.sum(store.block_means * _block_counts(size, block_size))
+        _, counts = _block_counts(size, store.block_means.size)
+        trace = jnp.sum(store.block_means * counts)
     max_abs = jnp.max(jnp.abs(store.outlier_values), initial=0.0)
     return DiagonalSummary(trace / size, max_abs, trace)

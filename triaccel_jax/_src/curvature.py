@@ -105,7 +105,7 @@ def hutchinson_diagonal(
     global loss, so the estimate is averaged across devices exactly as the gradient is.
 
     Args:
-      num_samples: Rademacher probes averaged per estimate (>= 1; static).
+      num_samples: Rademacher probes averaged per estimate (>= 1; may be traced).
       seed: seed of the probes' PRNG key.
 
     Returns:
@@ -123,7 +123,7 @@ def hutchinson_diagonal(
       >>> diag["w"].tolist()
       [6.0, 10.0]
     """
-    num_samples = validation.check_static_int("num_samples", num_samples, 1)
+    validation.check_integer("num_samples", num_samples, 1)
 
     def init_fn(params: Any) -> HutchinsonDiagonalState:
         del params
@@ -153,9 +153,10 @@ def hutchinson_diagonal(
         zeros = jax.tree.map(
             lambda p: jnp.zeros(p.shape, jnp.float32) if tree_lib.is_trainable(p) else p, params
         )
-        total = lax.fori_loop(0, num_samples, probe, zeros)
+        samples = jnp.asarray(num_samples, jnp.int32)
+        total = lax.fori_loop(0, samples, probe, zeros)
         estimate = jax.tree.map(
-            lambda t, g: t / num_samples if tree_lib.is_trainable(g) else g, total, updates
+            lambda t, g: t / samples if tree_lib.is_trainable(g) else g, total, updates
         )
         return estimate, HutchinsonDiagonalState(key=jax.random.key_data(key))
 

@@ -178,15 +178,12 @@ def scale_by_triaccel(
     validation.check_choice("estimator", estimator, ESTIMATORS)
     validation.check_in_range("curvature_every", curvature_every, 1.0, float("inf"))
     validation.check_in_range("curvature_decay", curvature_decay, 0.0, 1.0, high_inclusive=False)
-    block_size = validation.check_static_int("block_size", block_size, 1)
+    # block_size and rho set the shapes of the curvature store, so init needs them concrete; the
+    # update reads the layout back from the store's shapes, so there they may be traced (as
+    # optax.inject_hyperparams makes every numeric argument).
+    validation.check_integer("block_size", block_size, 1)
     validation.check_in_range("rho", rho, 0.0, 1.0, low_inclusive=False)
-    if isinstance(rho, jax.core.Tracer):
-        raise ValueError(
-            "`rho` sets array shapes, so it must be a static float; under "
-            "optax.inject_hyperparams pass static_args=('rho',)"
-        )
-    rho = float(rho)
-    num_samples = validation.check_static_int("num_samples", num_samples, 1)
+    validation.check_integer("num_samples", num_samples, 1)
     validation.check_in_range("alpha", alpha, 0.0, float("inf"))
     validation.check_in_range("min_scale", min_scale, 0.0, float("inf"), low_inclusive=False)
     validation.check_in_range("max_scale", max_scale, 0.0, float("inf"), low_inclusive=False)
@@ -205,10 +202,15 @@ def scale_by_triaccel(
                 return optax.MaskedNode()
             return jnp.zeros(leaf.shape, _state_dtype(leaf.dtype, state_dtype))
 
+        static_block_size = validation.static_value("block_size", block_size, int)
+        static_rho = validation.static_value("rho", rho, float)
+
         def store_or_skip(leaf):
             if not tree_lib.is_trainable(leaf):
                 return optax.MaskedNode()
-            return compression.empty_store(leaf.shape, block_size=block_size, rho=rho)
+            return compression.empty_store(
+                leaf.shape, block_size=static_block_size, rho=static_rho
+            )
 
         def signals_or_skip(leaf):
             if not tree_lib.is_trainable(leaf):
@@ -255,7 +257,7 @@ def scale_by_triaccel(
             stores = list(stores)
             for i in active:
                 stores[i] = compression.update_compressed_ema(
-                    stores[i], diagonal[i], curvature_decay, block_size=block_size
+                    stores[i], diagonal[i], curvature_decay
                 )
             return stores, estimator_state, optax.safe_increment(curvature_count)
 
@@ -269,7 +271,7 @@ def scale_by_triaccel(
         correction = 1 - jnp.asarray(curvature_decay, jnp.float32) ** curvature_count
         correction = jnp.maximum(correction, _TINY)
         summaries = {
-            i: compression.summarize_diagonal(stores[i], grads[i].shape, block_size=block_size)
+            i: compression.summarize_diagonal(stores[i], grads[i].shape)
             for i in active
         }
         kappa = {i: jnp.maximum(summaries[i].mean / correction, 0.0) for i in active}

@@ -62,19 +62,27 @@ def check_learning_rate(value: Any) -> None:
         )
 
 
-def check_static_int(name: str, value: Any, minimum: int) -> int:
-    """Returns ``value`` as an int >= ``minimum``; it must be static (it sets array shapes)."""
+def check_integer(name: str, value: Any, minimum: int) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``value`` is an integer >= ``minimum``."""
+    if isinstance(value, jax.core.Tracer):
+        return
+    try:
+        number = float(np.asarray(value))
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not number.is_integer() or number < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+
+
+def static_value(name: str, value: Any, kind: type) -> Any:
+    """``value`` as a Python ``kind``; it sets array shapes, so it cannot be traced."""
     if isinstance(value, jax.core.Tracer):
         raise ValueError(
-                f"`{name}` sets array shapes, so it must be a static Python int, got a traced value; "
-                f"under optax.inject_hyperparams pass static_args=({name!r},)"
+            f"`{name}` sets array shapes when the state is initialised, so it must be concrete "
+            f"there; call `init` outside `jit`, or under optax.inject_hyperparams pass "
+            f"static_args=({name!r},)"
         )
-    if isinstance(value, bool) or not float(np.asarray(value)).is_integer():
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
-    number = int(np.asarray(value))
-    if number < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
-    return number
+    return kind(np.asarray(value))
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:

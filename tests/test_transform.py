@@ -1,0 +1,199 @@
+"""scale_by_triaccel and triaccel: pass-through leaves, state dtypes, step-size scales, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import triaccel_jax
+
+
+def test_non_float_none_masked_and_empty_leaves_pass_through():
+    params = {
+        "w": jnp.ones((2, 2)),
+        "step": jnp.array(7, jnp.int32),
+        "flag": jnp.array(True),
+        "none": None,
+        "masked": optax.MaskedNode(),
+        "empty": jnp.zeros((0, 3)),
+    }
+    grads = {**params, "w": jnp.full((2, 2), 0.5), "step": jnp.array(1, jnp.int32)}
+    tx = triaccel_jax.triaccel(0.1)
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    assert updates["step"].dtype == jnp.int32 and int(updates["step"]) == 1
+    assert updates["flag"].dtype == jnp.bool_
+    assert updates["none"] is None and isinstance(updates["masked"], optax.MaskedNode)
+    assert updates["empty"].shape == (0, 3)
+    assert float(jnp.abs(updates["w"]).max()) > 0
+    assert set(triaccel_jax.signals(state)) == {"w"}
+
+
+def test_empty_pytree():
+    tx = triaccel_jax.triaccel(0.1)
+    state = tx.init({})
+    updates, _ = tx.update({}, state, {})
+    assert updates == {}
+
+
+def test_state_holds_arrays_with_int32_counters():
+    tx = triaccel_jax.scale_by_triaccel(state_dtype=jnp.bfloat16)
+    state = tx.init({"w": jnp.ones((4, 4))})
+    assert state.count.dtype == jnp.int32 and state.curvature_count.dtype == jnp.int32
+    assert state.mu["w"].dtype == state.nu["w"].dtype == jnp.bfloat16
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
+
+
+def test_counters_saturate():
+    tx = triaccel_jax.scale_by_triaccel()
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    top = jnp.iinfo(jnp.int32).max
+    state = state._replace(count=jnp.asarray(top, jnp.int32), curvature_count=jnp.asarray(top, jnp.int32))
+    updates, state = tx.update(params, state, params)
+    assert int(state.count) == top and int(state.curvature_count) == top
+    assert bool(jnp.all(jnp.isfinite(updates["w"])))
+
+
+def test_first_update_is_adam_times_step_scale():
+    params = {"flat": jnp.ones(8), "sharp": jnp.ones(8)}
+    grads = {"flat": jnp.full(8, 0.1), "sharp": jnp.full(8, 1.0)}
+    tx = triaccel_jax.scale_by_triaccel(eps=0.0, alpha=0.5, min_scale=0.1, max_scale=10.0)
+    updates, state = tx.update(grads, tx.init(params), params)
+    # Fisher curvature: 0.01 and 1.0, median 0.505; s = sqrt(0.505 / kappa); Adam's first step is
+    # sign(g) exactly.
+    np.testing.assert_allclose(updates["flat"], np.sqrt(0.505 / 0.01), rtol=1e-4)
+    np.testing.assert_allclose(updates["sharp"], np.sqrt(0.505 / 1.0), rtol=1e-4)
+    signals = triaccel_jax.signals(state)
+    np.testing.assert_allclose(signals["sharp"]["mean_curvature"], 1.0, rtol=1e-5)
+    np.testing.assert_allclose(signals["flat"]["trace"], 0.08, rtol=1e-5)
+    np.testing.assert_allclose(signals["flat"]["noise_to_signal"], 0.0, atol=1e-5)
+
+
+def test_step_scale_is_clipped():
+    params = {"a": jnp.ones(4), "b": jnp.ones(4), "c": jnp.ones(4)}
+    grads = {"a": jnp.full(4, 1e-3), "b": jnp.full(4, 1.0), "c": jnp.full(4, 1e3)}
+    tx = triaccel_jax.scale_by_triaccel()
+    _, state = tx.update(grads, tx.init(params), params)
+    scales = {k: v["step_scale"] for k, v in triaccel_jax.signals(state).items()}
+    assert scales == pytest.approx({"a": 2.0, "b": 1.0, "c": 0.5})
+
+
+def test_alpha_zero_is_adamw():
+    params = {"w": jax.random.normal(jax.random.key(0), (5, 3)), "b": jnp.zeros(3)}
+    grads = jax.tree.map(lambda p: jnp.cos(p) + 0.1, params)
+    ours = triaccel_jax.triaccel(1e-2, alpha=0.0, weight_decay=1e-2, eps=1e-8)
+    adamw = optax.adamw(1e-2, weight_decay=1e-2, eps=1e-8)
+    s1, s2 = ours.init(params), adamw.init(params)
+    for _ in range(5):
+        u1, s1 = ours.update(grads, s1, params)
+        u2, s2 = adamw.update(grads, s2, params)
+        for x, y in zip(jax.tree.leaves(u1), jax.tree.leaves(u2), strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
+
+
+def test_bf16_state_keeps_small_increments_with_stochastic_rounding():
+    # nu grows by (1 - b2) * g**2 = 1e-3 per step from 1.0: below half a bf16 ulp at 1.0
+    # (2**-8), so round-to-nearest would keep nu at exactly 1.0 forever.
+    params = {"w": jnp.ones(4096)}
+    tx = triaccel_jax.scale_by_triaccel(b2=0.999, state_dtype=jnp.bfloat16)
+    state = tx.init(params)
+    state = state._replace(nu={"w": jnp.ones(4096, jnp.bfloat16)}, count=jnp.asarray(10**6, jnp.int32))
+    grads = {"w": jnp.full(4096, jnp.sqrt(2.0))}  # nu -> 0.999 + 0.002 = 1.001 per step
+    step = jax.jit(lambda s: tx.update(grads, s, params)[1])
+    for _ in range(20):
+        state = step(state)
+    exact = 2.0 - 0.999**20
+    mean = float(jnp.mean(state.nu["w"].astype(jnp.float32)))
+    assert state.nu["w"].dtype == jnp.bfloat16
+    assert abs(mean - exact) < 2e-3, (mean, exact)  # round-to-nearest would give 1.0
+
+
+def test_update_is_deterministic_for_a_seed():
+    params = {"w": jnp.linspace(-1.0, 1.0, 64)}
+    grads = {"w": jnp.sin(jnp.arange(64.0))}
+    results = []
+    for _ in range(2):
+        tx = triaccel_jax.scale_by_triaccel(state_dtype=jnp.bfloat16, seed=5)
+        _, state = tx.update(grads, tx.init(params), params)
+        results.append(state.mu["w"])
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_learning_rate_schedule():
+    schedule = optax.linear_schedule(1.0, 0.0, 10)
+    tx = triaccel_jax.triaccel(schedule, weight_decay=0.0)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    magnitudes = []
+    for _ in range(11):
+        updates, state = tx.update({"w": jnp.ones(3)}, state, params)
+        magnitudes.append(float(jnp.abs(updates["w"]).max()))
+    assert magnitudes[0] == pytest.approx(1.0, rel=1e-4) and magnitudes[-1] == 0.0
+
+
+def test_hutchinson_without_loss_fn_says_how_to_pass_it():
+    tx = triaccel_jax.triaccel(0.1, estimator="hutchinson")
+    params = {"w": jnp.ones(3)}
+    with pytest.raises(ValueError, match=r"loss_fn=.*Flax"):
+        tx.update(params, tx.init(params), params)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"learning_rate": -0.1}, "learning_rate"),
+        ({"learning_rate": float("nan")}, "learning_rate"),
+        ({"learning_rate": float("inf")}, "learning_rate"),
+        ({"b1": 1.0}, r"b1.*\[0.0, 1.0\)"),
+        ({"b1": -0.1}, "b1"),
+        ({"b2": 1.5}, r"b2.*\[0.0, 1.0\)"),
+        ({"block_size": 0}, r"block_size.*>= 1"),
+        ({"block_size": 2.5}, "block_size"),
+        ({"rho": 0.0}, r"rho.*\(0.0, 1.0\]"),
+        ({"rho": 1.5}, "rho"),
+        ({"curvature_every": 0}, r"curvature_every.*\[1.0"),
+        ({"estimator": "newton"}, r"estimator.*fisher.*hutchinson"),
+        ({"state_dtype": jnp.float16}, r"state_dtype.*bfloat16"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+        ({"eps": -1e-8}, "eps"),
+        ({"curvature_decay": 1.0}, "curvature_decay"),
+        ({"min_scale": 0.0}, "min_scale"),
+        ({"min_scale": 2.0, "max_scale": 1.0}, "max_scale.*min_scale"),
+        ({"num_samples": 0}, "num_samples"),
+    ],
+    ids=lambda value: str(value) if isinstance(value, dict) else "",
+)
+def test_bad_input_names_the_argument(kwargs, names):
+    kwargs = {"learning_rate": 0.1, **kwargs}
+    with pytest.raises(ValueError, match=names):
+        triaccel_jax.triaccel(**kwargs)
+
+
+def test_inject_hyperparams_with_every_argument_injected():
+    # inject_hyperparams turns every numeric argument (defaults included) into a traced array.
+    factory = optax.inject_hyperparams(triaccel_jax.triaccel)
+    tx = factory(learning_rate=0.1, block_size=8, rho=0.25, num_samples=2, estimator="hutchinson")
+    params = {"w": jnp.arange(16.0)}
+    state = tx.init(params)
+    assert state.inner_state[0].curvature["w"].block_means.shape == (2,)
+    assert state.inner_state[0].curvature["w"].outlier_values.shape == (4,)
+    loss_fn = lambda p: jnp.sum(p["w"] ** 2)  # noqa: E731
+    update = jax.jit(lambda g, s: tx.update(g, s, params, loss_fn=loss_fn))
+    updates, state = update(params, state)
+    np.testing.assert_allclose(triaccel_jax.signals(state)["w"]["mean_curvature"], 2.0, rtol=1e-5)
+    assert updates["w"].shape == (16,)
+
+
+def test_shape_arguments_traced_at_init_are_explained():
+    tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=0.1)
+    with pytest.raises(ValueError, match=r"block_size.*static_args"):
+        jax.jit(tx.init)({"w": jnp.ones(16)})
+    tx = optax.inject_hyperparams(triaccel_jax.triaccel, static_args=("block_size", "rho"))(
+        learning_rate=0.1
+    )
+    state = jax.jit(tx.init)({"w": jnp.ones(16)})
+    assert state.inner_state[0].curvature["w"].block_means.shape == (1,)
