@@ -1,0 +1,71 @@
+"""signals(): found anywhere in an optimizer state, keyed by leaf path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import triaccel_jax
+
+PARAMS = {"encoder": {"layers": [{"kernel": jnp.ones((3, 2))}, {"kernel": jnp.ones((2, 2))}]}}
+GRADS = jax.tree.map(lambda p: p * 0.5, PARAMS)
+PATHS = {"encoder/layers/0/kernel", "encoder/layers/1/kernel"}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: triaccel_jax.triaccel(0.1),
+        lambda: optax.chain(optax.clip(1.0), triaccel_jax.scale_by_triaccel(), optax.sgd(0.1)),
+        lambda: optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=0.1),
+        lambda: optax.MultiSteps(triaccel_jax.triaccel(0.1), every_k_schedule=1),
+        lambda: optax.masked(triaccel_jax.triaccel(0.1), lambda p: jax.tree.map(lambda _: True, p)),
+    ],
+    ids=["alias", "chain", "inject_hyperparams", "MultiSteps", "masked"],
+)
+def test_signals_found_in_wrapped_states(make):
+    tx = make()
+    state = tx.init(PARAMS)
+    _, state = tx.update(GRADS, state, PARAMS)
+    found = triaccel_jax.signals(state)
+    assert set(found) == PATHS
+    record = found["encoder/layers/0/kernel"]
+    assert set(record) == {
+        "mean_curvature",
+        "max_curvature",
+        "trace",
+        "noise_to_signal",
+        "step_scale",
+        "state_dtype",
+    }
+    assert record["mean_curvature"] == pytest.approx(0.25, rel=1e-5)
+    assert record["trace"] == pytest.approx(1.5, rel=1e-5)
+    assert record["state_dtype"] == "float32"
+    assert all(isinstance(v, float) for k, v in record.items() if k != "state_dtype")
+
+
+def test_signals_inside_jit_are_traced_scalars():
+    tx = triaccel_jax.triaccel(0.1, state_dtype=jnp.bfloat16)
+    state = tx.init(PARAMS)
+
+    @jax.jit
+    def curvature(state):
+        _, state = tx.update(GRADS, state, PARAMS)
+        return triaccel_jax.signals(state)["encoder/layers/1/kernel"]["mean_curvature"]
+
+    assert float(curvature(state)) == pytest.approx(0.25, rel=1e-5)
+    assert triaccel_jax.signals(state)["encoder/layers/1/kernel"]["state_dtype"] == "bfloat16"
+
+
+def test_signals_without_triaccel_state_is_an_error():
+    state = optax.adam(0.1).init(PARAMS)
+    with pytest.raises(ValueError, match="no triaccel state"):
+        triaccel_jax.signals(state)
+
+
+def test_signals_of_two_states_for_one_leaf_is_an_error():
+    tx = optax.chain(triaccel_jax.scale_by_triaccel(), triaccel_jax.scale_by_triaccel())
+    with pytest.raises(ValueError, match="two triaccel states"):
+        triaccel_jax.signals(tx.init(PARAMS))
