@@ -33,7 +33,9 @@ class Variant:
 
 VARIANTS = (
     Variant("fisher-fp32", lambda lr, **kw: triaccel_jax.triaccel(lr, **kw)),
-    Variant("fisher-bf16", lambda lr, **kw: triaccel_jax.triaccel(lr, state_dtype=jnp.bfloat16, **kw)),
+    Variant(
+        "fisher-bf16", lambda lr, **kw: triaccel_jax.triaccel(lr, state_dtype=jnp.bfloat16, **kw)
+    ),
     Variant(
         "hutchinson-fp32",
         lambda lr, **kw: triaccel_jax.triaccel(lr, estimator="hutchinson", **kw),

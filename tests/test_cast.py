@@ -20,7 +20,9 @@ def _neighbours(x):
 
 def test_stochastic_rounding_takes_only_the_two_neighbours():
     x = jax.random.normal(jax.random.key(0), (10_000,)) * 100
-    y = np.asarray(cast.cast_reference(x, jnp.bfloat16, rounding="stochastic", key=jax.random.key(1)))
+    y = np.asarray(
+        cast.cast_reference(x, jnp.bfloat16, rounding="stochastic", key=jax.random.key(1))
+    )
     low, high = _neighbours(x)
     y32 = y.astype(np.float32)
     assert np.all((y32 == low) | (y32 == high))
@@ -29,7 +31,9 @@ def test_stochastic_rounding_takes_only_the_two_neighbours():
 def test_stochastic_rounding_is_unbiased():
     value = np.float32(1.0 + 2.0**-9)  # a quarter of the way from 1.0 to 1.0 + 2**-7
     n = 100_000
-    y = cast.cast_reference(jnp.full((n,), value), jnp.bfloat16, rounding="stochastic", key=jax.random.key(2))
+    y = cast.cast_reference(
+        jnp.full((n,), value), jnp.bfloat16, rounding="stochastic", key=jax.random.key(2)
+    )
     errors = np.asarray(y, np.float64) - float(value)
     standard_error = errors.std() / np.sqrt(n)
     assert abs(errors.mean()) < 4 * standard_error

@@ -34,7 +34,9 @@ def test_hutchinson_single_estimate_is_exact_for_diagonal_hessian():
     tx = triaccel_jax.hutchinson_diagonal(num_samples=1, seed=3)
     params = {"x": jnp.ones(5)}
     scales = jnp.arange(1.0, 6.0)
-    diag, state = tx.update(params, tx.init(params), params, loss_fn=lambda p: jnp.sum(scales * p["x"] ** 2))
+    diag, state = tx.update(
+        params, tx.init(params), params, loss_fn=lambda p: jnp.sum(scales * p["x"] ** 2)
+    )
     np.testing.assert_allclose(diag["x"], 2 * scales, rtol=1e-6)
     assert state.key.dtype == jnp.uint32
 

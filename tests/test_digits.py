@@ -65,7 +65,10 @@ def train_and_score(tx, seed, train, test):
 
 def accuracies():
     train, test = load_split()
-    adamw = [train_and_score(optax.adamw(LEARNING_RATE, weight_decay=1e-4), s, train, test) for s in SEEDS]
+    adamw = [
+        train_and_score(optax.adamw(LEARNING_RATE, weight_decay=1e-4), s, train, test)
+        for s in SEEDS
+    ]
     ours = [train_and_score(triaccel_jax.triaccel(LEARNING_RATE), s, train, test) for s in SEEDS]
     return float(np.mean(adamw)), float(np.mean(ours))
 

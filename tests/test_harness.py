@@ -85,7 +85,9 @@ def test_state_types_stable_through_cond(variant):
         new_state = maybe_update(pred, state)
         assert_trees_equal_types(state, new_state)
         state = new_state
-    count = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, triaccel_jax.ScaleByTriAccelState))
+    count = jax.tree.leaves(
+        state, is_leaf=lambda x: isinstance(x, triaccel_jax.ScaleByTriAccelState)
+    )
     assert any(
         isinstance(s, triaccel_jax.ScaleByTriAccelState) and int(s.count) == 2 for s in count
     )
@@ -126,9 +128,9 @@ def test_update_dtype_is_gradient_dtype(variant):
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), make_params())
     state = tx.init(params)
     grads = jax.tree.map(jnp.ones_like, params)
-    updates, new_state = jax.jit(
-        lambda g, s, p: tx.update(g, s, p, **variant.extra_args(loss_fn))
-    )(grads, state, params)
+    updates, new_state = jax.jit(lambda g, s, p: tx.update(g, s, p, **variant.extra_args(loss_fn)))(
+        grads, state, params
+    )
     for g, u in zip(jax.tree.leaves(grads), jax.tree.leaves(updates), strict=True):
         assert u.dtype == g.dtype == jnp.bfloat16
     assert_trees_equal_types(state, new_state)

@@ -52,7 +52,9 @@ def test_counters_saturate():
     params = {"w": jnp.ones(3)}
     state = tx.init(params)
     top = jnp.iinfo(jnp.int32).max
-    state = state._replace(count=jnp.asarray(top, jnp.int32), curvature_count=jnp.asarray(top, jnp.int32))
+    state = state._replace(
+        count=jnp.asarray(top, jnp.int32), curvature_count=jnp.asarray(top, jnp.int32)
+    )
     updates, state = tx.update(params, state, params)
     assert int(state.count) == top and int(state.curvature_count) == top
     assert bool(jnp.all(jnp.isfinite(updates["w"])))
@@ -101,7 +103,9 @@ def test_bf16_state_keeps_small_increments_with_stochastic_rounding():
     params = {"w": jnp.ones(4096)}
     tx = triaccel_jax.scale_by_triaccel(b2=0.999, state_dtype=jnp.bfloat16)
     state = tx.init(params)
-    state = state._replace(nu={"w": jnp.ones(4096, jnp.bfloat16)}, count=jnp.asarray(10**6, jnp.int32))
+    state = state._replace(
+        nu={"w": jnp.ones(4096, jnp.bfloat16)}, count=jnp.asarray(10**6, jnp.int32)
+    )
     grads = {"w": jnp.full(4096, jnp.sqrt(2.0))}  # nu -> 0.999 + 0.002 = 1.001 per step
     step = jax.jit(lambda s: tx.update(grads, s, params)[1])
     for _ in range(20):
@@ -181,7 +185,7 @@ def test_inject_hyperparams_with_every_argument_injected():
     state = tx.init(params)
     assert state.inner_state[0].curvature["w"].block_means.shape == (2,)
     assert state.inner_state[0].curvature["w"].outlier_values.shape == (4,)
-    loss_fn = lambda p: jnp.sum(p["w"] ** 2)  # noqa: E731
+    loss_fn = lambda p: jnp.sum(p["w"] ** 2)
     update = jax.jit(lambda g, s: tx.update(g, s, params, loss_fn=loss_fn))
     updates, state = update(params, state)
     np.testing.assert_allclose(triaccel_jax.signals(state)["w"]["mean_curvature"], 2.0, rtol=1e-5)

@@ -9,7 +9,8 @@ one every ``curvature_every`` steps and keeps a compressed EMA of its output.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -134,7 +135,9 @@ def hutchinson_diagonal(
             raise ValueError(_LOSS_FN_HELP)
         validation.check_callable("loss_fn", loss_fn)
         if params is None:
-            raise ValueError("estimator='hutchinson' needs `params` in `tx.update(grads, state, params)`")
+            raise ValueError(
+                "estimator='hutchinson' needs `params` in `tx.update(grads, state, params)`"
+            )
         key, probe_key = jax.random.split(jax.random.wrap_key_data(state.key))
         gradient_fn = jax.grad(loss_fn, allow_int=True)
 
@@ -142,9 +145,11 @@ def hutchinson_diagonal(
             z = _rademacher_like(jax.random.fold_in(probe_key, index), params)
             _, hz = jax.jvp(gradient_fn, (params,), (z,))
             return jax.tree.map(
-                lambda acc, zi, hzi: acc + zi.astype(jnp.float32) * hzi.astype(jnp.float32)
-                if tree_lib.is_trainable(zi)
-                else acc,
+                lambda acc, zi, hzi: (
+                    acc + zi.astype(jnp.float32) * hzi.astype(jnp.float32)
+                    if tree_lib.is_trainable(zi)
+                    else acc
+                ),
                 total,
                 z,
                 hz,

@@ -67,7 +67,9 @@ def _train(name, tx, train, test, *, epochs, batch_size, seed):
             losses.append(loss)
         accuracy = float(np.mean(np.asarray(model.apply(params, test[0]).argmax(-1)) == test[1]))
         history.append((float(np.mean(jax.device_get(losses))), accuracy))
-        print(f"  {name:<9} epoch {epoch + 1:>2}: train loss {history[-1][0]:.4f}, test acc {accuracy:.4f}")
+        print(
+            f"  {name:<9} epoch {epoch + 1:>2}: train loss {history[-1][0]:.4f}, test acc {accuracy:.4f}"
+        )
     return history, time.perf_counter() - start, state
 
 
@@ -86,8 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--epochs and --batch-size must be >= 1")
 
     train, test = _load_digits(args.seed)
-    print(f"digits: {len(train[0])} train / {len(test[0])} test images, jax {jax.__version__} on "
-          f"{jax.devices()[0].platform}")
+    print(
+        f"digits: {len(train[0])} train / {len(test[0])} test images, jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}"
+    )
     settings = dict(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
     results = {}
     for name, tx in (
@@ -101,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name:<10}{history[-1][0]:>12.4f}{history[-1][1]:>10.4f}{seconds:>9.1f}")
     print("\ntriaccel per-leaf signals (curvature EMA, gradient noise, step-size scale):")
     for path, record in signals(results["triaccel"][2]).items():
-        print(f"  {path:<22} kappa {record['mean_curvature']:.3e}  nsr "
-              f"{record['noise_to_signal']:8.2f}  step scale {record['step_scale']:.3f}")
+        print(
+            f"  {path:<22} kappa {record['mean_curvature']:.3e}  nsr "
+            f"{record['noise_to_signal']:8.2f}  step scale {record['step_scale']:.3f}"
+        )
     return 0

@@ -60,12 +60,11 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
         )
     result: dict[str, dict[str, Any]] = {}
     for state in states:
+
         def is_signals(node):
             return isinstance(node, transform.LeafSignals)
 
-        with_paths, _ = jax.tree_util.tree_flatten_with_path(
-            state.leaf_signals, is_leaf=is_signals
-        )
+        with_paths, _ = jax.tree_util.tree_flatten_with_path(state.leaf_signals, is_leaf=is_signals)
         dtypes = jax.tree.leaves(state.mu)
         entries = [(p, s) for p, s in with_paths if is_signals(s)]
         values = [s for _, s in entries]
@@ -79,4 +78,3 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
             record["state_dtype"] = moment.dtype.name
             result[key] = record
     return result
-

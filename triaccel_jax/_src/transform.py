@@ -18,7 +18,8 @@ The per-leaf scalars are kept in the state for :func:`triaccel_jax.signals`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -187,12 +188,7 @@ def scale_by_triaccel(
     validation.check_in_range("alpha", alpha, 0.0, float("inf"))
     validation.check_in_range("min_scale", min_scale, 0.0, float("inf"), low_inclusive=False)
     validation.check_in_range("max_scale", max_scale, 0.0, float("inf"), low_inclusive=False)
-    if not any(isinstance(x, jax.core.Tracer) for x in (min_scale, max_scale)):
-        if float(max_scale) < float(min_scale):
-            raise ValueError(
-                f"`max_scale` must be >= `min_scale`, got max_scale={max_scale!r} < "
-                f"min_scale={min_scale!r}"
-            )
+    validation.check_not_above("min_scale", min_scale, "max_scale", max_scale)
     _check_state_dtype(state_dtype)
     estimator_tx = _make_estimator(estimator, num_samples, seed)
 
@@ -208,9 +204,7 @@ def scale_by_triaccel(
         def store_or_skip(leaf):
             if not tree_lib.is_trainable(leaf):
                 return optax.MaskedNode()
-            return compression.empty_store(
-                leaf.shape, block_size=static_block_size, rho=static_rho
-            )
+            return compression.empty_store(leaf.shape, block_size=static_block_size, rho=static_rho)
 
         def signals_or_skip(leaf):
             if not tree_lib.is_trainable(leaf):
@@ -270,10 +264,7 @@ def scale_by_triaccel(
         # Per-leaf summaries of the bias-corrected EMA, and the step-size scales from them.
         correction = 1 - jnp.asarray(curvature_decay, jnp.float32) ** curvature_count
         correction = jnp.maximum(correction, _TINY)
-        summaries = {
-            i: compression.summarize_diagonal(stores[i], grads[i].shape)
-            for i in active
-        }
+        summaries = {i: compression.summarize_diagonal(stores[i], grads[i].shape) for i in active}
         kappa = {i: jnp.maximum(summaries[i].mean / correction, 0.0) for i in active}
         kappa_ref = jnp.median(jnp.stack([kappa[i] for i in active])) if active else None
         scale = {

@@ -26,13 +26,13 @@ def _concrete_float(value: Any) -> float | None:
 
 
 def check_in_range(
-        name: str,
-        value: Any,
-        low: float,
-        high: float,
-        *,
-        low_inclusive: bool = True,
-        high_inclusive: bool = True,
+    name: str,
+    value: Any,
+    low: float,
+    high: float,
+    *,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
 ) -> None:
     """Raises ``ValueError`` naming ``name`` unless ``value`` lies in the given interval."""
     if callable(value):  # a schedule: checked by the caller on its own values, if at all
@@ -51,6 +51,15 @@ def check_in_range(
         raise ValueError(f"`{name}` must be in {left}{low}, {high}{right}, got {value!r}")
 
 
+def check_not_above(low_name: str, low: Any, high_name: str, high: Any) -> None:
+    """Raises ``ValueError`` when both values are concrete and ``low > high``."""
+    low_value, high_value = _concrete_float(low), _concrete_float(high)
+    if low_value is not None and high_value is not None and low_value > high_value:
+        raise ValueError(
+            f"`{high_name}` must be >= `{low_name}`, got {high_name}={high!r} < {low_name}={low!r}"
+        )
+
+
 def check_learning_rate(value: Any) -> None:
     """Raises ``ValueError`` for a negative or non-finite constant learning rate."""
     if callable(value):
@@ -58,7 +67,7 @@ def check_learning_rate(value: Any) -> None:
     number = _concrete_float(value) if not isinstance(value, str) else math.nan
     if number is not None and not (math.isfinite(number) and number >= 0):
         raise ValueError(
-                f"`learning_rate` must be a finite number >= 0 or a schedule, got {value!r}"
+            f"`learning_rate` must be a finite number >= 0 or a schedule, got {value!r}"
         )
 
 
