@@ -10,6 +10,9 @@ from triaccel_jax._src.compression import expand_diagonal
 from triaccel_jax._src.curvature import HutchinsonDiagonalState
 from triaccel_jax._src.curvature import fisher_diagonal
 from triaccel_jax._src.curvature import hutchinson_diagonal
+from triaccel_jax._src.planner import plan_precision
+from triaccel_jax._src.policy import LeafPrecision
+from triaccel_jax._src.policy import PrecisionPolicy
 from triaccel_jax._src.signals import signals
 from triaccel_jax._src.transform import LeafSignals
 from triaccel_jax._src.transform import ScaleByTriAccelState
@@ -20,12 +23,15 @@ __version__ = "0.1.0"
 __all__ = (
     "CompressedDiagonal",
     "HutchinsonDiagonalState",
+    "LeafPrecision",
     "LeafSignals",
+    "PrecisionPolicy",
     "ScaleByTriAccelState",
     "compress_diagonal",
     "expand_diagonal",
     "fisher_diagonal",
     "hutchinson_diagonal",
+    "plan_precision",
     "scale_by_triaccel",
     "signals",
     "triaccel",

@@ -167,7 +167,7 @@ def scale_by_triaccel(
       >>> params = {"w": jnp.array([1.0, -2.0])}
       >>> state = tx.init(params)
       >>> updates, state = tx.update({"w": jnp.array([0.5, -0.5])}, state, params)
-      >>> updates["w"].round(3).tolist()
+      >>> [round(float(u), 3) for u in updates["w"]]
       [-0.1, 0.1]
 
     References:

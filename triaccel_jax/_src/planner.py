@@ -1,0 +1,236 @@
+"""``plan_precision``: choose each leaf's precision from curvature and gradient noise (DESIGN §3).
+
+The predicted loss increase of running leaf ``l`` in format ``d`` is the curvature-weighted rounding
+noise (HAWQ-V3, Yao et al., 2021; Q-PACE-style weighting by the actual quantisation error):
+
+    dL_l(d) = (u_d**2 / 6) * sum_i h_i * w_i**2  ~=  (u_d**2 / 6) * kappa_l * sum_i w_i**2,
+
+since rounding ``w_i`` to ``d`` perturbs it by ``delta_i``, uniform within ``+-u_d |w_i|``, and the
+second-order loss change is ``0.5 * sum_i h_i * E[delta_i**2]``. A leaf with noisy gradients
+tolerates more: its increase counts ``1 / (1 + nsr_l)`` against the budget. The planner moves leaves
+to cheaper formats greedily by predicted increase per byte saved while the total stays within the
+budget; leaves under ``min_size`` stay fp32; fp16 needs the values to fit its range; and hysteresis
+(a margin and a patience) keeps noisy signals from flipping leaves back and forth.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from triaccel_jax._src import dtypes
+from triaccel_jax._src import policy as policy_lib
+
+# Beyond this, gradient noise no longer discounts rounding noise: a leaf whose moments say "all
+# noise" (m_hat ~ 0 late in training) must not be made free to round arbitrarily coarsely.
+_MAX_NOISE_DISCOUNT = 1e3
+# Every cast adds some noise: a leaf with zero measured curvature still costs this much, so a
+# budget of zero keeps everything in fp32.
+_MIN_SENSITIVITY = 1e-30
+# fp16 must hold the values with this much headroom for the updates that follow.
+_FP16_HEADROOM = 4.0
+
+
+def _leaf_figures(params: Any) -> dict[str, tuple[int, float, float]]:
+    """``{path: (size, sum of squares, max |w|)}`` of the trainable leaves, in one transfer."""
+    paths = policy_lib.trainable_paths(params)
+    figures = jax.device_get(
+        [
+            (
+                jnp.sum(jnp.square(leaf.astype(jnp.float32))),
+                jnp.max(jnp.abs(leaf.astype(jnp.float32))),
+            )
+            for _, leaf in paths
+        ]
+    )
+    return {
+        path: (int(np.prod(leaf.shape)), float(sq), float(mx))
+        for (path, leaf), (sq, mx) in zip(paths, figures, strict=True)
+    }
+
+
+def _ladder(allowed: Sequence[str], max_abs: float) -> tuple[list[str], list[str]]:
+    """Formats a leaf may take, from fp32 down, one per byte width; and range rejections."""
+    by_width: dict[int, str] = {}
+    rejected = []
+    for name in sorted(allowed, key=lambda n: dtypes.FORMATS[n].unit_roundoff):
+        fmt = dtypes.FORMATS[name]
+        if name == "fp16" and max_abs * _FP16_HEADROOM > fmt.max_finite:
+            rejected.append(f"fp16 out of range (max |w| {max_abs:.3g})")
+            continue
+        by_width.setdefault(fmt.itemsize, name)
+    ladder = [by_width[w] for w in sorted(by_width, reverse=True)]
+    if ladder[0] != "fp32":
+        ladder.insert(0, "fp32")
+    return ladder, rejected
+
+
+def plan_precision(
+    signals: Mapping[str, Mapping[str, Any]],
+    params: Any,
+    previous_policy: policy_lib.PrecisionPolicy | None = None,
+    *,
+    budget: float = 1e-3,
+    loss: float | None = None,
+    min_size: int = 1024,
+    allowed: Sequence[Any] = ("fp32", "bf16"),
+    patience: int = 2,
+    margin: float = 0.25,
+    state: str = "auto",
+) -> policy_lib.PrecisionPolicy:
+    """Plans a per-leaf precision policy from the optimizer's curvature and noise signals.
+
+    Args:
+      signals: :func:`triaccel_jax.signals` of the optimizer state.
+      params: the parameter tree (for sizes, ``sum w**2`` and the range checks).
+      previous_policy: the policy in force; with it, hysteresis applies.
+      budget: total predicted loss increase allowed, >= 0; a fraction of ``loss`` when ``loss``
+        is given, else in the loss's units. 0 keeps every leaf fp32; ``inf`` lets every eligible
+        leaf take the cheapest allowed format.
+      loss: the current loss, to make ``budget`` relative.
+      min_size: leaves with fewer elements (biases, norms) stay fp32.
+      allowed: compute formats to choose from (fp32 is always allowed): names from
+        ``"fp32", "bf16", "fp16", "fp8_e4m3"``.
+      patience: consecutive re-plans a new choice must win before a leaf moves (>= 1).
+      margin: the current choice's predicted increase is discounted by ``1 - margin`` and any
+        other choice's inflated by ``1 + margin``, so a move must win by that margin, in [0, 1).
+      state: state dtype: ``"fp32"``, ``"bf16"``, or ``"auto"`` (bf16 moments for leaves that
+        compute below fp32, fp32 otherwise).
+
+    Returns:
+      The :class:`triaccel_jax.PrecisionPolicy`, with ``reasons`` saying why each leaf got its
+      format and ``pending`` holding the hysteresis memory for the next call.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from triaccel_jax import plan_precision
+      >>> params = {"big": jnp.ones((64, 64)), "bias": jnp.ones(64)}
+      >>> signals = {p: {"mean_curvature": 1e-4, "noise_to_signal": 0.0} for p in params}
+      >>> policy = plan_precision(signals, params, budget=1.0)
+      >>> policy.compute("big"), policy.compute("bias")
+      ('bf16', 'fp32')
+
+    References:
+      Yao et al., 2021, "HAWQ-V3: Dyadic Neural Network Quantization"; DESIGN §3.
+    """
+    allowed_names = tuple(dtypes.format_name(a, what="allowed dtype") for a in allowed)
+    if "fp32" not in allowed_names:
+        allowed_names = ("fp32", *allowed_names)
+    if not (isinstance(budget, int | float) and budget >= 0 and not math.isnan(budget)):
+        raise ValueError(f"`budget` must be a number >= 0 (inf allowed), got {budget!r}")
+    if loss is not None and not (math.isfinite(loss) and loss >= 0):
+        raise ValueError(f"`loss` must be a finite number >= 0, got {loss!r}")
+    if not (isinstance(min_size, int) and min_size >= 0):
+        raise ValueError(f"`min_size` must be an integer >= 0, got {min_size!r}")
+    if not (isinstance(patience, int) and patience >= 1):
+        raise ValueError(f"`patience` must be an integer >= 1, got {patience!r}")
+    if not (0 <= margin < 1):
+        raise ValueError(f"`margin` must be in [0, 1), got {margin!r}")
+    if state not in ("auto", *dtypes.STATE_NAMES):
+        raise ValueError(f"`state` must be one of ('auto', 'fp32', 'bf16'), got {state!r}")
+
+    figures = _leaf_figures(params)
+    if previous_policy is not None:
+        previous_policy.check_matches(params)
+    allowance = budget * (loss if loss is not None else 1.0)
+
+    fixed: dict[str, str] = {}  # leaves the planner does not consider, and why
+    notes: dict[str, str] = {}  # range rejections
+    cost: dict[str, dict[str, float]] = {}
+    ladders: dict[str, list[str]] = {}
+    for path, (size, sum_sq, max_abs) in figures.items():
+        record = signals.get(path)
+        if size < min_size:
+            fixed[path] = f"fp32: {size} elements < min_size {min_size}"
+            continue
+        if record is None:
+            fixed[path] = "fp32: no curvature signal for this leaf"
+            continue
+        ladder, rejected = _ladder(allowed_names, max_abs)
+        kappa = max(float(record["mean_curvature"]), 0.0)
+        nsr = min(max(float(record.get("noise_to_signal", 0.0)), 0.0), _MAX_NOISE_DISCOUNT)
+        sensitivity = max(kappa * sum_sq, _MIN_SENSITIVITY) / (1.0 + nsr)
+        before = previous_policy.compute(path) if previous_policy is not None else "fp32"
+        cost[path] = {}
+        for name in ladder:
+            increase = dtypes.FORMATS[name].unit_roundoff ** 2 / 6 * sensitivity
+            if name == "fp32":
+                increase = 0.0
+            elif previous_policy is not None:
+                increase *= (1 - margin) if name == before else (1 + margin)
+            cost[path][name] = increase
+        ladders[path] = ladder
+        if rejected:
+            notes[path] = "; ".join(rejected)
+
+    # Greedy: repeatedly take the step with the least predicted increase per byte saved.
+    choice = {path: "fp32" for path in figures}
+    total = 0.0
+    heap: list[tuple[float, str, int]] = []
+
+    def push(path: str, level: int) -> None:
+        ladder = ladders[path]
+        if level + 1 < len(ladder):
+            here, there = ladder[level], ladder[level + 1]
+            saved = (dtypes.FORMATS[here].itemsize - dtypes.FORMATS[there].itemsize) * figures[
+                path
+            ][0]
+            extra = cost[path][there] - cost[path][here]
+            heapq.heappush(heap, (extra / saved, path, level + 1))
+
+    for path in ladders:
+        push(path, 0)
+    while heap:
+        _, path, level = heapq.heappop(heap)
+        extra = cost[path][ladders[path][level]] - cost[path][choice[path]]
+        if allowance > 0 and total + extra <= allowance:
+            total += extra
+            choice[path] = ladders[path][level]
+            push(path, level)
+
+    # Hysteresis: a leaf moves only after its new choice won `patience` re-plans in a row.
+    pending: dict[str, tuple[str, int]] = {}
+    final = dict(choice)
+    if previous_policy is not None:
+        for path, proposed in choice.items():
+            current = previous_policy.compute(path)
+            if proposed == current:
+                continue
+            target, streak = previous_policy.pending.get(path, (proposed, 0))
+            streak = streak + 1 if target == proposed else 1
+            if streak < patience:
+                final[path] = current
+                pending[path] = (proposed, streak)
+
+    reasons = {}
+    leaves = []
+    for path, (size, _, _) in figures.items():
+        compute = final[path]
+        leaf_state = state if state != "auto" else ("fp32" if compute == "fp32" else "bf16")
+        leaves.append((path, policy_lib.LeafPrecision(compute, leaf_state)))
+        reasons[path] = fixed.get(path) or _reason(
+            compute, cost[path], ladders[path], pending.get(path), patience, allowance, size
+        )
+        if path in notes:
+            reasons[path] += f"; {notes[path]}"
+    return policy_lib.PrecisionPolicy(tuple(leaves), reasons, pending)
+
+
+def _reason(compute, cost, ladder, pending, patience, allowance, size) -> str:
+    if pending is not None:
+        return f"{compute} (held): {pending[0]} won {pending[1]}/{patience} re-plans in a row"
+    share = f"{100 * cost[compute] / allowance:.1f}% of budget" if allowance > 0 else "no budget"
+    if compute != "fp32":
+        saved = (4 - dtypes.FORMATS[compute].itemsize) * size
+        return f"{compute}: predicted loss increase {cost[compute]:.2e} ({share}), saves {saved} B"
+    cheaper = ladder[1] if len(ladder) > 1 else None
+    if cheaper is None:
+        return "fp32: no cheaper format allowed"
+    return f"fp32: {cheaper} would add {cost[cheaper]:.2e}, beyond the budget left"
