@@ -56,7 +56,8 @@ def triaccel(
       alpha: exponent of the step-size scale, >= 0.
       min_scale: lower clip of the step-size scale, > 0.
       max_scale: upper clip of the step-size scale, >= min_scale.
-      state_dtype: moment dtype: None (float32), ``jnp.float32`` or ``jnp.bfloat16``.
+      state_dtype: moment dtype: None (float32), ``jnp.float32``, ``jnp.bfloat16``, or a
+        :class:`triaccel_jax.PrecisionPolicy` (each leaf's state dtype).
       seed: seed of the stochastic rounding and of the Hutchinson probes.
 
     Returns:

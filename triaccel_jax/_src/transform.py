@@ -28,6 +28,8 @@ from jax import lax
 
 from triaccel_jax._src import compression
 from triaccel_jax._src import curvature as curvature_lib
+from triaccel_jax._src import dtypes
+from triaccel_jax._src import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
 from triaccel_jax.kernels import cast as cast_kernel
@@ -83,15 +85,19 @@ class ScaleByTriAccelState(NamedTuple):
     rounding_key: jax.Array
 
 
-def _state_dtype(param_dtype: Any, state_dtype: Any) -> jnp.dtype:
+def _state_dtype(path: str, param_dtype: Any, state_dtype: Any) -> jnp.dtype:
     if state_dtype is None:
         # Never below float32 by default: half-precision params keep float32 moments.
         return jnp.promote_types(param_dtype, jnp.float32)
+    if isinstance(state_dtype, policy_lib.PrecisionPolicy):
+        if path not in state_dtype:
+            raise ValueError(f"the precision policy has no entry for leaf {path!r}")
+        return dtypes.FORMATS[state_dtype.state(path)].dtype
     return jnp.dtype(state_dtype)
 
 
 def _check_state_dtype(state_dtype: Any) -> None:
-    if state_dtype is None:
+    if state_dtype is None or isinstance(state_dtype, policy_lib.PrecisionPolicy):
         return
     try:
         name = jnp.dtype(state_dtype).name
@@ -152,7 +158,8 @@ def scale_by_triaccel(
       min_scale: lower clip of the step-size scale, > 0.
       max_scale: upper clip of the step-size scale, >= min_scale.
       state_dtype: dtype of ``mu`` and ``nu``: None (float32, or float64 for float64 params),
-        ``jnp.float32`` or ``jnp.bfloat16`` (stochastically rounded writes).
+        ``jnp.float32`` or ``jnp.bfloat16`` (stochastically rounded writes), or a
+        :class:`triaccel_jax.PrecisionPolicy` giving each leaf's state dtype.
       seed: seed of the PRNG keys for stochastic rounding and Hutchinson probes.
 
     Returns:
@@ -193,10 +200,11 @@ def scale_by_triaccel(
     estimator_tx = _make_estimator(estimator, num_samples, seed)
 
     def init_fn(params: Any) -> ScaleByTriAccelState:
-        def zeros_or_skip(leaf):
+        def zeros_or_skip(path, leaf):
             if not tree_lib.is_trainable(leaf):
                 return optax.MaskedNode()
-            return jnp.zeros(leaf.shape, _state_dtype(leaf.dtype, state_dtype))
+            dtype = _state_dtype(tree_lib.path_string(path), leaf.dtype, state_dtype)
+            return jnp.zeros(leaf.shape, dtype)
 
         static_block_size = validation.static_value("block_size", block_size, int)
         static_rho = validation.static_value("rho", rho, float)
@@ -215,8 +223,8 @@ def scale_by_triaccel(
         return ScaleByTriAccelState(
             count=jnp.zeros([], jnp.int32),
             curvature_count=jnp.zeros([], jnp.int32),
-            mu=jax.tree.map(zeros_or_skip, params),
-            nu=jax.tree.map(zeros_or_skip, params),
+            mu=jax.tree_util.tree_map_with_path(zeros_or_skip, params),
+            nu=jax.tree_util.tree_map_with_path(zeros_or_skip, params),
             curvature=jax.tree.map(store_or_skip, params),
             leaf_signals=jax.tree.map(signals_or_skip, params),
             estimator_state=estimator_tx.init(params),

@@ -1,0 +1,116 @@
+"""Dynamic loss scaling: skipped steps leave everything bit-identical; the scale backs off and
+regrows; nothing in the state ever becomes non-finite."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import triaccel_jax
+
+
+def make_problem():
+    params = {"w": jnp.array([-0.0, 0.5, -1.5, 2.0]), "b": jnp.zeros(3), "step": jnp.array(0)}
+
+    def loss(p):
+        return jnp.sum((p["w"] - 1.0) ** 2) + jnp.sum((p["b"] + 0.5) ** 2)
+
+    return params, loss
+
+
+def test_injected_nonfinite_steps_are_skipped_and_state_stays_finite():
+    params, loss = make_problem()
+    tx = triaccel_jax.dynamic_loss_scale(
+        triaccel_jax.triaccel(0.05, state_dtype=jnp.bfloat16),
+        initial_scale=2.0**10,
+        growth_interval=3,
+    )
+    state = tx.init(params)
+    bad_steps = {2: jnp.inf, 3: jnp.nan, 7: -jnp.inf}
+
+    @jax.jit
+    def step(params, state, poison):
+        scale = triaccel_jax.loss_scale(state)
+        grads = jax.grad(lambda p: loss(p) * scale, allow_int=True)(params)
+        grads = {**grads, "step": jnp.zeros((), jnp.int32)}
+        grads["w"] = grads["w"].at[1].add(poison)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    scales = []
+    for t in range(12):
+        before_params, before_state = params, state
+        params, state = step(params, state, bad_steps.get(t, 0.0))
+        scales.append(float(state.scale))
+        if t in bad_steps:
+            for a, b in zip(jax.tree.leaves(before_params), jax.tree.leaves(params), strict=True):
+                assert np.asarray(a).tobytes() == np.asarray(b).tobytes()  # bit-identical
+            for a, b in zip(
+                jax.tree.leaves(before_state.inner_state),
+                jax.tree.leaves(state.inner_state),
+                strict=True,
+            ):
+                assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        assert all(
+            bool(jnp.all(jnp.isfinite(x)))
+            for x in jax.tree.leaves(state)
+            if jnp.issubdtype(x.dtype, jnp.floating)
+        )
+    assert int(state.skipped_steps) == 3
+    assert int(state.nonfinite_count["w"]) == 3 and int(state.nonfinite_count["b"]) == 0
+    # 1024 -> (steps 0, 1 fine) -> backoff at 2, 3 -> 256 -> grows after 3 good steps (4, 5, 6)
+    # -> 512 -> backoff at 7 -> 256 -> grows after 8, 9, 10 -> 512.
+    assert scales == [1024, 1024, 512, 256, 256, 256, 512, 256, 256, 256, 512, 512]
+    assert float(loss(params)) < float(loss(make_problem()[0]))
+
+
+def test_scale_respects_bounds():
+    tx = triaccel_jax.dynamic_loss_scale(
+        optax.sgd(0.1), initial_scale=4.0, min_scale=2.0, max_scale=8.0, growth_interval=1
+    )
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    for _ in range(3):
+        _, state = tx.update({"w": jnp.full(2, jnp.nan)}, state, params)
+    assert float(state.scale) == 2.0
+    for _ in range(5):
+        _, state = tx.update({"w": jnp.ones(2)}, state, params)
+    assert float(state.scale) == 8.0
+
+
+def test_gradients_are_unscaled_before_the_inner_update():
+    tx = triaccel_jax.dynamic_loss_scale(optax.sgd(1.0), initial_scale=64.0)
+    params = {"w": jnp.ones(2)}
+    updates, _ = tx.update({"w": jnp.full(2, 64.0 * 0.25)}, tx.init(params), params)
+    np.testing.assert_allclose(updates["w"], -0.25)
+
+
+def test_forwards_extra_arguments():
+    params = {"w": jnp.ones(3)}
+    loss_fn = lambda p: jnp.sum(2.0 * p["w"] ** 2)
+    tx = triaccel_jax.dynamic_loss_scale(triaccel_jax.triaccel(0.1, estimator="hutchinson"))
+    _, state = tx.update(jax.grad(loss_fn)(params), tx.init(params), params, loss_fn=loss_fn)
+    assert triaccel_jax.signals(state)["w"]["mean_curvature"] == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"initial_scale": 0.0}, "initial_scale"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"backoff_factor": 1.5}, "backoff_factor"),
+        ({"growth_factor": 0.5}, "growth_factor"),
+        ({"min_scale": 4.0, "max_scale": 2.0}, "max_scale"),
+    ],
+)
+def test_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        triaccel_jax.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
+
+
+def test_loss_scale_needs_exactly_one_state():
+    with pytest.raises(ValueError, match="found 0"):
+        triaccel_jax.loss_scale(optax.sgd(0.1).init({"w": jnp.ones(1)}))

@@ -1,0 +1,181 @@
+"""Dynamic loss scaling with per-leaf finite checks, as an optax wrapper (DESIGN §3).
+
+fp16 and fp8 have narrow exponent ranges: small gradients underflow unless the loss is multiplied
+by a large scale before differentiation (Micikevicius et al., 2018, "Mixed Precision Training").
+The scale is dynamic: it backs off when a step overflows and grows after a run of finite steps,
+as PyTorch's GradScaler and Flax's ``DynamicScale`` do. Here the wrapper also counts non-finite
+gradients per leaf (which layer overflows), and a skipped step returns updates of ``-0.0``:
+``x + (-0.0) == x`` bit for bit for every ``x`` (``+0.0`` would turn a ``-0.0`` parameter into
+``+0.0``), so the parameters and the inner state stay bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from triaccel_jax._src import tree as tree_lib
+from triaccel_jax._src import validation
+
+
+class DynamicLossScaleState(NamedTuple):
+    """State of :func:`dynamic_loss_scale`.
+
+    Attributes:
+      scale: float32 loss scale to multiply the loss by before differentiating.
+      good_steps: int32 consecutive finite steps since the scale last changed.
+      skipped_steps: int32 total steps skipped for non-finite gradients (saturating).
+      nonfinite_count: int32 per leaf, steps in which that leaf's gradient was not finite.
+      inner_state: the wrapped transform's state.
+    """
+
+    scale: jax.Array
+    good_steps: jax.Array
+    skipped_steps: jax.Array
+    nonfinite_count: Any
+    inner_state: Any
+
+
+def dynamic_loss_scale(
+    inner: optax.GradientTransformation,
+    *,
+    initial_scale: float = 2.0**15,
+    growth_interval: int = 2000,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    min_scale: float = 1.0,
+    max_scale: float = 2.0**24,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps ``inner``: unscales the gradients, and skips the step where any leaf is non-finite.
+
+    Multiply the loss by :func:`loss_scale` of the state before taking gradients; pass the scaled
+    gradients to ``update``. On a finite step the gradients are divided by the scale and handed to
+    ``inner``; after ``growth_interval`` finite steps in a row the scale grows by
+    ``growth_factor``. On a step where any leaf's gradient holds inf or nan, the updates are
+    ``-0.0``, ``inner``'s state is left untouched, the scale is multiplied by ``backoff_factor``
+    and the offending leaves are counted.
+
+    Args:
+      inner: the optimizer to protect (e.g. :func:`triaccel_jax.triaccel`).
+      initial_scale: starting scale, > 0.
+      growth_interval: finite steps in a row before the scale grows, >= 1.
+      growth_factor: multiplier on growth, >= 1.
+      backoff_factor: multiplier on overflow, in (0, 1].
+      min_scale: the scale never backs off below this, > 0.
+      max_scale: the scale never grows above this, >= min_scale.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` that forwards extra arguments to ``inner``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import triaccel_jax
+      >>> tx = triaccel_jax.dynamic_loss_scale(triaccel_jax.triaccel(0.1), initial_scale=8.0)
+      >>> params = {"w": jnp.ones(2)}
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+      >>> float(triaccel_jax.loss_scale(state)), int(state.skipped_steps), updates["w"].tolist()
+      (4.0, 1, [-0.0, -0.0])
+
+    References:
+      Micikevicius et al., 2018, "Mixed Precision Training".
+    """
+    validation.check_in_range(
+        "initial_scale", initial_scale, 0.0, float("inf"), low_inclusive=False
+    )
+    validation.check_integer("growth_interval", growth_interval, 1)
+    validation.check_in_range("growth_factor", growth_factor, 1.0, float("inf"))
+    validation.check_in_range("backoff_factor", backoff_factor, 0.0, 1.0, low_inclusive=False)
+    validation.check_in_range("min_scale", min_scale, 0.0, float("inf"), low_inclusive=False)
+    validation.check_not_above("min_scale", min_scale, "max_scale", max_scale)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> DynamicLossScaleState:
+        return DynamicLossScaleState(
+            scale=jnp.asarray(initial_scale, jnp.float32),
+            good_steps=jnp.zeros([], jnp.int32),
+            skipped_steps=jnp.zeros([], jnp.int32),
+            nonfinite_count=jax.tree.map(
+                lambda p: (
+                    jnp.zeros([], jnp.int32) if tree_lib.is_trainable(p) else optax.MaskedNode()
+                ),
+                params,
+            ),
+            inner_state=inner.init(params),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        def unscale(g):
+            if not tree_lib.is_trainable(g):
+                return g
+            return (g.astype(jnp.float32) / state.scale).astype(g.dtype)
+
+        grads = jax.tree.map(unscale, updates)
+        leaf_finite = jax.tree.map(
+            lambda g: jnp.all(jnp.isfinite(g)) if tree_lib.is_trainable(g) else optax.MaskedNode(),
+            grads,
+        )
+        all_finite = jnp.all(jnp.stack([jnp.asarray(True), *jax.tree.leaves(leaf_finite)]))
+
+        def apply(operand):
+            grads, inner_state = operand
+            return inner.update(grads, inner_state, params, **extra_args)
+
+        def skip(operand):
+            grads, inner_state = operand
+            zeros = jax.tree.map(
+                lambda g: jnp.full_like(g, -0.0) if tree_lib.is_trainable(g) else g, grads
+            )
+            return zeros, inner_state
+
+        new_updates, inner_state = lax.cond(all_finite, apply, skip, (grads, state.inner_state))
+        good = optax.safe_increment(state.good_steps)
+        grow = all_finite & (good >= growth_interval)
+        scale = jnp.where(
+            all_finite,
+            jnp.where(grow, jnp.minimum(state.scale * growth_factor, max_scale), state.scale),
+            jnp.maximum(state.scale * backoff_factor, min_scale),
+        ).astype(jnp.float32)
+        counts = jax.tree.map(
+            lambda count, finite: jnp.where(finite, count, optax.safe_increment(count)),
+            state.nonfinite_count,
+            leaf_finite,
+        )
+        return new_updates, DynamicLossScaleState(
+            scale=scale,
+            good_steps=jnp.where(all_finite & ~grow, good, 0).astype(jnp.int32),
+            skipped_steps=jnp.where(
+                all_finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
+            ).astype(jnp.int32),
+            nonfinite_count=counts,
+            inner_state=inner_state,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def loss_scale(opt_state: Any) -> jax.Array:
+    """The current loss scale in an optimizer state holding a :func:`dynamic_loss_scale` state.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import triaccel_jax
+      >>> tx = optax.chain(optax.clip(1.0), triaccel_jax.dynamic_loss_scale(optax.sgd(0.1)))
+      >>> float(triaccel_jax.loss_scale(tx.init({"w": jnp.ones(2)})))
+      32768.0
+    """
+
+    def is_scale_state(node):
+        return isinstance(node, DynamicLossScaleState)
+
+    found = [n for n in jax.tree.leaves(opt_state, is_leaf=is_scale_state) if is_scale_state(n)]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected one dynamic_loss_scale state in `opt_state`, found {len(found)}"
+        )
+    return found[0].scale
