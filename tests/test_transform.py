@@ -201,3 +201,12 @@ def test_shape_arguments_traced_at_init_are_explained():
     )
     state = jax.jit(tx.init)({"w": jnp.ones(16)})
     assert state.inner_state[0].curvature["w"].block_means.shape == (1,)
+
+
+def test_float_gradient_of_integer_parameter_passes_through():
+    params = {"w": jnp.ones(3), "step": jnp.array(2, jnp.int32)}
+    tx = triaccel_jax.scale_by_triaccel()
+    grads = {"w": jnp.ones(3), "step": jnp.asarray(0.5)}  # e.g. a cast that made it float
+    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert float(updates["step"]) == 0.5
+    assert isinstance(state.mu["step"], optax.MaskedNode)

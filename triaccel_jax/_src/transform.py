@@ -243,8 +243,14 @@ def scale_by_triaccel(
         if estimator == "hutchinson" and loss_fn is None:
             raise ValueError(curvature_lib._LOSS_FN_HELP)
         grads, treedef = jax.tree.flatten(updates)
-        active = [i for i, g in enumerate(grads) if tree_lib.is_trainable(g)]
         mu = treedef.flatten_up_to(state.mu)
+        # The state decides which leaves are trained (init saw the params): a float gradient for
+        # an integer parameter, say, passes through like the parameter's other updates.
+        active = [
+            i
+            for i, (g, m) in enumerate(zip(grads, mu, strict=True))
+            if not isinstance(m, optax.MaskedNode) and tree_lib.is_trainable(g)
+        ]
         nu = treedef.flatten_up_to(state.nu)
         stores = treedef.flatten_up_to(state.curvature)
         old_signals = treedef.flatten_up_to(state.leaf_signals)
