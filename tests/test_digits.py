@@ -13,9 +13,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
-from sklearn.datasets import load_digits
 
 import triaccel_jax
+from triaccel_jax.data import load_digits
 
 LEARNING_RATE = 3e-3
 EPOCHS = 10
@@ -30,11 +30,10 @@ class MLP(nn.Module):
 
 
 def load_split():
-    images, labels = load_digits(return_X_y=True)
-    order = np.random.default_rng(0).permutation(len(images))
-    images = (images[order] / 16.0).astype(np.float32)
-    labels = labels[order]
-    return (images[360:], labels[360:]), (images[:360], labels[:360])
+    return [
+        (images.reshape(len(images), -1), labels)
+        for images, labels in (load_digits("train"), load_digits("test"))
+    ]
 
 
 def train_and_score(tx, seed, train, test):

@@ -17,6 +17,7 @@ import optax
 
 from triaccel_jax._src.alias import triaccel
 from triaccel_jax._src.signals import signals
+from triaccel_jax.data import load_digits
 
 
 class _MLP(nn.Module):
@@ -27,17 +28,10 @@ class _MLP(nn.Module):
 
 def _load_digits(seed: int):
     try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        raise SystemExit(
-            "the demo needs scikit-learn (its digits data set ships with it): "
-            "pip install 'triaccel-jax[demo]'"
-        ) from None
-    images, labels = load_digits(return_X_y=True)
-    order = np.random.default_rng(seed).permutation(len(images))
-    images = (images[order] / 16.0).astype(np.float32)
-    labels = labels[order].astype(np.int32)
-    return (images[360:], labels[360:]), (images[:360], labels[:360])
+        splits = [load_digits(split, seed=seed) for split in ("train", "test")]
+    except ImportError as error:
+        raise SystemExit(str(error)) from None
+    return [(images.reshape(len(images), -1), labels) for images, labels in splits]
 
 
 def _train(name, tx, train, test, *, epochs, batch_size, seed):

@@ -1,0 +1,103 @@
+"""Small image-classification data sets that need no download, as NHWC float32 arrays.
+
+* Fashion-MNIST (Xiao et al., 2017; MIT licence), read from the IDX files that Debian's
+  ``dataset-fashion-mnist`` package installs (``apt-get install -y dataset-fashion-mnist``).
+* scikit-learn's digits (8x8 grey images, bundled with scikit-learn), the embedded fallback.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pathlib
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+FASHION_MNIST_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+class ArraySplit(NamedTuple):
+    """Images ``(n, height, width, channels)`` float32 in [0, 1] and int32 labels ``(n,)``."""
+
+    images: np.ndarray
+    labels: np.ndarray
+
+
+def _read_idx(path: pathlib.Path) -> np.ndarray:
+    """Reads a (gzipped) IDX file: a magic number, the dimensions, then the raw values."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as stream:
+        data = stream.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
+        raise ValueError(f"{path} is not an IDX file (bad magic number)")
+    ndim = data[3]
+    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+    values = np.frombuffer(data, dtype=_IDX_DTYPES[data[2]], offset=4 + 4 * ndim)
+    if values.size != int(np.prod(shape)):
+        raise ValueError(f"{path} is truncated: {values.size} values for shape {shape}")
+    return values.reshape(shape)
+
+
+def load_fashion_mnist(
+    split: str = "train", directory: str | os.PathLike | None = None
+) -> ArraySplit:
+    """Fashion-MNIST ``"train"`` (60,000) or ``"test"`` (10,000) images, 28x28x1.
+
+    Args:
+      split: ``"train"`` or ``"test"``.
+      directory: folder of the IDX files; default Debian's ``/usr/share/datasets/fashion-mnist``.
+
+    Returns:
+      The :class:`ArraySplit`.
+
+    Raises:
+      FileNotFoundError: the files are missing; the message says how to install them.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"`split` must be 'train' or 'test', got {split!r}")
+    folder = pathlib.Path(directory) if directory is not None else FASHION_MNIST_DIR
+    prefix = "train" if split == "train" else "t10k"
+    images_path = folder / f"{prefix}-images-idx3-ubyte.gz"
+    labels_path = folder / f"{prefix}-labels-idx1-ubyte.gz"
+    for path in (images_path, labels_path):
+        if not path.exists():
+            raise FileNotFoundError(
+                f"Fashion-MNIST file {path} not found: install Debian's package "
+                "(apt-get update && apt-get install -y dataset-fashion-mnist, as root) or pass "
+                "`directory=` a folder holding the four *-idx?-ubyte.gz files"
+            )
+    images = _read_idx(images_path)
+    labels = _read_idx(labels_path)
+    if images.shape[0] != labels.shape[0]:
+        raise ValueError(f"{folder}: {images.shape[0]} images but {labels.shape[0]} labels")
+    return ArraySplit((images.astype(np.float32) / 255.0)[..., None], labels.astype(np.int32))
+
+
+def load_digits(split: str = "train", *, test_size: int = 360, seed: int = 0) -> ArraySplit:
+    """scikit-learn's 1,797 digits, 8x8x1, split into train and ``test_size`` test images.
+
+    The split is a fixed permutation from ``seed``, so train and test never mix.
+
+    Example:
+      >>> from triaccel_jax.data import load_digits
+      >>> split = load_digits("test")
+      >>> split.images.shape, split.labels.shape
+      ((360, 8, 8, 1), (360,))
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"`split` must be 'train' or 'test', got {split!r}")
+    try:
+        from sklearn.datasets import load_digits as sklearn_digits
+    except ImportError:
+        raise ImportError(
+            "the digits data set ships with scikit-learn: pip install 'triaccel-jax[demo]'"
+        ) from None
+    images, labels = sklearn_digits(return_X_y=True)
+    order = np.random.default_rng(seed).permutation(len(images))
+    images = (images[order] / 16.0).astype(np.float32).reshape(-1, 8, 8, 1)
+    labels = labels[order].astype(np.int32)
+    part = slice(test_size, None) if split == "train" else slice(None, test_size)
+    return ArraySplit(images[part], labels[part])
