@@ -43,7 +43,8 @@ class _SetupScale(nn.Module):
 
     def setup(self):
         self.dense = nn.Dense(4)
-        self.scale = self.param("scale", nn.initializers.ones, (4,))
+        # (1, 4), not (4,): a module owning only vectors would follow its input's dtype instead.
+        self.scale = self.param("scale", nn.initializers.ones, (1, 4))
 
     def __call__(self, x):
         return self.dense(x) * self.scale
@@ -249,3 +250,23 @@ def test_nnx_layers_compute_in_their_dtype_once_set_from_the_policy():
     assert _ops(jax.grad(loss), params, x) == {(BF16, BF16): 2, (F32, F32): 3}
     grads = jax.grad(loss)(params, x)
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(grads)} == {jnp.dtype(F32)}
+
+
+def test_norm_layers_follow_the_dtype_of_their_input():
+    class ConvNorm(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.LayerNorm()(nn.Dense(8)(x))
+            return nn.Dense(2)(nn.LayerNorm()(x.astype(jnp.float32)))
+
+    x = jnp.ones((2, 4))
+    variables = ConvNorm().init(jax.random.key(0), x)
+    policy = triaccel_jax.PrecisionPolicy.from_patterns(variables, {"*Dense_0/kernel": "bf16"})
+    with precision_interceptor(policy):
+        intermediates = ConvNorm().apply(
+            variables, x, capture_intermediates=True, mutable=["intermediates"]
+        )[1]["intermediates"]
+    # The first LayerNorm receives bf16 and computes in bf16; the second receives fp32.
+    assert intermediates["LayerNorm_0"]["__call__"][0].dtype == jnp.bfloat16
+    assert intermediates["LayerNorm_1"]["__call__"][0].dtype == jnp.float32
+    assert variables["params"]["LayerNorm_0"]["scale"].dtype == jnp.float32  # masters untouched

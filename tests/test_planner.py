@@ -16,7 +16,7 @@ ORDER = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8_e4m3": 3}  # by unit roundoff, fi
 
 
 def params_and_signals(curvatures, size=4096, nsr=0.0):
-    params = {name: jnp.full((size,), 0.1) for name in curvatures}
+    params = {name: jnp.full((size // 64, 64), 0.1) for name in curvatures}
     signals = {
         name: {"mean_curvature": k, "noise_to_signal": nsr} for name, k in curvatures.items()
     }
@@ -47,17 +47,20 @@ def test_zero_budget_keeps_everything_fp32():
 
 def test_infinite_budget_takes_cheapest_allowed_for_eligible_leaves():
     params, signals = params_and_signals({"a": 1e3, "b": 1.0})
-    params["bias"] = jnp.ones(16)
-    signals["bias"] = {"mean_curvature": 1.0, "noise_to_signal": 0.0}
+    params["bias"] = jnp.ones(4096)
+    params["tiny"] = jnp.ones((4, 4))
+    for name in ("bias", "tiny"):
+        signals[name] = {"mean_curvature": 1.0, "noise_to_signal": 0.0}
     policy = plan_precision(signals, params, budget=float("inf"), allowed=("bf16", "fp8_e4m3"))
     assert policy.compute("a") == policy.compute("b") == "fp8_e4m3"
-    assert policy.compute("bias") == "fp32" and "min_size" in policy.reasons["bias"]
+    assert policy.compute("bias") == "fp32" and "vector" in policy.reasons["bias"]
+    assert policy.compute("tiny") == "fp32" and "min_size" in policy.reasons["tiny"]
     assert policy.state("a") == "bf16"
 
 
 def test_range_check_promotes_leaf_that_overflows_fp16():
     params, signals = params_and_signals({"small": 1.0, "large": 1.0})
-    params["large"] = jnp.full((4096,), 3.0e4)
+    params["large"] = jnp.full((64, 64), 3.0e4)
     policy = plan_precision(signals, params, budget=float("inf"), allowed=("fp16",))
     assert policy.compute("small") == "fp16"
     assert policy.compute("large") == "fp32" and "fp16 out of range" in policy.reasons["large"]
@@ -98,7 +101,7 @@ def test_patience_delays_a_move_then_allows_it():
 
 def test_leaf_without_signal_stays_fp32():
     params, signals = params_and_signals({"a": 1.0})
-    params["unseen"] = jnp.ones(4096)
+    params["unseen"] = jnp.ones((64, 64))
     policy = plan_precision(signals, params, budget=float("inf"))
     assert policy.compute("unseen") == "fp32" and "no curvature signal" in policy.reasons["unseen"]
 
@@ -124,6 +127,6 @@ def test_bad_arguments(kwargs, message):
 
 def test_previous_policy_for_other_params_names_the_path():
     params, signals = params_and_signals({"a": 1.0})
-    other = PrecisionPolicy.uniform({"b": jnp.ones(3)})
+    other = PrecisionPolicy.uniform({"b": jnp.ones((3, 3))})
     with pytest.raises(ValueError, match="'a'"):
         plan_precision(signals, params, other)

@@ -19,7 +19,10 @@ the module's largest parameter (the kernel), the usual mixed-precision practice:
 biases fp32 (``min_size``) as masters, but the layer computes in its kernel's dtype.
 ``mixed="widest"`` takes their JAX promotion instead, so no leaf computes below its plan: a bf16
 kernel next to an fp32 bias then computes in fp32 (on the kernel's bf16-rounded values, an extra
-fp32 copy), which saves nothing on Dense/Conv layers with planned policies.
+fp32 copy), which saves nothing on Dense/Conv layers with planned policies. A module that owns
+only vectors (a norm's scale and bias) computes in the dtype of the activations it receives: its
+parameters stay fp32 masters but are cast to that dtype for the computation, as mixed-precision
+training runs normalisation layers; so a bf16 convolution feeds a bf16 BatchNorm.
 
 fp8 leaves compute in bf16, the dtype :func:`triaccel_jax.cast_params` carries fp8 values in (XLA
 has no general unscaled fp8 matmul): pass its compute copies to get the fp8 rounding with its
@@ -84,6 +87,10 @@ from triaccel_jax._src import memory
 from triaccel_jax._src import tree as tree_lib
 
 MIXED = ("widest", "largest")
+# A module that owns only vectors (a norm's scale and bias, a standalone bias) computes in the dtype
+# of the activations it receives, as mixed-precision training runs normalisation layers (its
+# parameters stay masters in their own dtype and are cast for the computation only).
+FOLLOW_INPUT = "follow the input's dtype"
 _PARAMS = "params"
 
 
@@ -108,6 +115,7 @@ class _Planner:
         base = self.prefix + "".join(f"{part}/" for part in scope_path)
         leaf_dtypes: dict[str, dict[str, Any]] = {}
         sized = []
+        vectors_only = True
         for name, value in own.items():
             with_paths, _ = jax.tree_util.tree_flatten_with_path(value)
             for sub, leaf in with_paths:
@@ -122,8 +130,11 @@ class _Planner:
                     )
                 leaf_dtypes.setdefault(name, {})[tree_lib.path_string(sub)] = self.by_path[path]
                 sized.append((math.prod(leaf.shape), self.by_path[path]))
+                vectors_only = vectors_only and leaf.ndim <= 1
         if not sized:
             return None, {}
+        if vectors_only:
+            return FOLLOW_INPUT, leaf_dtypes
         if self.mixed == "largest":
             top = max(size for size, _ in sized)
             candidates = [dtype for size, dtype in sized if size == top]
@@ -150,6 +161,14 @@ def _cast_inputs(tree: Any, dtype: Any) -> Any:
         return x
 
     return jax.tree.map(cast, tree)
+
+
+def _input_dtype(tree: Any) -> Any:
+    """The dtype of the first floating array among a call's arguments, or None."""
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.dtype(x.dtype)
+    return None
 
 
 @contextlib.contextmanager
@@ -226,7 +245,11 @@ def precision_interceptor(
         dtype, leaf_dtypes = planner.plan(tuple(scope.path), own)
         if dtype is None:
             return next_fun(*args, **kwargs)
-        if context.method_name in methods:
+        if dtype is FOLLOW_INPUT:
+            dtype = _input_dtype((args, kwargs))
+            if dtype is None:
+                return next_fun(*args, **kwargs)
+        elif context.method_name in methods:
             args, kwargs = _cast_inputs((args, kwargs), dtype)
         with _swapped_params(scope, own, leaf_dtypes, dtype):
             return next_fun(*args, **kwargs)

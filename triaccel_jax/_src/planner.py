@@ -9,7 +9,7 @@ since rounding ``w_i`` to ``d`` perturbs it by ``delta_i``, uniform within ``+-u
 second-order loss change is ``0.5 * sum_i h_i * E[delta_i**2]``. A leaf with noisy gradients
 tolerates more: its increase counts ``1 / (1 + nsr_l)`` against the budget. The planner moves leaves
 to cheaper formats greedily by predicted increase per byte saved while the total stays within the
-budget; leaves under ``min_size`` stay fp32; fp16 needs the values to fit its range; and hysteresis
+budget; vectors (biases, norms) and leaves under ``min_size`` stay fp32; fp16 needs the values to fit its range; and hysteresis
 (a margin and a patience) keeps noisy signals from flipping leaves back and forth.
 """
 
@@ -79,7 +79,7 @@ def plan_precision(
     *,
     budget: float = 1e-3,
     loss: float | None = None,
-    min_size: int = 1024,
+    min_size: int = 64,
     allowed: Sequence[Any] = ("fp32", "bf16"),
     patience: int = 2,
     margin: float = 0.25,
@@ -95,7 +95,9 @@ def plan_precision(
         is given, else in the loss's units. 0 keeps every leaf fp32; ``inf`` lets every eligible
         leaf take the cheapest allowed format.
       loss: the current loss, to make ``budget`` relative.
-      min_size: leaves with fewer elements (biases, norms) stay fp32.
+      min_size: leaves with fewer elements stay fp32. Vectors (biases, normalisation scales)
+        always do: they are few bytes and sensitive, and the Flax interceptor runs their layers
+        in the dtype of the activations anyway.
       allowed: compute formats to choose from (fp32 is always allowed): names from
         ``"fp32", "bf16", "fp16", "fp8_e4m3"``.
       patience: consecutive re-plans a new choice must win before a leaf moves (>= 1).
@@ -111,7 +113,7 @@ def plan_precision(
     Example:
       >>> import jax.numpy as jnp
       >>> from triaccel_jax import plan_precision
-      >>> params = {"big": jnp.ones((64, 64)), "bias": jnp.ones(64)}
+      >>> params = {"big": jnp.ones((64, 64)), "bias": jnp.ones(64)}  # a vector stays fp32
       >>> signals = {p: {"mean_curvature": 1e-4, "noise_to_signal": 0.0} for p in params}
       >>> policy = plan_precision(signals, params, budget=1.0)
       >>> policy.compute("big"), policy.compute("bias")
@@ -137,6 +139,7 @@ def plan_precision(
         raise ValueError(f"`state` must be one of ('auto', 'fp32', 'bf16'), got {state!r}")
 
     figures = _leaf_figures(params)
+    ndims = {path: leaf.ndim for path, leaf in policy_lib.trainable_paths(params)}
     if previous_policy is not None:
         previous_policy.check_matches(params)
     allowance = budget * (loss if loss is not None else 1.0)
@@ -149,6 +152,9 @@ def plan_precision(
         record = signals.get(path)
         if size < min_size:
             fixed[path] = f"fp32: {size} elements < min_size {min_size}"
+            continue
+        if ndims[path] <= 1:
+            fixed[path] = "fp32: a vector (bias or normalisation parameter)"
             continue
         if record is None:
             fixed[path] = "fp32: no curvature signal for this leaf"
