@@ -60,7 +60,7 @@ def test_real_fashion_mnist():
     test = load_fashion_mnist("test")
     assert test.images.shape == (10_000, 28, 28, 1)
     assert np.bincount(test.labels).tolist() == [1000] * 10
-    assert 0.0 <= test.images.min() and test.images.max() == 1.0
+    assert test.images.min() >= 0.0 and test.images.max() == 1.0
 
 
 def test_digits_split_is_disjoint_and_fixed():

@@ -119,11 +119,15 @@ def test_convert_state_recasts_moments_and_keeps_everything_else():
     before, after = state[1][0], converted[1][0]
     assert after.mu["conv"].dtype == jnp.bfloat16 and after.mu["dense"]["bias"].dtype == jnp.float32
     # Moments within the new dtype's rounding (half a bf16 ulp, relative), nothing else touched.
-    np.testing.assert_allclose(after.nu["conv"].astype(jnp.float32), before.nu["conv"], rtol=2.0**-8)
+    np.testing.assert_allclose(
+        after.nu["conv"].astype(jnp.float32), before.nu["conv"], rtol=2.0**-8
+    )
     np.testing.assert_array_equal(after.mu["dense"]["bias"], before.mu["dense"]["bias"])
     for field in ("count", "curvature_count", "curvature", "leaf_signals", "rounding_key"):
         for a, b in zip(
-            jax.tree.leaves(getattr(before, field)), jax.tree.leaves(getattr(after, field)), strict=True
+            jax.tree.leaves(getattr(before, field)),
+            jax.tree.leaves(getattr(after, field)),
+            strict=True,
         ):
             np.testing.assert_array_equal(a, b)
     # The converted state keeps training with the policy's optimizer.
@@ -131,4 +135,6 @@ def test_convert_state_recasts_moments_and_keeps_everything_else():
     _, resumed = jax.jit(policy_tx.update)(grads, converted, PARAMS)
     assert resumed[1][0].mu["conv"].dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="no entry for leaf"):
-        triaccel_jax.convert_state(state, triaccel_jax.PrecisionPolicy.uniform({"conv": PARAMS["conv"]}))
+        triaccel_jax.convert_state(
+            state, triaccel_jax.PrecisionPolicy.uniform({"conv": PARAMS["conv"]})
+        )

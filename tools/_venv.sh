@@ -1,7 +1,9 @@
 # shellcheck shell=bash
 # Shared setup for tools/*.sh: source it, then call `ensure_venv EXTRAS`.
 #
-#   ensure_venv test    -> .venv exists and holds `pip install -e ".[test]"`
+#   ensure_venv test      -> .venv exists and holds `pip install -e ".[test]"`
+#   ensure_kernels_venv   -> .venv-kernels (Python 3.11 only: the torch CPU wheel on disk is cp311)
+#                            holds `pip install -e ".[kernels-dev,test]"`; $VENV_PY then points at it
 #
 # It creates .venv in the repository root when it is missing or broken (Python 3.12 preferred,
 # any Python >= 3.11 accepted), upgrades pip, and installs the project editable with EXTRAS.
@@ -16,14 +18,29 @@ VENV_PY="$VENV_DIR/bin/python"
 _log() { printf '[triaccel] %s\n' "$*" >&2; }
 _die() { printf '[triaccel] error: %s\n' "$*" >&2; exit 1; }
 
-# True when "$@" runs a Python >= 3.11 that has the venv module.
+# When set (e.g. "3.11"), the venv's Python must have exactly this minor version.
+_PY_EXACT=""
+
+# True when "$@" runs a Python >= 3.11 (exactly $_PY_EXACT when set) that has the venv module.
 _py_ok() {
-    "$@" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1
+    "$@" -c 'import sys, venv, ensurepip
+v = "%d.%d" % sys.version_info[:2]
+sys.exit(sys.version_info < (3, 11) or sys.argv[1] not in ("", v))' "$_PY_EXACT" >/dev/null 2>&1
 }
 
-# Sets PY_CMD (an array) to the interpreter to build .venv with.
+# Sets PY_CMD (an array) to the interpreter to build the venv with.
 _find_python() {
     PY_CMD=()
+    if [[ -n "$_PY_EXACT" ]]; then
+        local c
+        for c in "python$_PY_EXACT" python3; do
+            if _py_ok "$c"; then
+                PY_CMD=("$c")
+                return 0
+            fi
+        done
+        return 1
+    fi
     if [[ -n "${TRIACCEL_PYTHON:-}" ]]; then
         _py_ok "$TRIACCEL_PYTHON" || _die "TRIACCEL_PYTHON=$TRIACCEL_PYTHON is not a Python >= 3.11 with venv"
         PY_CMD=("$TRIACCEL_PYTHON")
@@ -64,8 +81,12 @@ ensure_venv() {
             _log "$VENV_DIR is broken or too old; recreating it"
             rm -rf "$VENV_DIR"
         fi
-        _find_python || _die "no Python >= 3.11 with the venv module found (tried python3.12, pyenv's 3.12.x, python3, python3.13, python3.11). Install Python 3.12 (or 3.11) and retry."
-        _log "creating .venv with $("${PY_CMD[@]}" -c 'import sys; print("Python", sys.version.split()[0])')"
+        if [[ -n "$_PY_EXACT" ]]; then
+            _find_python || _die "no Python $_PY_EXACT with the venv module found for $VENV_DIR (tried python$_PY_EXACT, python3). Install Python $_PY_EXACT and retry."
+        else
+            _find_python || _die "no Python >= 3.11 with the venv module found (tried python3.12, pyenv's 3.12.x, python3, python3.13, python3.11). Install Python 3.12 (or 3.11) and retry."
+        fi
+        _log "creating $(basename "$VENV_DIR") with $("${PY_CMD[@]}" -c 'import sys; print("Python", sys.version.split()[0])')"
         "${PY_CMD[@]}" -m venv "$VENV_DIR" || _die "could not create $VENV_DIR"
         "$VENV_PY" -m pip install -qq --upgrade pip || _die "could not upgrade pip in $VENV_DIR"
     fi
@@ -85,7 +106,7 @@ EOF
         && "$VENV_PY" -c 'import importlib.metadata as m; m.version("triaccel-jax")' >/dev/null 2>&1; then
         return 0
     fi
-    _log "installing the project into .venv (editable, extras: $extras)"
+    _log "installing the project into $(basename "$VENV_DIR") (editable, extras: $extras)"
     rm -f "$stamp"
     "$VENV_PY" -m pip install -qq --upgrade pip || _die "could not upgrade pip in $VENV_DIR"
     # editable_mode=lenient (setuptools' default, named here on purpose) is the only mode that maps
@@ -94,4 +115,14 @@ EOF
     "$VENV_PY" -m pip install -qq -e "$REPO_ROOT[$extras]" --config-settings editable_mode=lenient \
         || _die "pip install -e .[$extras] failed"
     printf '%s\n' "$want" >"$stamp"
+}
+
+# The kernel-test venv: the Triton interpreter tests need torch, whose CPU wheel is served from this
+# machine's disk for Python 3.11 only. Same logic as .venv, another folder and an exact Python.
+ensure_kernels_venv() {
+    VENV_DIR="$REPO_ROOT/.venv-kernels"
+    VENV_PY="$VENV_DIR/bin/python"
+    _PY_EXACT="3.11"
+    ensure_venv "kernels-dev,test"
+    _PY_EXACT=""
 }

@@ -1,0 +1,161 @@
+"""Compiles every Triton kernel variant for an sm_90 (H100/H200) target on this machine, no GPU.
+
+Run as a script (``python tests/kernels/compile_sm90.py``) WITHOUT ``TRITON_INTERPRET``: it
+prints one JSON line per variant with the stages the compiler produced (``ttir``, ``ttgir``,
+``llir``, ``ptx`` and, with the ptxas that ships in the triton wheel, ``cubin``) and exits 1 if
+any variant fails. ``test_kernel_compile_sm90.py`` runs it in a subprocess.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+import traceback
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("run without TRITON_INTERPRET: the interpreter replaces the compiler")
+
+import jax.numpy as jnp
+import triton
+from triton.backends.compiler import GPUTarget
+
+from triaccel_jax.kernels import _cast_triton
+from triaccel_jax.kernels import _fused_update_triton
+from triaccel_jax.kernels import _triton_common as common
+
+# sm_90 (H100/H200). The third field is the warp size: 32 on NVIDIA GPUs, as Triton's CUDA driver
+# reports it (the NVIDIA backend generates code for 32-thread warps whatever this field says).
+TARGET = GPUTarget("cuda", 90, 32)
+TRITON_TYPES = {
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "uint16": "u16",
+    "uint8": "u8",
+}
+TARGETS = ("bfloat16", "float16", "float8_e4m3fn")
+
+
+def _ptr(dtype: str) -> str:
+    """An input pointer type."""
+    return "*" + TRITON_TYPES[jnp.dtype(dtype).name]
+
+
+def _out(dtype: str) -> str:
+    """An output pointer type, as the jax-triton call declares it (narrow formats as raw bits)."""
+    return _ptr(common.storage_dtype(dtype))
+
+
+def cast_variants():
+    for dtype, stochastic, has_scale in itertools.product(TARGETS, (False, True), (False, True)):
+        yield (
+            f"cast[{dtype},{'stochastic' if stochastic else 'nearest'},{'scaled' if has_scale else 'unscaled'}]",
+            _cast_triton.cast_kernel,
+            {
+                "x_ptr": "*fp32",
+                "inv_scale_ptr": "*fp32",
+                "words_ptr": "*i32",
+                "n": "i32",
+                "out_ptr": _out(dtype),
+            },
+            {
+                "FORMAT": common.format_code(dtype),
+                "STOCHASTIC": stochastic,
+                "HAS_SCALE": has_scale,
+                "BLOCK": common.BLOCK,
+            },
+        )
+    yield (
+        "cast[bfloat16 input -> float8_e4m3fn,stochastic,scaled]",
+        _cast_triton.cast_kernel,
+        {
+            "x_ptr": "*bf16",
+            "inv_scale_ptr": "*fp32",
+            "words_ptr": "*i32",
+            "n": "i32",
+            "out_ptr": _out("float8_e4m3fn"),
+        },
+        {"FORMAT": 3, "STOCHASTIC": True, "HAS_SCALE": True, "BLOCK": common.BLOCK},
+    )
+
+
+FUSED = [
+    # grad, moments, master, compute, stochastic compute copy
+    ("float32", "float32", "float32", "bfloat16", False),
+    ("float32", "float32", "float32", "float32", False),
+    ("bfloat16", "bfloat16", "float32", "bfloat16", True),
+    ("float16", "bfloat16", "float32", "float8_e4m3fn", False),
+    ("float32", "bfloat16", "bfloat16", "float8_e4m3fn", True),
+    ("bfloat16", "float32", "float16", "float16", True),
+]
+
+
+def fused_variants():
+    for grad, moments, master, compute, stochastic in FUSED:
+        needs_bits = moments != "float32" or master != "float32" or stochastic
+        yield (
+            f"fused_update[grad={grad},moments={moments},master={master},compute={compute},"
+            f"{'stochastic' if stochastic else 'nearest'}]",
+            _fused_update_triton.fused_update_kernel,
+            {
+                "grad_ptr": _ptr(grad),
+                "mu_ptr": _ptr(moments),
+                "nu_ptr": _ptr(moments),
+                "master_ptr": _ptr(master),
+                "scalars_ptr": "*fp32",
+                "words_ptr": "*i32",
+                "n": "i32",
+                "new_mu_ptr": _out(moments),
+                "new_nu_ptr": _out(moments),
+                "new_master_ptr": _out(master),
+                "compute_ptr": _out(compute),
+            },
+            {
+                "MU_FORMAT": common.format_code(moments),
+                "NU_FORMAT": common.format_code(moments),
+                "MASTER_FORMAT": common.format_code(master),
+                "COMPUTE_FORMAT": common.format_code(compute),
+                "COMPUTE_STOCHASTIC": stochastic,
+                "NEEDS_BITS": needs_bits,
+                "BLOCK": common.BLOCK,
+            },
+        )
+
+
+def compile_variant(kernel, signature: dict, constexprs: dict):
+    """``triton.compile`` for sm_90 with the options the jax-triton calls use."""
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    options = {"num_warps": common.NUM_WARPS, "enable_fp_fusion": False}
+    return triton.compile(source, target=TARGET, options=options)
+
+
+def main() -> int:
+    failures = 0
+    for name, kernel, signature, constexprs in itertools.chain(cast_variants(), fused_variants()):
+        start = time.perf_counter()
+        record = {"variant": name}
+        try:
+            compiled = compile_variant(kernel, signature, constexprs)
+        except Exception:
+            failures += 1
+            record.update(ok=False, error=traceback.format_exc(limit=3))
+        else:
+            ptx = compiled.asm.get("ptx", "")
+            record.update(
+                ok=True,
+                stages=[k for k in ("ttir", "ttgir", "llir", "ptx", "cubin") if k in compiled.asm],
+                cubin_bytes=len(compiled.asm.get("cubin", b"")),
+                fma=ptx.count("fma.rn.f32"),
+                approximate=ptx.count(".approx.f32"),
+            )
+        record["seconds"] = round(time.perf_counter() - start, 2)
+        print(json.dumps(record), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
