@@ -126,3 +126,21 @@ ensure_kernels_venv() {
     ensure_venv "kernels-dev,test"
     _PY_EXACT=""
 }
+
+# Fashion-MNIST, the real offline data set: Debian's dataset-fashion-mnist package (IDX files in
+# /usr/share/datasets/fashion-mnist, MIT licence). Installed when missing and we are root with
+# apt-get; otherwise we say how to get it (the code falls back to scikit-learn's digits).
+ensure_fashion_mnist() {
+    local dir=/usr/share/datasets/fashion-mnist
+    [[ -f "$dir/t10k-labels-idx1-ubyte.gz" ]] && return 0
+    if [[ "$(id -u)" == "0" ]] && command -v apt-get >/dev/null 2>&1; then
+        _log "installing Debian's dataset-fashion-mnist (real offline data for tests and the main job)"
+        if apt-get update -qq >/dev/null 2>&1 \
+            && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1; then
+            return 0
+        fi
+        _log "warning: apt-get could not install dataset-fashion-mnist; Fashion-MNIST tests will skip"
+    else
+        _log "Fashion-MNIST is missing: as root run 'apt-get update && apt-get install -y dataset-fashion-mnist'"
+    fi
+}

@@ -4,5 +4,6 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 ensure_venv demo
+ensure_fashion_mnist
 cd "$REPO_ROOT"
 exec "$VENV_PY" -m triaccel_jax "$@"

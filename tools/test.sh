@@ -20,6 +20,7 @@ if [[ -z "$run_kernel_tests" ]]; then
 fi
 
 ensure_venv test
+ensure_fashion_mnist
 status=0
 "$VENV_PY" -m pytest -n 2 "$@" || status=$?
 
