@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,7 +84,7 @@ def resnet20_outputs(resnet20_variables):
 def test_models_are_exported():
     import triaccel_jax.models as models
 
-    assert sorted(models.__all__) == ["ResNet20", "SmallCNN"]
+    assert sorted(models.__all__) == ["BatchNorm", "ResNet20", "SmallCNN"]
 
 
 def test_small_cnn_logits_shape_and_jit():
@@ -218,3 +219,27 @@ def test_resnet20_jitted_train_step(resnet20_variables):
     assert all(np.any(g != 0) for g in jax.tree.leaves(grads))
     assert jax.tree.structure(new_params) == jax.tree.structure(params)
     assert jax.tree.structure(new_stats) == jax.tree.structure(batch_stats)
+
+
+def test_batch_norm_matches_flax_in_fp32_and_stays_bf16_in_bf16():
+    from triaccel_jax.models import BatchNorm
+
+    x = jax.random.normal(jax.random.key(3), (16, 5, 5, 6)) * 3.0 + 1.0
+    ours, theirs = (
+        BatchNorm(False, momentum=0.8),
+        nn.BatchNorm(False, momentum=0.8, use_fast_variance=False),
+    )
+    variables = ours.init(jax.random.key(0), x)
+    reference = theirs.init(jax.random.key(0), x)
+    assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, reference)
+    y, stats = ours.apply(variables, x, mutable=["batch_stats"])
+    y_ref, stats_ref = theirs.apply(reference, x, mutable=["batch_stats"])
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(stats_ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    evaluated = BatchNorm(True).apply({**variables, **stats}, x)
+    expected = nn.BatchNorm(True, use_fast_variance=False).apply({**reference, **stats_ref}, x)
+    np.testing.assert_allclose(evaluated, expected, rtol=1e-5, atol=1e-5)
+    low, _ = ours.apply(variables, x.astype(jnp.bfloat16), mutable=["batch_stats"])
+    assert low.dtype == jnp.bfloat16
+    np.testing.assert_allclose(low.astype(jnp.float32), y, atol=0.05)

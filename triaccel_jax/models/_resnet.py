@@ -10,6 +10,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from triaccel_jax.models._norm import batch_norm_factory as _batch_norm
+
 # He et al. initialise convolutions for ReLU networks with fan-in scaling.
 _conv_init = nn.initializers.he_normal()
 
@@ -172,12 +174,3 @@ def _conv(
         kernel_init=_conv_init,
         dtype=dtype,
     )
-
-
-def _batch_norm(train: bool, dtype: Any, momentum: float = 0.9, epsilon: float = 1e-5):
-    def make() -> nn.BatchNorm:
-        return nn.BatchNorm(
-            use_running_average=not train, momentum=momentum, epsilon=epsilon, dtype=dtype
-        )
-
-    return make
