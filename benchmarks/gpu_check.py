@@ -354,6 +354,7 @@ def memory_child(config: str, batch_size: int, dry_run: bool) -> None:
     compute_dtype, state_dtype = {
         "fp32": (None, None),
         "static-bf16": (jnp.bfloat16, jnp.bfloat16),
+        "planned": (None, None),  # fp32 masters; the planned policy casts through the interceptor
     }[config]
     if dry_run:
         model, model_name = ResNet20(num_classes=10, dtype=compute_dtype), "ResNet20 (dry run)"
@@ -366,20 +367,44 @@ def memory_child(config: str, batch_size: int, dry_run: bool) -> None:
     tx = triaccel_jax.triaccel(1e-3, state_dtype=state_dtype)
     opt_state = tx.init(params)
 
-    def loss_fn(params, batch_stats, x, y):
-        logits, updates = model.apply(
-            {"params": params, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
-        )
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
-        return loss.mean(), updates["batch_stats"]
+    def make_step(policy, donate):
+        def loss_fn(params, batch_stats, x, y):
+            variables = {"params": params, "batch_stats": batch_stats}
+            kwargs = {"train": True, "mutable": ["batch_stats"]}
+            if policy is None:
+                logits, updates = model.apply(variables, x, **kwargs)
+            else:
+                variables["params"] = triaccel_jax.cast_params(params, policy)
+                logits, updates = triaccel_jax.apply_with_policy(
+                    model, variables, x, policy=policy, **kwargs
+                )
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+            return loss.mean(), updates["batch_stats"]
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def step(params, batch_stats, opt_state, x, y):
-        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, batch_stats, x, y
+        @functools.partial(jax.jit, donate_argnums=(0, 1, 2) if donate else ())
+        def step(params, batch_stats, opt_state, x, y):
+            (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, batch_stats, x, y
+            )
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), batch_stats, opt_state, loss
+
+        return step
+
+    policy = None
+    if config == "planned":
+        # Signals from a few fp32 steps on a small slice (kept small so that they do not set the
+        # process's peak), then the planner's policy and the state converted to it.
+        warm = make_step(None, donate=False)
+        for _ in range(5):
+            params, batch_stats, opt_state, warm_loss = warm(
+                params, batch_stats, opt_state, x[:8], y[:8]
+            )
+        policy = triaccel_jax.plan_precision(
+            triaccel_jax.signals(opt_state), params, budget=1e-3, loss=float(warm_loss)
         )
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), batch_stats, opt_state, loss
+        opt_state = triaccel_jax.convert_state(opt_state, policy)
+    step = make_step(policy, donate=True)
 
     compiled = step.lower(params, batch_stats, opt_state, x, y).compile()
     analysis = compiled.memory_analysis()
@@ -410,6 +435,7 @@ def memory_child(config: str, batch_size: int, dry_run: bool) -> None:
         "compiled_alias_bytes": getattr(analysis, "alias_size_in_bytes", None),
         "step_ms_median_of_last_3": statistics.median(times[1:]) * 1e3,
         "loss": float(loss),
+        "policy": repr(policy) if policy is not None else None,
     }
     print("MEMORY " + json.dumps(record), flush=True)
 
@@ -418,7 +444,7 @@ def memory(batch_size: int, dry_run: bool) -> None:
     _print(f"\n== memory of one training step (triaccel_jax.triaccel), batch {batch_size}")
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     records = []
-    for config in ("fp32", "static-bf16"):
+    for config in ("fp32", "static-bf16", "planned"):
         command = [
             sys.executable,
             os.path.abspath(__file__),
@@ -444,9 +470,13 @@ def memory(batch_size: int, dry_run: bool) -> None:
             f"{mib(r['compiled_argument_bytes'])} {mib(r['params_and_state_bytes']):>12} "
             f"{r['step_ms_median_of_last_3']:8.2f}  {r['model']}, {r['params']:,} params"
         )
-    if len(records) == 2 and all(r["peak_bytes_in_use"] for r in records):
-        ratio = records[1]["peak_bytes_in_use"] / records[0]["peak_bytes_in_use"]
-        _print(f"static-bf16 / fp32 peak_bytes_in_use: {ratio:.3f}")
+    for r in records:
+        if r.get("policy"):
+            _print(f"planned policy: {r['policy']}")
+    if len(records) >= 2 and all(r["peak_bytes_in_use"] for r in records):
+        for r in records[1:]:
+            ratio = r["peak_bytes_in_use"] / records[0]["peak_bytes_in_use"]
+            _print(f"{r['config']} / fp32 peak_bytes_in_use: {ratio:.3f}")
     elif records:
         _print("(peak_bytes_in_use is not reported by this backend: on CPU memory_stats() is None)")
 
@@ -496,7 +526,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="images per training step for the memory figures (default 128)",
     )
     parser.add_argument("--skip-memory", action="store_true", help="skip the memory figures")
-    parser.add_argument("--memory-child", choices=("fp32", "static-bf16"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--memory-child", choices=("fp32", "static-bf16", "planned"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     dry = args.dry_run
     if args.parity_size is None:
