@@ -23,6 +23,14 @@ from triaccel_jax._src.flax_precision import precision_interceptor
 
 BF16, F32 = "bfloat16", "float32"
 
+# Which intermediates autodiff saves (and so the exact residual list) is an implementation choice
+# of JAX's partial evaluation; these expectations are JAX >= 0.12's. Older JAX (Python 3.11 gets
+# 0.10) saves an extra fp32 copy in some of these cases: the dtype rules still hold there, and the
+# operand-dtype tests below run on every version.
+exact_residuals = pytest.mark.skipif(
+    jax.__version_info__ < (0, 12), reason="exact residual lists are JAX >= 0.12's"
+)
+
 
 class _MLP(nn.Module):
     @nn.compact
@@ -83,6 +91,7 @@ def _setup(model, x, patterns, **kwargs):
     return variables, policy, loss
 
 
+@exact_residuals
 def test_bf16_hidden_layer_next_to_an_fp32_output_layer():
     x = jnp.ones((3, 8))
     variables, _, loss = _setup(_MLP(), x, {"params/hidden/*": "bf16"})
@@ -99,6 +108,7 @@ def test_bf16_hidden_layer_next_to_an_fp32_output_layer():
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(grads)} == {jnp.dtype(F32)}
 
 
+@exact_residuals
 def test_fp32_hidden_layer_next_to_a_bf16_output_layer():
     x = jnp.ones((3, 8))
     variables, _, loss = _setup(_MLP(), x, {"params/out/*": "bf16"})
@@ -111,6 +121,7 @@ def test_fp32_hidden_layer_next_to_a_bf16_output_layer():
     ]
 
 
+@exact_residuals
 def test_bf16_conv_next_to_an_fp32_dense():
     x = jnp.ones((2, 5, 5, 1))
     variables, _, loss = _setup(_ConvNet(), x, {"params/conv/*": "bf16"})

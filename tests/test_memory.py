@@ -19,6 +19,14 @@ from triaccel_jax._src.memory import memory_report
 
 F32, BF16 = 4, 2  # bytes per element
 
+# Which intermediates autodiff saves (and so the exact residual list) is an implementation choice
+# of JAX's partial evaluation; these expectations are JAX >= 0.12's. Older JAX (Python 3.11 gets
+# 0.10) saves an extra fp32 copy in some of these cases: the dtype rules still hold there, and the
+# operand-dtype tests below run on every version.
+exact_residuals = pytest.mark.skipif(
+    jax.__version_info__ < (0, 12), reason="exact residual lists are JAX >= 0.12's"
+)
+
 
 def _params():
     return {
@@ -102,6 +110,7 @@ def test_residuals_of_one_dense_layer_by_hand():
     assert report.residuals == 8 * 16 * F32 + 8 * 4 * F32
 
 
+@exact_residuals
 def test_residuals_exclude_params_and_compute_copies_but_count_casts_of_the_batch():
     model = _MLP()
     x = jnp.ones((3, 8))
