@@ -43,6 +43,8 @@ _TINY = float(jnp.finfo(jnp.float32).tiny)
 class LeafSignals(NamedTuple):
     """Per-leaf float32 scalars that ``scale_by_triaccel`` keeps for the planner and controller.
 
+    All are refreshed on curvature steps (every ``curvature_every`` steps, from the first).
+
     Attributes:
       mean_curvature: mean of the (bias-corrected) curvature EMA over the leaf, ``kappa_l``.
       max_curvature: largest magnitude of the curvature EMA in the leaf.
@@ -255,41 +257,6 @@ def scale_by_triaccel(
         stores = treedef.flatten_up_to(state.curvature)
         old_signals = treedef.flatten_up_to(state.leaf_signals)
 
-        # Curvature: estimate and fold into the compressed EMA every `curvature_every` steps.
-        def estimate(operand):
-            stores, estimator_state, curvature_count = operand
-            diagonal, estimator_state = estimator_tx.update(
-                updates, estimator_state, params, loss_fn=loss_fn
-            )
-            diagonal = treedef.flatten_up_to(diagonal)
-            stores = list(stores)
-            for i in active:
-                stores[i] = compression.update_compressed_ema(
-                    stores[i], diagonal[i], curvature_decay
-                )
-            return stores, estimator_state, optax.safe_increment(curvature_count)
-
-        due = state.count % jnp.asarray(curvature_every, jnp.int32) == 0
-        operand = (stores, state.estimator_state, state.curvature_count)
-        stores, estimator_state, curvature_count = lax.cond(
-            due, estimate, lambda operand: operand, operand
-        )
-
-        # Per-leaf summaries of the bias-corrected EMA, and the step-size scales from them.
-        correction = 1 - jnp.asarray(curvature_decay, jnp.float32) ** curvature_count
-        correction = jnp.maximum(correction, _TINY)
-        summaries = {i: compression.summarize_diagonal(stores[i], grads[i].shape) for i in active}
-        kappa = {i: jnp.maximum(summaries[i].mean / correction, 0.0) for i in active}
-        kappa_ref = jnp.median(jnp.stack([kappa[i] for i in active])) if active else None
-        scale = {
-            i: jnp.clip(
-                ((kappa_ref + _TINY) / (kappa[i] + _TINY)) ** jnp.asarray(alpha, jnp.float32),
-                min_scale,
-                max_scale,
-            ).astype(jnp.float32)
-            for i in active
-        }
-
         # Moments and direction (Adam, with bias correction).
         count = optax.safe_increment(state.count)
         step = count.astype(jnp.float32)
@@ -298,29 +265,65 @@ def scale_by_triaccel(
         bias1 = 1 - b1_f**step
         bias2 = 1 - b2_f**step
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rounding_key), state.count)
-        out = list(grads)
-        new_mu, new_nu, new_signals = list(mu), list(nu), list(old_signals)
+        new_mu, new_nu = list(mu), list(nu)
+        m_hat, v_hat, direction = {}, {}, {}
         for i in active:
             g = grads[i].astype(jnp.float32)
             mu_f = b1_f * mu[i].astype(jnp.float32) + (1 - b1_f) * g
             nu_f = b2_f * nu[i].astype(jnp.float32) + (1 - b2_f) * jnp.square(g)
-            m_hat = mu_f / bias1
-            v_hat = nu_f / bias2
-            direction = m_hat / (jnp.sqrt(v_hat) + eps)
-            out[i] = (scale[i] * direction).astype(grads[i].dtype)
+            m_hat[i] = mu_f / bias1
+            v_hat[i] = nu_f / bias2
+            direction[i] = m_hat[i] / (jnp.sqrt(v_hat[i]) + eps)
             leaf_key = jax.random.fold_in(step_key, i)
             new_mu[i] = _write(mu_f, mu[i].dtype, jax.random.fold_in(leaf_key, 0))
             new_nu[i] = _write(nu_f, nu[i].dtype, jax.random.fold_in(leaf_key, 1))
-            signal = jnp.mean(jnp.square(m_hat))
-            noise = jnp.maximum(jnp.mean(v_hat) - signal, 0.0)
-            summary = summaries[i]
-            new_signals[i] = LeafSignals(
-                mean_curvature=summary.mean / correction,
-                max_curvature=summary.max_abs / correction,
-                trace=summary.trace / correction,
-                noise_to_signal=noise / (signal + _TINY),
-                step_scale=scale[i],
+
+        # Every `curvature_every` steps: a curvature estimate folded into the compressed EMA, and
+        # from it the per-leaf signals and step-size scales. They change only then, so the other
+        # steps reuse the stored ones instead of recomputing them (and the noise reductions).
+        def refresh(operand):
+            stores, estimator_state, curvature_count, signals = operand
+            diagonal, estimator_state = estimator_tx.update(
+                updates, estimator_state, params, loss_fn=loss_fn
             )
+            diagonal = treedef.flatten_up_to(diagonal)
+            stores, signals = list(stores), list(signals)
+            for i in active:
+                stores[i] = compression.update_compressed_ema(
+                    stores[i], diagonal[i], curvature_decay
+                )
+            curvature_count = optax.safe_increment(curvature_count)
+            correction = 1 - jnp.asarray(curvature_decay, jnp.float32) ** curvature_count
+            correction = jnp.maximum(correction, _TINY)
+            summaries = {
+                i: compression.summarize_diagonal(stores[i], grads[i].shape) for i in active
+            }
+            kappa = {i: jnp.maximum(summaries[i].mean / correction, 0.0) for i in active}
+            kappa_ref = jnp.median(jnp.stack([kappa[i] for i in active])) if active else None
+            exponent = jnp.asarray(alpha, jnp.float32)
+            for i in active:
+                scale = jnp.clip(
+                    ((kappa_ref + _TINY) / (kappa[i] + _TINY)) ** exponent, min_scale, max_scale
+                )
+                signal = jnp.mean(jnp.square(m_hat[i]))
+                noise = jnp.maximum(jnp.mean(v_hat[i]) - signal, 0.0)
+                signals[i] = LeafSignals(
+                    mean_curvature=summaries[i].mean / correction,
+                    max_curvature=summaries[i].max_abs / correction,
+                    trace=summaries[i].trace / correction,
+                    noise_to_signal=noise / (signal + _TINY),
+                    step_scale=scale.astype(jnp.float32),
+                )
+            return stores, estimator_state, curvature_count, signals
+
+        due = state.count % jnp.asarray(curvature_every, jnp.int32) == 0
+        operand = (stores, state.estimator_state, state.curvature_count, old_signals)
+        stores, estimator_state, curvature_count, new_signals = lax.cond(
+            due, refresh, lambda operand: operand, operand
+        )
+        out = list(grads)
+        for i in active:
+            out[i] = (new_signals[i].step_scale * direction[i]).astype(grads[i].dtype)
 
         new_state = ScaleByTriAccelState(
             count=count,
