@@ -16,20 +16,13 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.extend import core as jex_core
+from jax_versions import exact_residuals
 
 import triaccel_jax
 from triaccel_jax._src.flax_precision import apply_with_policy
 from triaccel_jax._src.flax_precision import precision_interceptor
 
 BF16, F32 = "bfloat16", "float32"
-
-# Which intermediates autodiff saves (and so the exact residual list) is an implementation choice
-# of JAX's partial evaluation; these expectations are JAX >= 0.12's. Older JAX (Python 3.11 gets
-# 0.10) saves an extra fp32 copy in some of these cases: the dtype rules still hold there, and the
-# operand-dtype tests below run on every version.
-exact_residuals = pytest.mark.skipif(
-    jax.__version_info__ < (0, 12), reason="exact residual lists are JAX >= 0.12's"
-)
 
 
 class _MLP(nn.Module):

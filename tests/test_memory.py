@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax_versions import exact_residuals
 
 import triaccel_jax
 from triaccel_jax._src.flax_precision import apply_with_policy
@@ -18,14 +19,6 @@ from triaccel_jax._src.memory import compute_copy_dtype
 from triaccel_jax._src.memory import memory_report
 
 F32, BF16 = 4, 2  # bytes per element
-
-# Which intermediates autodiff saves (and so the exact residual list) is an implementation choice
-# of JAX's partial evaluation; these expectations are JAX >= 0.12's. Older JAX (Python 3.11 gets
-# 0.10) saves an extra fp32 copy in some of these cases: the dtype rules still hold there, and the
-# operand-dtype tests below run on every version.
-exact_residuals = pytest.mark.skipif(
-    jax.__version_info__ < (0, 12), reason="exact residual lists are JAX >= 0.12's"
-)
 
 
 def _params():
