@@ -210,3 +210,15 @@ def test_float_gradient_of_integer_parameter_passes_through():
     updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
     assert float(updates["step"]) == 0.5
     assert isinstance(state.mu["step"], optax.MaskedNode)
+
+
+def test_state_can_be_donated_at_every_step():
+    # A state holding one buffer twice cannot be donated ("donate the same buffer twice").
+    params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+    tx = triaccel_jax.triaccel(0.1, curvature_every=3)
+    step = jax.jit(lambda p, s: tx.update(p, s, p)[1], donate_argnums=1)
+    state = tx.init(params)
+    for _ in range(5):
+        ids = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state)]
+        assert len(ids) == len(set(ids))
+        state = step(params, state)

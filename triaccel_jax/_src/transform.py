@@ -219,8 +219,9 @@ def scale_by_triaccel(
         def signals_or_skip(leaf):
             if not tree_lib.is_trainable(leaf):
                 return optax.MaskedNode()
-            zero = jnp.zeros((), jnp.float32)
-            return LeafSignals(zero, zero, zero, zero, jnp.ones((), jnp.float32))
+            # Distinct arrays, never one shared buffer: callers donate the state to `jit`.
+            zeros = [jnp.zeros((), jnp.float32) for _ in range(4)]
+            return LeafSignals(*zeros, step_scale=jnp.ones((), jnp.float32))
 
         return ScaleByTriAccelState(
             count=jnp.zeros([], jnp.int32),
