@@ -1,0 +1,36 @@
+"""Figures agreed across processes, so every host takes the same decision (DESIGN §5).
+
+Each process reads its own memory probe; a decision taken from local figures could differ
+between hosts, which would then run different shapes and deadlock in the first collective. So
+the figures are all-gathered and combined conservatively: the largest peak, the smallest limit.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+# A missing figure travels as -1 (figures are byte counts, never negative). Arrays cross
+# processes as int32 unless x64 is on, so each count travels as two 30-bit halves.
+_MISSING = -1
+_HALF = 2**30
+
+
+def agree_on_memory(
+    peak_bytes: int | None, limit_bytes: int | None
+) -> tuple[int | None, int | None]:
+    """The largest peak and smallest limit over all processes (identity with one process)."""
+    if jax.process_count() == 1:
+        return peak_bytes, limit_bytes
+    from jax.experimental import multihost_utils
+
+    halves = []
+    for value in (peak_bytes, limit_bytes):
+        halves += [_MISSING, 0] if value is None else [value // _HALF, value % _HALF]
+    gathered = np.asarray(multihost_utils.process_allgather(np.array(halves, np.int32)))
+    gathered = gathered.astype(np.int64).reshape(-1, 2, 2)
+    values = gathered[:, :, 0] * _HALF + gathered[:, :, 1]
+    present = gathered[:, :, 0] != _MISSING
+    peaks = [int(v) for v, ok in zip(values[:, 0], present[:, 0], strict=True) if ok]
+    limits = [int(v) for v, ok in zip(values[:, 1], present[:, 1], strict=True) if ok]
+    return (max(peaks) if peaks else None), (min(limits) if limits else None)

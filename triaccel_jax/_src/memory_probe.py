@@ -1,0 +1,220 @@
+"""Memory probes: what the controller knows about free accelerator memory (DESIGN §5).
+
+One small interface, :class:`MemoryProbe`: ``read(batch_size=...)`` returns a
+:class:`MemoryReading` with the peak bytes used since the previous reading (None when the probe
+cannot measure it) and the limit. Three probes ship:
+
+* :class:`DeviceMemoryProbe`: ``device.memory_stats()`` (GPU/TPU). ``peak_bytes_in_use`` is a
+  high-water mark since the process started, so the probe reports it only when it rose since the
+  previous reading: only then is it the peak of the steps in between. ``bytes_limit`` is XLA's
+  pool (see ``XLA_PYTHON_CLIENT_MEM_FRACTION``). Backends without statistics (CPU returns None)
+  or that raise give a reading of Nones.
+* :class:`BudgetMemoryProbe`: a byte budget and no measurement, for CPU, where the controller
+  relies on the compiled step's own memory analysis (:func:`compiled_peak_bytes`).
+* :class:`FakeMemoryProbe`: a scripted device for tests and notebooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
+from typing import Protocol
+
+import jax
+import numpy as np
+
+
+class MemoryReading(NamedTuple):
+    """One reading of a memory probe.
+
+    Attributes:
+      peak_bytes: the most bytes in use since the previous reading, or None if unknown.
+      limit_bytes: the bytes the process may use, or None if unknown.
+      source: which probe read it, for the event log.
+    """
+
+    peak_bytes: int | None
+    limit_bytes: int | None
+    source: str
+
+
+class MemoryProbe(Protocol):
+    """Anything with ``read(*, batch_size) -> MemoryReading`` (the batch size that last ran)."""
+
+    def read(self, *, batch_size: int) -> MemoryReading: ...
+
+
+def compiled_peak_bytes(compiled: Any) -> int | None:
+    """XLA's predicted peak of a compiled function: temp + argument + output - alias bytes.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``).
+
+    Returns:
+      The bytes, or None when the backend gives no memory analysis. (XLA's own
+      ``peak_memory_in_bytes`` is not used: it is wrong on CPU.)
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from triaccel_jax import compiled_peak_bytes
+      >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(1024)).compile()
+      >>> compiled_peak_bytes(compiled) >= 2 * 4096
+      True
+    """
+    try:
+        stats = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError):
+        return None
+    if stats is None:
+        return None
+    return int(
+        stats.temp_size_in_bytes
+        + stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
+
+
+class DeviceMemoryProbe:
+    """Reads ``memory_stats()`` of the local devices (the largest peak, the smallest limit).
+
+    Args:
+      devices: devices to read; default ``jax.local_devices()``.
+
+    Example:
+      >>> from triaccel_jax import DeviceMemoryProbe
+      >>> reading = DeviceMemoryProbe().read(batch_size=32)  # on CPU: no statistics
+      >>> reading.source
+      'device'
+    """
+
+    def __init__(self, devices: Sequence[Any] | None = None) -> None:
+        self._devices = list(devices) if devices is not None else jax.local_devices()
+        self._last_peak: int | None = None
+
+    def read(self, *, batch_size: int) -> MemoryReading:
+        del batch_size  # the device measures what really ran
+        peaks, limits = [], []
+        for device in self._devices:
+            try:
+                stats = device.memory_stats()
+            except Exception:
+                stats = None
+            if not stats:
+                continue
+            if "peak_bytes_in_use" in stats:
+                peaks.append(int(stats["peak_bytes_in_use"]))
+            if "bytes_limit" in stats:
+                limits.append(int(stats["bytes_limit"]))
+        peak = max(peaks) if peaks else None
+        fresh = (
+            peak
+            if peak is not None and (self._last_peak is None or peak > self._last_peak)
+            else None
+        )
+        if peak is not None:
+            self._last_peak = peak
+        return MemoryReading(fresh, min(limits) if limits else None, "device")
+
+    def available(self) -> bool:
+        """Whether any device reports a memory limit."""
+        return self.read(batch_size=1).limit_bytes is not None
+
+
+class BudgetMemoryProbe:
+    """A memory budget and no measurement: the controller uses compiled memory analyses.
+
+    Args:
+      budget_bytes: the budget in bytes, or a callable returning it (a budget that changes during
+        a run, e.g. a simulated one in a notebook). None: ``fraction`` of the RAM available now
+        (psutil).
+      fraction: share of available RAM used when ``budget_bytes`` is None, in (0, 1].
+
+    Example:
+      >>> from triaccel_jax import BudgetMemoryProbe
+      >>> BudgetMemoryProbe(256 * 2**20).read(batch_size=64).limit_bytes
+      268435456
+    """
+
+    def __init__(
+        self, budget_bytes: int | Callable[[], int] | None = None, *, fraction: float = 0.5
+    ) -> None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"`fraction` must be in (0, 1], got {fraction!r}")
+        if budget_bytes is None:
+            try:
+                import psutil
+            except ImportError:  # pragma: no cover - psutil is a dependency
+                raise ImportError(
+                    "BudgetMemoryProbe needs psutil to read the available RAM; install psutil "
+                    "or pass budget_bytes"
+                ) from None
+            budget_bytes = int(fraction * psutil.virtual_memory().available)
+        if not callable(budget_bytes):
+            _check_bytes("budget_bytes", budget_bytes)
+        self._budget = budget_bytes
+
+    def read(self, *, batch_size: int) -> MemoryReading:
+        del batch_size
+        budget = self._budget() if callable(self._budget) else self._budget
+        return MemoryReading(None, _check_bytes("budget_bytes", budget), "budget")
+
+
+class FakeMemoryProbe:
+    """A scripted device: peak bytes as a function of the batch size, with optional noise.
+
+    Args:
+      limit_bytes: the device's limit, or a callable of the reading number (0, 1, ...) that
+        returns it, to simulate memory taken and given back by someone else.
+      peak_bytes: ``batch_size -> bytes`` the step peaks at; None for a probe that measures
+        nothing (like :class:`BudgetMemoryProbe`).
+      noise: relative noise of each reading, uniform in ``[-noise, noise]``.
+      seed: seed of the noise.
+
+    Example:
+      >>> from triaccel_jax import FakeMemoryProbe
+      >>> probe = FakeMemoryProbe(1000, peak_bytes=lambda batch: 10 * batch)
+      >>> probe.read(batch_size=32)
+      MemoryReading(peak_bytes=320, limit_bytes=1000, source='fake')
+    """
+
+    def __init__(
+        self,
+        limit_bytes: int | Callable[[int], int],
+        *,
+        peak_bytes: Callable[[int], float] | None = None,
+        noise: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        if not callable(limit_bytes):
+            _check_bytes("limit_bytes", limit_bytes)
+        if not 0 <= noise < 1:
+            raise ValueError(f"`noise` must be in [0, 1), got {noise!r}")
+        self._limit = limit_bytes
+        self._peak = peak_bytes
+        self._noise = noise
+        self._rng = np.random.default_rng(seed)
+        self.readings = 0
+
+    def read(self, *, batch_size: int) -> MemoryReading:
+        limit = self._limit(self.readings) if callable(self._limit) else self._limit
+        self.readings += 1
+        peak = None
+        if self._peak is not None:
+            jitter = 1.0 + self._rng.uniform(-self._noise, self._noise) if self._noise else 1.0
+            peak = int(self._peak(batch_size) * jitter)
+        return MemoryReading(peak, _check_bytes("limit_bytes", limit), "fake")
+
+
+def default_memory_probe() -> MemoryProbe:
+    """:class:`DeviceMemoryProbe` where devices report a limit, else :class:`BudgetMemoryProbe`."""
+    probe = DeviceMemoryProbe()
+    return probe if probe.available() else BudgetMemoryProbe()
+
+
+def _check_bytes(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive integer number of bytes, got {value!r}")
+    return int(value)

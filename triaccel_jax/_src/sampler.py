@@ -1,0 +1,128 @@
+"""``ElasticSampler``: batches of any size from a deterministic per-epoch permutation (DESIGN §6).
+
+A change of batch size between two draws neither drops nor repeats a sample: the sampler keeps a
+cursor into the epoch's permutation, and a draw that runs past the end of an epoch takes the rest
+of it and continues in the next epoch's permutation. The permutation of epoch ``e`` depends only
+on ``(seed, e)``, so the sampler's whole state is three integers, saved as JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+STATE_FORMAT = "triaccel_jax.ElasticSampler"
+
+
+def _check_count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class ElasticSampler:
+    """Serves sample indices in batches of any size, each sample once per epoch.
+
+    Args:
+      num_examples: size of the data set, >= 1.
+      seed: seed of the per-epoch permutations.
+      shuffle: False serves ``0, 1, ..., num_examples - 1`` in order every epoch.
+
+    Example:
+      >>> from triaccel_jax import ElasticSampler
+      >>> sampler = ElasticSampler(10, seed=0)
+      >>> first = sampler.take(4)
+      >>> rest = sampler.take(6)  # another batch size: no sample dropped or repeated
+      >>> sorted([*first, *rest]) == list(range(10)), sampler.epoch, sampler.cursor
+      (True, 1, 0)
+    """
+
+    def __init__(self, num_examples: int, *, seed: int = 0, shuffle: bool = True) -> None:
+        self._num_examples = _check_count("num_examples", num_examples, 1)
+        self._seed = _check_count("seed", seed, 0)
+        self._shuffle = bool(shuffle)
+        self._epoch = 0
+        self._cursor = 0
+        self._order = self.order(0)
+
+    @property
+    def num_examples(self) -> int:
+        return self._num_examples
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next sample comes from (0-based)."""
+        return self._epoch
+
+    @property
+    def cursor(self) -> int:
+        """Position of the next sample in the current epoch's permutation."""
+        return self._cursor
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples served since the start of epoch 0."""
+        return self._epoch * self._num_examples + self._cursor
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The permutation of ``range(num_examples)`` served in ``epoch``."""
+        if not self._shuffle:
+            return np.arange(self._num_examples)
+        return np.random.default_rng([self._seed, epoch]).permutation(self._num_examples)
+
+    def take(self, batch_size: int) -> np.ndarray:
+        """The indices of the next ``batch_size`` samples (int64); advances the cursor."""
+        batch_size = _check_count("batch_size", batch_size, 1)
+        parts, needed = [], batch_size
+        while needed:
+            part = self._order[self._cursor : self._cursor + needed]
+            parts.append(part)
+            needed -= len(part)
+            self._cursor += len(part)
+            if self._cursor == self._num_examples:
+                self._epoch, self._cursor = self._epoch + 1, 0
+                self._order = self.order(self._epoch)
+        return np.concatenate(parts).astype(np.int64)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's position as JSON-ready data."""
+        return {
+            "format": STATE_FORMAT,
+            "num_examples": self._num_examples,
+            "seed": self._seed,
+            "shuffle": self._shuffle,
+            "epoch": self._epoch,
+            "cursor": self._cursor,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues from :meth:`state_dict`'s output, which must come from the same data set.
+
+        Raises:
+          ValueError: the state is malformed or was saved for another data set or seed.
+        """
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"not a sampler state: expected a mapping with format {STATE_FORMAT!r}"
+            )
+        for key in ("num_examples", "seed", "shuffle"):
+            mine = getattr(self, f"_{key}")
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"the sampler state was saved with {key}={state.get(key)!r}, this sampler "
+                    f"has {key}={mine!r}"
+                )
+        epoch = _check_count("epoch", state.get("epoch"), 0)
+        cursor = _check_count("cursor", state.get("cursor"), 0)
+        if cursor >= self._num_examples:
+            raise ValueError(f"sampler cursor {cursor} is past the data set ({self._num_examples})")
+        self._epoch, self._cursor = epoch, cursor
+        self._order = self.order(epoch)
+
+    def __repr__(self) -> str:
+        return (
+            f"ElasticSampler(num_examples={self._num_examples}, seed={self._seed}, "
+            f"epoch={self._epoch}, cursor={self._cursor})"
+        )
