@@ -9,15 +9,14 @@ import jax
 import pytest
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compiles = 0
+_compiles: list[str] = []  # the name of every function compiled, in order
 _lock = threading.Lock()
 
 
 def _on_event(event: str, duration: float, **kwargs) -> None:
-    global _compiles
     if event == _COMPILE_EVENT:
         with _lock:
-            _compiles += 1
+            _compiles.append(str(kwargs.get("fun_name", "")))
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
@@ -28,14 +27,20 @@ class CompileCounter:
 
     def __init__(self) -> None:
         self.count = 0
+        self.names: list[str] = []
 
     @contextlib.contextmanager
     def __call__(self):
-        start = _compiles
+        start = len(_compiles)
         try:
             yield self
         finally:
-            self.count = _compiles - start
+            self.names = _compiles[start:]
+            self.count = len(self.names)
+
+    def of(self, name: str) -> int:
+        """Compilations of functions whose name contains ``name``."""
+        return sum(name in compiled for compiled in self.names)
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec
 from triaccel_jax._src import agreement
 from triaccel_jax._src import buckets as buckets_lib
 from triaccel_jax._src import events as events_lib
+from triaccel_jax._src import hyperparams
 from triaccel_jax._src import memory_probe
 from triaccel_jax._src import planner
 from triaccel_jax._src import policy as policy_lib
@@ -137,10 +138,10 @@ class Controller:
         batch size).
       lr_scaling: ``"sqrt"`` (lr x sqrt(batch / reference)), ``"linear"`` or ``"none"``.
       lr_hyperparam: name of the ``optax.inject_hyperparams`` hyperparameter holding the learning
-        rate. When the optimizer state has it, the scaled rate is written there (no re-jit);
-        otherwise, or with None, the step multiplies the update by the factor, which is the
-        same for optimizers whose update is linear in the learning rate (SGD, Adam, AdamW,
-        triaccel). A rate that a schedule recomputes every step cannot be overwritten: use None.
+        rate. When the optimizer state holds it as a constant, the scaled rate is written there
+        (no re-jit). Otherwise (no injected rate, a rate driven by a schedule, or None) the
+        step multiplies the update by the factor, which is the same for optimizers whose
+        update is linear in the learning rate (SGD, Adam, AdamW, triaccel).
       keep_global_batch: keep the optimisation unchanged: every step uses ``global_batch``
         samples and only the micro-batch (the bucket) follows memory.
       global_batch: the fixed batch with ``keep_global_batch`` (default ``max_batch``); a
@@ -300,17 +301,14 @@ class Controller:
                 self.opt_state = self._place(precision.convert_state(self.opt_state, policy))
         self.policy = policy
 
+        # The learning rate is scaled in the injected state when the optimizer holds it as a
+        # constant; a scheduled one is recomputed every update, so the update is scaled instead.
         self._lr_hyperparam = lr_hyperparam
-        self._base_lr = None
+        found = None
         if lr_hyperparam is not None and lr_scaling != "none":
-            try:
-                value = optax.tree_utils.tree_get(self.opt_state, lr_hyperparam)
-            except KeyError:
-                value = None
-            if value is not None:
-                self._base_lr = float(value)
+            found = hyperparams.find_hyperparam(self.opt_state, lr_hyperparam)
+        self._base_lr = found.value if found is not None and not found.scheduled else None
         self._lr_factor = 1.0
-        self._lr_written: float | None = None
 
         self.probe = memory_probe.default_memory_probe() if probe is None else probe
         if not callable(getattr(self.probe, "read", None)):
@@ -363,7 +361,6 @@ class Controller:
         metrics = self._run_with_retry(indices)
         self.step_count += 1
         self._last_loss = metrics["loss"]
-        self._verify_learning_rate()
         seconds = time.perf_counter() - start
         spent = self.timings["step"] + self.timings["compile"] + self.timings["data"] - spent_before
         self.timings["control"] += seconds - spent
@@ -465,14 +462,25 @@ class Controller:
             self.policy = policy_lib.PrecisionPolicy.from_json(json.dumps(state["policy"]))
             self.policy.check_matches(self.params)
         self._log("restore", None, self.step_count, "controller state loaded")
-        self._lr_written = None
         self._set_learning_rate()
 
     # -- decisions --------------------------------------------------------------------------------
 
     def _known_peaks(self) -> dict[int, int]:
-        signature = self._policy_signature()
-        return {**self._compiled_peaks.get(signature, {}), **self._measured}
+        """Peak bytes per bucket under the current policy: measured by the probe if it measures
+        (they include whatever else holds memory), else XLA's compiled analyses. The two are not
+        mixed: a linear fit through figures from different sources would be meaningless."""
+        if self._measured:
+            return dict(self._measured)
+        return dict(self._compiled_peaks.get(self._policy_signature(), {}))
+
+    def _fixed_bytes(self) -> int:
+        """Bytes that do not grow with the batch, for a one-point prediction. Measured peaks
+        include unknown others, so they are extrapolated as proportional to the batch (which
+        over-predicts: growth is then cautious, never unsafe)."""
+        if self._measured:
+            return 0
+        return _nbytes((self.params, self.opt_state, self.model_state))
 
     def _check_memory(self) -> None:
         reading = self.probe.read(batch_size=self._micro)
@@ -480,7 +488,6 @@ class Controller:
         self._limit = limit
         if peak is not None:
             self._measured[self._micro] = peak
-        fixed = _nbytes((self.params, self.opt_state, self.model_state))
         decision = buckets_lib.decide_bucket(
             self._micro,
             self.buckets,
@@ -490,7 +497,7 @@ class Controller:
             high_water=self._high_water,
             patience=self._patience,
             ceiling=self._ceiling,
-            fixed_bytes=fixed,
+            fixed_bytes=self._fixed_bytes(),
             grow_streak=self._grow_streak,
             shrink_streak=self._shrink_streak,
         )
@@ -500,7 +507,7 @@ class Controller:
         figures = {"peak_bytes": self._known_peaks().get(self._micro), "limit_bytes": limit}
         if decision.kind == "grow":
             self._compiled_step(decision.bucket, self._num_micro(decision.bucket))
-            compiled_peak = self._known_peaks().get(decision.bucket)
+            compiled_peak = None if self._measured else self._known_peaks().get(decision.bucket)
             if compiled_peak is not None and compiled_peak > self._high_water * limit:
                 self._log(
                     "reject",
@@ -530,8 +537,8 @@ class Controller:
                 counts[new.compute(path)] = counts.get(new.compute(path), 0) + 1
             self._log(
                 "replan",
-                self.policy.signature(),
-                new.signature(),
+                self.policy.signature,
+                new.signature,
                 "the planner chose another policy",
                 leaves_by_dtype=counts,
                 loss=self._last_loss,
@@ -556,25 +563,11 @@ class Controller:
             )
         self._lr_factor = factor
         if self._base_lr is not None:
-            value = self._base_lr * factor
-            old = optax.tree_utils.tree_get(self.opt_state, self._lr_hyperparam)
-            self.opt_state = optax.tree_utils.tree_set(
-                self.opt_state, **{self._lr_hyperparam: jnp.asarray(value, dtype=old.dtype)}
+            self.opt_state = self._place(
+                hyperparams.set_hyperparam(
+                    self.opt_state, self._lr_hyperparam, self._base_lr * factor
+                )
             )
-            self.opt_state = self._place(self.opt_state)
-            self._lr_written = value
-
-    def _verify_learning_rate(self) -> None:
-        if self._lr_written is None:
-            return
-        value = float(optax.tree_utils.tree_get(self.opt_state, self._lr_hyperparam))
-        if not math.isclose(value, self._lr_written, rel_tol=1e-6):
-            raise ValueError(
-                f"the injected hyperparameter {self._lr_hyperparam!r} was overwritten during the "
-                f"step ({self._lr_written:.6g} set, {value:.6g} after): it is driven by a "
-                "schedule. Pass lr_hyperparam=None so the controller scales the update instead."
-            )
-        self._lr_written = None
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -583,7 +576,7 @@ class Controller:
         return self._global // micro if self._keep_global else 1
 
     def _policy_signature(self) -> str:
-        return "none" if self.policy is None else self.policy.signature()
+        return "none" if self.policy is None else self.policy.signature
 
     def _compiled_step(self, micro: int, num_micro: int) -> Any:
         key = (micro, num_micro, self.policy)
@@ -615,6 +608,7 @@ class Controller:
             f"{num_micro}x{micro}",
             f"first step with micro-batch {micro} x {num_micro}, policy {self._policy_signature()}",
             compiled_peak_bytes=peak,
+            policy=self._policy_signature(),
             seconds=round(seconds, 3),
         )
         return compiled

@@ -108,7 +108,7 @@ def make_train_step(
         )
         return grads, model_state, {"loss": loss, **metrics}
 
-    def step(params, opt_state, model_state, batch, rng, lr_factor):
+    def controller_step(params, opt_state, model_state, batch, rng, lr_factor):
         first = jax.tree.map(lambda x: x[0], batch)
         if num_micro == 1:
             grads, model_state, metrics = one(params, model_state, first, rng)
@@ -136,7 +136,7 @@ def make_train_step(
         params = optax.apply_updates(params, updates)
         return StepOutput(params, opt_state, model_state, metrics)
 
-    return step
+    return controller_step
 
 
 def _scaled(update: Any, factor: jax.Array) -> Any:

@@ -1,0 +1,537 @@
+"""The Controller on one device: buckets, OOM recovery, compiles, learning rate, state, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import triaccel_jax
+from triaccel_jax import Controller
+from triaccel_jax import FakeMemoryProbe
+
+NUM_EXAMPLES = 512
+BIG = 10**12  # a limit nothing reaches
+
+
+def make_data(n: int = NUM_EXAMPLES) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    w = rng.normal(size=(8,)).astype(np.float32)
+    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=n)).astype(np.float32)
+    return {"x": x, "y": y, "id": np.arange(n, dtype=np.int32)}
+
+
+def make_params() -> dict[str, jax.Array]:
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w1": jax.random.normal(k1, (8, 32)) * 0.3,
+        "w2": jax.random.normal(k2, (32,)) * 0.3,
+    }
+
+
+def loss_fn(params, batch, *, policy, rng):
+    hidden = jnp.tanh(batch["x"] @ params["w1"])
+    return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+
+def linear_probe(limit=20_000, base=1_000, per_sample=100, **kwargs) -> FakeMemoryProbe:
+    return FakeMemoryProbe(limit, peak_bytes=lambda b: base + per_sample * b, **kwargs)
+
+
+def make_controller(cls=Controller, **overrides) -> Controller:
+    kwargs = {
+        "min_batch": 8,
+        "max_batch": 256,
+        "probe": linear_probe(),
+        "check_every": 1,
+        "seed": 0,
+    }
+    kwargs.update(overrides)
+    tx = kwargs.pop("tx", None) or triaccel_jax.triaccel(1e-2)
+    return cls(kwargs.pop("loss_fn", loss_fn), make_params(), tx, make_data(), **kwargs)
+
+
+class FaultyController(Controller):
+    """Raises XLA's RESOURCE_EXHAUSTED at chosen steps; records the sample ids that trained.
+
+    ``faults`` maps a step to how many attempts at it fail. The fault is raised where a real one
+    surfaces, from the compiled step's call, so the controller's recovery path is exactly the one
+    a device OOM takes.
+    """
+
+    def __init__(self, *args, faults=None, **kwargs):
+        self.faults = dict(faults or {})
+        self.seen: list[np.ndarray] = []
+        super().__init__(*args, **kwargs)
+
+    def _compiled_step(self, micro, num_micro):
+        compiled = super()._compiled_step(micro, num_micro)
+
+        def run(params, opt_state, model_state, batch, rng, factor):
+            if self.faults.get(self.step_count, 0) > 0:
+                self.faults[self.step_count] -= 1
+                raise jax.errors.JaxRuntimeError(
+                    f"RESOURCE_EXHAUSTED: injected at step {self.step_count}, micro-batch {micro}"
+                )
+            out = compiled(params, opt_state, model_state, batch, rng, factor)
+            self.seen.append(np.asarray(batch["id"]).reshape(-1))
+            return out
+
+        return run
+
+
+def changes(controller: Controller) -> list[tuple[int, str, int, int]]:
+    return [
+        (e.step, e.kind, e.old, e.new)
+        for e in controller.events
+        if e.kind in ("grow", "shrink", "oom", "replan")
+    ]
+
+
+# -- buckets under the fake probe ------------------------------------------------------------------
+
+
+def test_grows_to_the_largest_bucket_that_fits():
+    controller = make_controller()
+    controller.run(12)
+    # peak(b) = 1000 + 100 b under 85% of 20000 -> b <= 160 -> bucket 128 (256 would be 26600).
+    assert controller.batch_size == 128
+    assert controller.events[-1].kind in ("learning_rate", "compile", "grow")
+    assert [c[1] for c in changes(controller)] == ["grow"] * len(changes(controller))
+
+
+def test_shrinks_when_memory_is_taken_away():
+    # After 10 readings someone else takes 60% of the device.
+    probe = FakeMemoryProbe(
+        lambda n: 20_000 if n < 10 else 8_000, peak_bytes=lambda b: 1_000 + 100 * b
+    )
+    controller = make_controller(probe=probe)
+    controller.run(20)
+    kinds = [c[1] for c in changes(controller)]
+    assert "grow" in kinds and kinds[-1] == "shrink"
+    # 1000 + 100 b <= 0.85 * 8000 -> b <= 58 -> 32.
+    assert controller.batch_size == 32
+
+
+@pytest.mark.parametrize(
+    ("limit", "start"),
+    [
+        (int((1_000 + 100 * 64) / 0.95), 64),  # the peak at 64 sits on the high-water mark
+        (int((1_000 + 100 * 128) / 0.85), 64),  # bucket 128 sits on the growth threshold
+    ],
+    ids=["high-water", "growth-threshold"],
+)
+def test_noisy_readings_change_the_bucket_at_most_twice_in_100_checks(limit, start):
+    probe = linear_probe(limit=limit, noise=0.05, seed=3)
+    controller = make_controller(probe=probe, batch_size=start, max_batch=256)
+    controller.run(101)  # a check before every step but the first
+    assert probe.readings == 100
+    assert len([c for c in changes(controller) if c[1] in ("grow", "shrink")]) <= 2
+
+
+def test_cpu_budget_keeps_the_chosen_bucket_under_the_budget():
+    # Budget between the compiled peaks of two buckets: the controller must settle on the
+    # largest bucket whose compiled peak is within the budget, and never run a larger one.
+    probe_controller = make_controller(probe=FakeMemoryProbe(BIG), max_batch=256)
+    for size in (8, 16, 32, 64, 128, 256):
+        probe_controller._compiled_step(size, 1)
+    peaks = probe_controller._known_peaks()
+    budget = int(peaks[64] / 0.85) + 1  # 64 fits under the target, 128 does not
+    assert peaks[128] > 0.95 * budget
+    controller = make_controller(
+        probe=triaccel_jax.BudgetMemoryProbe(budget), max_batch=256, patience=1
+    )
+    infos = controller.run(10)
+    assert controller.batch_size == 64
+    for info in infos:
+        assert controller._known_peaks()[info.micro_batch] <= budget
+
+
+def test_decisions_are_logged_with_their_figures():
+    controller = make_controller()
+    controller.run(6)
+    grow = next(e for e in controller.events if e.kind == "grow")
+    assert grow.figures["limit_bytes"] == 20_000 and grow.figures["peak_bytes"] > 0
+    assert "predicted" in grow.reason
+    records = controller.event_records()
+    assert {"step", "kind", "old", "new", "reason"} <= set(records[0])
+    assert any("figure_limit_bytes" in r for r in records)
+
+
+# -- out of memory -------------------------------------------------------------------------------
+
+
+def test_out_of_memory_loses_no_sample_and_training_continues():
+    faults = {3: 1, 40: 2, 90: 1}  # at step 40 the retry runs out of memory too
+    controller = make_controller(FaultyController, faults=faults, patience=1)
+    infos = controller.run(120)
+    assert all(np.isfinite(i.loss) for i in infos)
+    seen = np.concatenate(controller.seen)
+    sampler = controller.sampler
+    served = np.concatenate([sampler.order(e) for e in range(sampler.epoch + 1)])
+    # Exactly the sampler's stream, in order: nothing lost, nothing repeated.
+    np.testing.assert_array_equal(seen, served[: len(seen)])
+    assert len(seen) == sampler.samples_seen
+    assert len(seen) > 2 * NUM_EXAMPLES  # several epochs, with different batch sizes
+    ooms = [(e.step, e.old, e.new) for e in controller.events if e.kind == "oom"]
+    assert [step for step, _, _ in ooms] == [3, 40, 40, 90]
+    for step, old, new in ooms:
+        assert new == old // 2
+        # An OOMed bucket is a ceiling: never run again.
+        assert all(i.micro_batch < old for i in infos[step:])
+
+
+def test_out_of_memory_at_the_smallest_bucket_says_what_was_tried():
+    controller = make_controller(FaultyController, faults={0: 3}, batch_size=32)
+    with pytest.raises(triaccel_jax.OutOfMemoryError, match=r"1x32, 2x16, 4x8") as info:
+        controller.step()
+    assert "smallest batch bucket 8" in str(info.value)
+    assert controller.step_count == 0
+
+
+def test_an_error_that_is_not_out_of_memory_propagates_unchanged():
+    class Broken(FaultyController):
+        def _compiled_step(self, micro, num_micro):
+            def run(*args):
+                raise jax.errors.JaxRuntimeError("INTERNAL: something else broke")
+
+            return run
+
+    controller = make_controller(Broken)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
+        controller.step()
+    assert not [e for e in controller.events if e.kind == "oom"]
+
+
+def test_keep_global_batch_makes_an_oom_retry_the_same_update():
+    common = dict(
+        keep_global_batch=True, global_batch=64, batch_size=64, probe=FakeMemoryProbe(BIG)
+    )
+    clean = make_controller(**common)
+    clean.run(30)
+    faulty = make_controller(FaultyController, faults={5: 1}, **common)
+    infos = faulty.run(30)
+    assert [i.micro_batch for i in infos[4:7]] == [64, 32, 32]
+    assert {i.batch_size for i in infos} == {64}  # the optimisation is unchanged
+    # Accumulating 2 x 32 instead of 1 x 64 reorders float sums only: measured max relative
+    # difference 7e-6 (absolute 6e-8) after 30 steps; asserted at rtol 1e-4.
+    for a, b in zip(jax.tree.leaves(clean.params), jax.tree.leaves(faulty.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_accumulated_micro_batches_give_the_big_batch_gradient():
+    from triaccel_jax._src import train_step
+
+    data = make_data(64)
+    params = make_params()
+    normalized = train_step.normalize_loss_fn(loss_fn, has_aux=False, has_model_state=False)
+    tx = optax.sgd(1.0)
+    args = (params, tx.init(params), None)
+    rng = jax.random.key(0)
+    one = train_step.make_train_step(normalized, tx, policy=None, num_micro=1)
+    four = train_step.make_train_step(normalized, tx, policy=None, num_micro=4)
+    as_one = jax.tree.map(lambda x: x.reshape(1, 64, *x.shape[1:]), data)
+    as_four = jax.tree.map(lambda x: x.reshape(4, 16, *x.shape[1:]), data)
+    a = jax.jit(one)(*args, as_one, rng, 1.0)
+    b = jax.jit(four)(*args, as_four, rng, 1.0)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a.metrics["loss"], b.metrics["loss"], rtol=1e-5)
+
+
+# -- compiles and learning rate ----------------------------------------------------------------
+
+
+def test_one_compile_per_distinct_bucket_and_policy(count_compiles):
+    faults = {8: 1}
+    with count_compiles():
+        controller = make_controller(
+            FaultyController,
+            faults=faults,
+            replan_every=5,
+            planner_options={"budget": float("inf"), "min_size": 0},
+            patience=1,
+        )
+        controller.run(25)
+    visited = {(e.new, e.figures["policy"]) for e in controller.events if e.kind == "compile"}
+    replans = [e for e in controller.events if e.kind == "replan"]
+    assert replans, "the planner should have moved a leaf to bf16"
+    assert (
+        controller.compile_count
+        == len(visited)
+        == len([e for e in controller.events if e.kind == "compile"])
+    )
+    assert count_compiles.of("controller_step") == controller.compile_count
+
+
+def test_learning_rate_scaling_goes_through_inject_hyperparams_without_recompiling(
+    count_compiles,
+):
+    tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-2)
+    controller = make_controller(tx=tx, lr_scaling="sqrt", reference_batch=8)
+    with count_compiles():
+        infos = controller.run(8)
+    assert controller.batch_size == 128
+    lr = float(optax.tree_utils.tree_get(controller.opt_state, "learning_rate"))
+    assert lr == pytest.approx(1e-2 * np.sqrt(128 / 8), rel=1e-6)
+    # Compiles: one step per bucket visited; none for the learning-rate changes.
+    assert count_compiles.of("controller_step") == len({i.micro_batch for i in infos})
+    factors = [e.new for e in controller.events if e.kind == "learning_rate"]
+    assert factors[-1] == pytest.approx(4.0)
+
+
+def test_learning_rate_scaling_without_injection_scales_the_update():
+    # At batch 16 against reference 8 with linear scaling, one SGD step moves twice as far.
+    data = make_data()
+    first = {k: v[:16] for k, v in data.items()}
+    params = make_params()
+    controller = Controller(
+        loss_fn,
+        params,
+        optax.sgd(0.1),
+        data,
+        min_batch=16,
+        max_batch=16,
+        reference_batch=8,
+        lr_scaling="linear",
+        probe=FakeMemoryProbe(BIG),
+        seed=0,
+    )
+    indices = controller.sampler.order(0)[:16]
+    controller.step()
+    batch = {k: v[indices] for k, v in data.items()}
+    del first
+    grads = jax.grad(lambda p: loss_fn(p, batch, policy=None, rng=None))(params)
+    expected = jax.tree.map(lambda p, g: p - 0.2 * g, params, grads)
+    for a, b in zip(jax.tree.leaves(controller.params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_scheduled_learning_rate_is_left_to_its_schedule_and_the_update_scaled():
+    schedule = optax.linear_schedule(1e-2, 1e-3, 100)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
+    controller = make_controller(tx=tx, reference_batch=8, lr_scaling="linear", patience=1)
+    before = controller.params
+    indices = controller.sampler.order(0)
+    controller.run(2)  # step 0 at batch 8; the check before step 1 grows the bucket
+    assert controller.batch_size > 8
+    factor = controller.batch_size / 8
+    data = make_data()
+    batch = {k: v[indices[8 : 8 + controller.batch_size]] for k, v in data.items()}
+    del before
+    # Replay: the params after step 0, then one SGD step at schedule(1) * factor.
+    replay = make_controller(
+        tx=optax.sgd(schedule(0)), probe=FakeMemoryProbe(BIG), lr_scaling="none"
+    )
+    replay.run(1)
+    grads = jax.grad(lambda p: loss_fn(p, batch, policy=None, rng=None))(replay.params)
+    expected = jax.tree.map(lambda p, g: p - schedule(1) * factor * g, replay.params, grads)
+    for a, b in zip(jax.tree.leaves(controller.params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert float(optax.tree_utils.tree_get(controller.opt_state.hyperparams, "learning_rate")) == (
+        pytest.approx(float(schedule(1)))
+    )
+
+
+def test_keep_global_batch_holds_the_effective_batch_constant():
+    controller = make_controller(keep_global_batch=True, global_batch=256, batch_size=8)
+    infos = controller.run(6)
+    assert [i.batch_size for i in infos] == [256] * 6
+    assert infos[0].micro_batch == 8 and infos[-1].micro_batch == 128
+    assert controller.sampler.samples_seen == 6 * 256
+    assert not [e for e in controller.events if e.kind == "learning_rate"]
+
+
+# -- precision, model state, callback -------------------------------------------------------------
+
+
+def test_replanning_converts_the_state_and_passes_the_policy_to_the_loss():
+    seen_policies = []
+
+    def recording_loss(params, batch, *, policy, rng):
+        seen_policies.append(policy)
+        cast = triaccel_jax.cast_params(params, policy)
+        hidden = jnp.tanh(batch["x"] @ cast["w1"].astype(jnp.float32))
+        return jnp.mean((hidden @ cast["w2"].astype(jnp.float32) - batch["y"]) ** 2)
+
+    controller = make_controller(
+        loss_fn=recording_loss,
+        replan_every=3,
+        planner_options={"budget": float("inf"), "min_size": 0},
+        probe=FakeMemoryProbe(BIG),
+    )
+    controller.run(10)
+    assert controller.policy.compute("w1") == "bf16"
+    assert any(p is not None and p.compute("w1") == "bf16" for p in seen_policies)
+    signals = triaccel_jax.signals(controller.opt_state)
+    assert signals["w1"]["state_dtype"] == "bfloat16"
+
+
+def test_model_state_flows_through_micro_batches_and_aux_metrics_are_averaged():
+    def counting_loss(params, batch, *, policy, rng, model_state):
+        loss = loss_fn(params, batch, policy=policy, rng=rng)
+        return loss, {"model_state": model_state + 1, "mean_id": jnp.mean(batch["id"] * 1.0)}
+
+    controller = make_controller(
+        FaultyController,
+        faults={2: 1},
+        loss_fn=counting_loss,
+        has_aux=True,
+        model_state=jnp.int32(0),
+        batch_size=32,
+        probe=FakeMemoryProbe(BIG),
+        check_every=100,
+    )
+    infos = controller.run(3)
+    # Steps 0 and 1: one micro-batch each; step 2 retried as 2 x 16 after the fault.
+    assert int(controller.model_state) == 4
+    ids = controller.sampler.order(0)[64:96]
+    assert infos[2].metrics["mean_id"] == pytest.approx(ids.mean(), rel=1e-6)
+
+
+def test_hutchinson_gets_the_loss_as_an_extra_argument():
+    tx = triaccel_jax.triaccel(1e-2, estimator="hutchinson", curvature_every=1)
+    controller = make_controller(tx=tx, probe=FakeMemoryProbe(BIG))
+    controller.run(3)
+    signals = triaccel_jax.signals(controller.opt_state)
+    # Hutchinson without the loss raises; with it, the estimates are non-zero.
+    assert all(s["max_curvature"] > 0 and s["trace"] != 0 for s in signals.values())
+
+
+def test_callback_gets_every_step():
+    infos = []
+    controller = make_controller(callback=infos.append)
+    returned = controller.run(4)
+    assert infos == returned and [i.step for i in infos] == [1, 2, 3, 4]
+    assert all(i.limit_bytes == 20_000 for i in infos[1:])
+
+
+def test_data_as_a_callable_with_num_examples():
+    data = make_data()
+    calls = []
+
+    def fetch(indices):
+        calls.append(len(indices))
+        return {k: v[indices] for k, v in data.items()}
+
+    controller = Controller(
+        loss_fn,
+        make_params(),
+        triaccel_jax.triaccel(1e-2),
+        fetch,
+        num_examples=NUM_EXAMPLES,
+        min_batch=16,
+        max_batch=16,
+        probe=FakeMemoryProbe(BIG),
+    )
+    controller.run(2)
+    assert calls[-2:] == [16, 16]
+
+
+# -- state ------------------------------------------------------------------------------------
+
+
+def test_state_round_trip_gives_the_same_next_decisions_and_losses():
+    def probe():
+        return FakeMemoryProbe(
+            lambda n: 20_000 if n < 12 else 9_000, peak_bytes=lambda b: 1_000 + 100 * b
+        )
+
+    kwargs = dict(replan_every=4, planner_options={"budget": float("inf"), "min_size": 0})
+    reference = make_controller(probe=probe(), **kwargs)
+    reference.run(8)
+    saved = json.loads(json.dumps(reference.state_dict()))
+    params, opt_state = reference.params, reference.opt_state
+    readings = reference.probe.readings
+    expected = reference.run(20)
+
+    resumed_probe = probe()
+    resumed_probe.readings = readings
+    resumed = make_controller(probe=resumed_probe, **kwargs)
+    resumed.params, resumed.opt_state = params, opt_state
+    resumed.load_state_dict(saved)
+    got = resumed.run(20)
+    assert [i.loss for i in got] == [i.loss for i in expected]
+    assert [(i.batch_size, i.micro_batch) for i in got] == [
+        (i.batch_size, i.micro_batch) for i in expected
+    ]
+    decisions = lambda c: [x for x in changes(c) if x[0] >= 8]  # noqa: E731
+    assert decisions(resumed) == decisions(reference) and decisions(reference)
+    assert resumed.policy == reference.policy
+
+
+def test_load_state_dict_rejects_foreign_states():
+    controller = make_controller()
+    state = controller.state_dict()
+    with pytest.raises(ValueError, match="not a controller state"):
+        controller.load_state_dict({"format": "pickle"})
+    with pytest.raises(ValueError, match="seed"):
+        make_controller(seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="buckets"):
+        make_controller(max_batch=64).load_state_dict(state)
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        ({"min_batch": 64, "max_batch": 16}, ValueError, "min_batch.*max_batch"),
+        ({"min_batch": 0}, ValueError, "min_batch"),
+        ({"max_batch": -8}, ValueError, "max_batch"),
+        ({"target": 0.0}, ValueError, "target"),
+        ({"target": 1.0}, ValueError, "target"),
+        ({"target": 1.5}, ValueError, "target"),
+        ({"high_water": 0.5}, ValueError, "high_water"),
+        ({"patience": 0}, ValueError, "patience"),
+        ({"check_every": 0}, ValueError, "check_every"),
+        ({"replan_every": 0}, ValueError, "replan_every"),
+        ({"batch_size": 24}, ValueError, "batch_size.*buckets"),
+        ({"lr_scaling": "cubic"}, ValueError, "lr_scaling"),
+        ({"reference_batch": 0}, ValueError, "reference_batch"),
+        ({"global_batch": 64}, ValueError, "keep_global_batch"),
+        ({"keep_global_batch": True, "global_batch": 20}, ValueError, "global_batch"),
+        ({"probe": object()}, TypeError, "probe"),
+        ({"callback": 3}, TypeError, "callback"),
+        ({"tx": "adam"}, TypeError, "tx"),
+        ({"replan_every": 5, "tx": optax.adam(1e-3)}, ValueError, "no triaccel state"),
+    ],
+)
+def test_bad_configuration_is_rejected(overrides, error, message):
+    with pytest.raises(error, match=message):
+        make_controller(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("bad_loss", "has_aux", "message"),
+    [
+        (lambda p, b, **_: (loss_fn(p, b, **_), 1.0), False, "scalar float loss"),
+        (lambda p, b, **_: loss_fn(p, b, **_), True, r"must return \(loss, aux\)"),
+        (lambda p, b, **_: (loss_fn(p, b, **_), [1.0]), True, "aux must be a dict"),
+        (lambda p, b, **_: b["x"] @ p["w1"], False, "scalar float loss"),
+        (
+            lambda p, b, **_: (loss_fn(p, b, **_), {"m": b["x"]}),
+            True,
+            "metric 'm' must be a scalar",
+        ),
+    ],
+)
+def test_a_loss_with_the_wrong_structure_is_rejected(bad_loss, has_aux, message):
+    with pytest.raises(TypeError, match=message):
+        make_controller(loss_fn=bad_loss, has_aux=has_aux)
+
+
+def test_bad_data_is_rejected():
+    params, tx = make_params(), triaccel_jax.triaccel(1e-2)
+    with pytest.raises(ValueError, match="leading"):
+        Controller(loss_fn, params, tx, {"x": np.zeros((10, 8)), "y": np.zeros(9)})
+    with pytest.raises(ValueError, match="num_examples"):
+        Controller(loss_fn, params, tx, lambda idx: None)
+    with pytest.raises(ValueError, match="no arrays"):
+        Controller(loss_fn, params, tx, {})
