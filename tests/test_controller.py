@@ -460,7 +460,7 @@ def test_state_round_trip_gives_the_same_next_decisions_and_losses():
     assert [(i.batch_size, i.micro_batch) for i in got] == [
         (i.batch_size, i.micro_batch) for i in expected
     ]
-    decisions = lambda c: [x for x in changes(c) if x[0] >= 8]  # noqa: E731
+    decisions = lambda c: [x for x in changes(c) if x[0] >= 8]
     assert decisions(resumed) == decisions(reference) and decisions(reference)
     assert resumed.policy == reference.policy
 
