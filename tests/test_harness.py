@@ -248,3 +248,27 @@ def test_converges_on_rosenbrock(variant):
     final, _ = run(variant.make(2e-2, weight_decay=0.0), variant, params, 2000, loss=rosenbrock)
     np.testing.assert_allclose(final["x"], 1.0, atol=0.05)
     np.testing.assert_allclose(final["y"], 1.0, atol=0.1)
+
+
+@variants
+def test_trains_under_the_controller_across_a_bucket_change(variant):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype(np.float32)
+    data = (x, (x @ rng.normal(size=(8, 3))).astype(np.float32))
+
+    def batch_loss(params, batch, *, policy, rng):
+        inputs, targets = batch
+        return jnp.mean(
+            (inputs @ params["dense"]["kernel"] + params["dense"]["bias"] - targets) ** 2
+        )
+
+    params = {"dense": make_params()["dense"]}
+    probe = triaccel_jax.FakeMemoryProbe(10_000, peak_bytes=lambda b: 100 + 50 * b)
+    controller = triaccel_jax.Controller(
+        batch_loss, params, variant.make(5e-2), data, min_batch=16, max_batch=128,
+        probe=probe, check_every=5,
+    )  # fmt: skip
+    infos = controller.run(60)
+    assert {i.batch_size for i in infos} == {16, 128}
+    losses = [i.loss for i in infos]
+    assert np.isfinite(losses).all() and np.mean(losses[-5:]) < 0.05 * np.mean(losses[:5])

@@ -139,8 +139,9 @@ def decide_bucket(
 
     Example:
       >>> from triaccel_jax import decide_bucket
-      >>> decide_bucket(16, (16, 32, 64, 128), {16: 200, 32: 300}, 1000, patience=1)
-      BucketDecision(bucket=64, kind='grow', reason='bucket 64 predicted at 50% of the limit (target 85%)', grow_streak=1, shrink_streak=0)
+      >>> decision = decide_bucket(16, (16, 32, 64, 128), {16: 200, 32: 300}, 1000, patience=1)
+      >>> decision.bucket, decision.kind  # 64 predicted at 500 bytes, 128 at 900 > 850
+      (64, 'grow')
     """
     if limit is None:
         return BucketDecision(current, "keep", "no memory limit known", 0, 0)
@@ -157,7 +158,7 @@ def decide_bucket(
             return BucketDecision(
                 current,
                 "keep",
-                f"peak {peak / limit:.0%} of the limit over the high-water mark "
+                f"peak {peak / limit:.1%} of the limit over the high-water mark "
                 f"{high_water:.0%} ({shrink_streak}/{patience})",
                 0,
                 shrink_streak,
@@ -167,7 +168,7 @@ def decide_bucket(
         return BucketDecision(
             choice,
             "shrink",
-            f"peak {peak / limit:.0%} of the limit over the high-water mark {high_water:.0%}",
+            f"peak {peak / limit:.1%} of the limit over the high-water mark {high_water:.0%}",
             0,
             0,
         )

@@ -73,7 +73,16 @@ class StepInfo(NamedTuple):
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is XLA running out of memory (``RESOURCE_EXHAUSTED``)."""
+    """Whether ``error`` is XLA running out of memory (``RESOURCE_EXHAUSTED``).
+
+    Example:
+      >>> import jax
+      >>> from triaccel_jax import is_out_of_memory
+      >>> is_out_of_memory(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: 2.0GiB"))
+      True
+      >>> is_out_of_memory(ValueError("RESOURCE_EXHAUSTED"))  # only XLA's runtime errors
+      False
+    """
     if not isinstance(error, jax.errors.JaxRuntimeError):
         return False
     text = str(error)
@@ -161,6 +170,17 @@ class Controller:
       data_axis: the mesh axis the batch is split over.
       seed: seed of the sampler's permutations and of the per-step ``rng``.
       callback: called with a :class:`StepInfo` after every step (e.g. a progress bar).
+
+    Attributes:
+      params, opt_state, model_state: the training state after the last step.
+      policy: the precision policy in force (None when precision is not planned).
+      buckets: the allowed micro-batch sizes.
+      sampler: the :class:`triaccel_jax.ElasticSampler` the batches come from.
+      events: the :class:`triaccel_jax.Event` log.
+      step_count: steps completed.
+      timings: seconds spent running compiled steps (``"step"``, waiting for the device
+        included), compiling (``"compile"``), gathering batches (``"data"``) and in the
+        controller's own decisions and bookkeeping (``"control"``).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -475,12 +495,17 @@ class Controller:
         return dict(self._compiled_peaks.get(self._policy_signature(), {}))
 
     def _fixed_bytes(self) -> int:
-        """Bytes that do not grow with the batch, for a one-point prediction. Measured peaks
-        include unknown others, so they are extrapolated as proportional to the batch (which
-        over-predicts: growth is then cautious, never unsafe)."""
+        """Bytes of a step's peak that do not grow with the batch, for a one-point prediction.
+
+        A compiled step holds its state twice (inputs and outputs: nothing is donated, so that
+        an out-of-memory step leaves the state intact) and one gradient per parameter. Measured
+        peaks also include unknown others, so they are extrapolated as proportional to the
+        batch, which over-predicts: growth is then cautious, never unsafe.
+        """
         if self._measured:
             return 0
-        return _nbytes((self.params, self.opt_state, self.model_state))
+        state = _nbytes((self.params, self.opt_state, self.model_state))
+        return 2 * state + _nbytes(self.params)
 
     def _check_memory(self) -> None:
         reading = self.probe.read(batch_size=self._micro)
@@ -584,7 +609,7 @@ class Controller:
             return self._compiled[key]
         start = time.perf_counter()
         step = train_step.make_train_step(
-            self._loss, self.tx, policy=self.policy, num_micro=num_micro
+            self._loss, self.tx, policy=self.policy, num_micro=num_micro, seed=self._seed
         )
         batch = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(
@@ -593,9 +618,8 @@ class Controller:
             self._sample_spec,
         )
         args = jax.tree.map(_abstract, (self.params, self.opt_state, self.model_state))
-        rng = _abstract(self._base_key)
-        factor = jax.ShapeDtypeStruct((), jnp.float32)
-        compiled = jax.jit(step).lower(*args, batch, rng, factor).compile()
+        scalars = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32)
+        compiled = jax.jit(step).lower(*args, batch, *scalars).compile()
         self._compiled[key] = compiled
         peak = memory_probe.compiled_peak_bytes(compiled)
         if peak is not None and num_micro == self._num_micro(micro):
@@ -629,7 +653,7 @@ class Controller:
                     self.opt_state,
                     self.model_state,
                     batch,
-                    jax.random.fold_in(self._base_key, self.step_count),
+                    np.int32(self.step_count),
                     np.float32(1.0 if self._base_lr is not None else self._lr_factor),
                 )
                 metrics = {k: float(v) for k, v in jax.device_get(out.metrics).items()}
@@ -640,12 +664,14 @@ class Controller:
                 tried.append(f"{num_micro}x{micro}")
                 self._on_out_of_memory(micro, tried, error)
                 continue
-            self.timings["step"] += time.perf_counter() - start
+            # Replacing the state frees the previous step's buffers, as in any training loop,
+            # so it is timed as part of the step, not as the controller's own work.
             self.params, self.opt_state, self.model_state = (
                 out.params,
                 out.opt_state,
                 out.model_state,
             )
+            self.timings["step"] += time.perf_counter() - start
             return metrics
 
     def _on_out_of_memory(self, micro: int, tried: list[str], error: BaseException) -> None:

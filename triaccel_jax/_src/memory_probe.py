@@ -209,7 +209,13 @@ class FakeMemoryProbe:
 
 
 def default_memory_probe() -> MemoryProbe:
-    """:class:`DeviceMemoryProbe` where devices report a limit, else :class:`BudgetMemoryProbe`."""
+    """:class:`DeviceMemoryProbe` where devices report a limit, else :class:`BudgetMemoryProbe`.
+
+    Example:
+      >>> from triaccel_jax import default_memory_probe
+      >>> type(default_memory_probe()).__name__  # on CPU, half the available RAM
+      'BudgetMemoryProbe'
+    """
     probe = DeviceMemoryProbe()
     return probe if probe.available() else BudgetMemoryProbe()
 

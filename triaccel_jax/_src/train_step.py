@@ -85,8 +85,9 @@ def make_train_step(
     *,
     policy: Any,
     num_micro: int,
+    seed: int,
 ) -> Callable[..., StepOutput]:
-    """The step ``(params, opt_state, model_state, batch, rng, lr_factor) -> StepOutput``.
+    """The step ``(params, opt_state, model_state, batch, step, lr_factor) -> StepOutput``.
 
     Args:
       loss_fn: a loss normalised by :func:`normalize_loss_fn`.
@@ -94,6 +95,8 @@ def make_train_step(
         the first micro-batch), which Hutchinson's estimator needs and others ignore.
       policy: the precision policy (static), passed to the loss function.
       num_micro: micro-batches per step; ``batch`` leaves have a leading axis of that size.
+      seed: the loss's ``rng`` is ``fold_in(key(seed), step)``, then folded with the
+        micro-batch index; made inside the step, so it needs no device placement.
 
     Returns:
       The pure step function, to be jitted. ``lr_factor`` multiplies the update only when the
@@ -108,7 +111,8 @@ def make_train_step(
         )
         return grads, model_state, {"loss": loss, **metrics}
 
-    def controller_step(params, opt_state, model_state, batch, rng, lr_factor):
+    def controller_step(params, opt_state, model_state, batch, step, lr_factor):
+        rng = jax.random.fold_in(jax.random.key(seed), step)
         first = jax.tree.map(lambda x: x[0], batch)
         if num_micro == 1:
             grads, model_state, metrics = one(params, model_state, first, rng)

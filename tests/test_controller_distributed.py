@@ -1,0 +1,161 @@
+"""The Controller across devices and processes.
+
+* 8 simulated CPU devices: the batch sharded over a ``data`` mesh axis gives the losses and
+  params of the single-device run.
+* 2 processes (``jax.distributed`` on localhost, CPU, gloo collectives): each process's fake probe
+  reports a different limit, and both still take identical decisions, those of the smaller limit.
+
+XLA's device count and the distributed runtime are fixed when jax starts, so each runs in
+subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+COMMON = textwrap.dedent(
+    """
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    import triaccel_jax
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype(np.float32)
+    y = np.tanh(x @ rng.normal(size=8).astype(np.float32)).astype(np.float32)
+    data = {"x": x, "y": y}
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w1": jax.random.normal(k1, (8, 32)) * 0.3, "w2": jax.random.normal(k2, (32,)) * 0.3}
+
+    def loss_fn(params, batch, *, policy, rng):
+        hidden = jnp.tanh(batch["x"] @ params["w1"])
+        return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+    def summary(controller, infos):
+        decisions = [
+            [e.step, e.kind, e.old, e.new]
+            for e in controller.events
+            if e.kind in ("grow", "shrink", "oom", "learning_rate")
+        ]
+        return {
+            "losses": [i.loss for i in infos],
+            "batches": [i.batch_size for i in infos],
+            "decisions": decisions,
+            "params": {k: np.asarray(v).tolist() for k, v in controller.params.items()},
+        }
+    """
+)
+
+MULTI_DEVICE = COMMON + textwrap.dedent(
+    """
+    from jax.sharding import Mesh
+    assert jax.device_count() == 8, jax.devices()
+
+    def run(mesh):
+        probe = triaccel_jax.FakeMemoryProbe(10_000, peak_bytes=lambda b: 500 + 100 * b)
+        controller = triaccel_jax.Controller(
+            loss_fn, params, triaccel_jax.triaccel(1e-2), data, min_batch=8, max_batch=128,
+            probe=probe, check_every=2, mesh=mesh, seed=0)
+        infos = controller.run(12)
+        if mesh is not None:
+            placed = controller.params["w1"].sharding
+            assert len(placed.device_set) == 8, placed
+        return summary(controller, infos)
+
+    single = run(None)
+    sharded = run(Mesh(np.array(jax.devices()), ("data",)))
+    assert single["batches"] == sharded["batches"], (single["batches"], sharded["batches"])
+    assert max(single["batches"]) > 8, single["batches"]
+    np.testing.assert_allclose(single["losses"], sharded["losses"], rtol=1e-5)
+    for k in params:
+        np.testing.assert_allclose(single["params"][k], sharded["params"][k], rtol=1e-5, atol=1e-6)
+    print("ok")
+    """
+)
+
+DISTRIBUTED_START = textwrap.dedent(
+    """
+    import sys
+    import jax
+    process_id, port = int(sys.argv[1]), sys.argv[2]
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
+    """
+)
+
+TWO_PROCESSES = (
+    DISTRIBUTED_START
+    + COMMON
+    + textwrap.dedent(
+        """
+    from jax.sharding import Mesh
+    assert jax.process_count() == 2 and jax.device_count() == 2
+
+    # Process 1's device has less memory: only it sees the pressure.
+    limit = 20_000 if process_id == 0 else 6_000
+    probe = triaccel_jax.FakeMemoryProbe(limit, peak_bytes=lambda b: 500 + 100 * b)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    controller = triaccel_jax.Controller(
+        loss_fn, params, triaccel_jax.triaccel(1e-2), data, min_batch=8, max_batch=128,
+        probe=probe, check_every=2, mesh=mesh, seed=0)
+    infos = controller.run(16)
+    print("RESULT " + json.dumps(summary(controller, infos)))
+    """
+    )
+)
+
+
+def _env(devices: int = 1) -> dict[str, str]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def test_data_parallel_controller_on_8_devices_matches_one_device():
+    env = _env(devices=8)
+    result = subprocess.run(
+        [sys.executable, "-c", MULTI_DEVICE], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip().endswith("ok")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_take_identical_decisions_when_their_probes_disagree():
+    port = str(_free_port())
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWO_PROCESSES, str(i), port],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = []
+    for process in processes:
+        try:
+            out, err = process.communicate(timeout=600)
+        finally:
+            process.kill()
+        assert process.returncode == 0, err[-4000:]
+        (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        outputs.append(json.loads(line[len("RESULT ") :]))
+    first, second = outputs
+    assert first["decisions"] == second["decisions"]
+    assert first["batches"] == second["batches"]
+    assert first["losses"] == second["losses"]
+    assert first["params"] == second["params"]
+    # The decisions follow the smaller limit (6000: 500 + 100 b <= 5100 -> b <= 46 -> 32), which
+    # only process 1 measured.
+    assert max(first["batches"]) == 32, first["batches"]
