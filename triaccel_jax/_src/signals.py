@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -25,7 +26,8 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
 
     The triaccel state is found anywhere inside ``opt_state``: in an ``optax.chain``, under
     ``optax.inject_hyperparams``, ``optax.MultiSteps``, ``optax.masked`` or
-    ``optax.multi_transform``, or in a Flax train state's ``opt_state``.
+    ``optax.multi_transform``, in a Flax train state's ``opt_state``, or in an
+    ``nnx.Optimizer``'s ``opt_state`` (whose paths end in ``/value``, as nnx's own do).
 
     Args:
       opt_state: an optimizer state holding one or more :func:`triaccel_jax.scale_by_triaccel`
@@ -62,12 +64,19 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
     for state in states:
 
         def is_signals(node):
-            return isinstance(node, transform.LeafSignals)
+            # nnx.Optimizer stores the state through nnx.Variables and gives the NamedTuple
+            # back as a dict of its fields after an update.
+            return isinstance(node, transform.LeafSignals) or (
+                isinstance(node, Mapping) and set(node) == set(SIGNAL_NAMES)
+            )
 
         with_paths, _ = jax.tree_util.tree_flatten_with_path(state.leaf_signals, is_leaf=is_signals)
         dtypes = jax.tree.leaves(state.mu)
         entries = [(p, s) for p, s in with_paths if is_signals(s)]
-        values = [s for _, s in entries]
+        values = [
+            s if isinstance(s, transform.LeafSignals) else transform.LeafSignals(**s)
+            for _, s in entries
+        ]
         if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values)):
             values = jax.tree.map(float, jax.device_get(values))
         for (path, _), leaf_values, moment in zip(entries, values, dtypes, strict=True):

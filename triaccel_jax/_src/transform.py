@@ -18,6 +18,7 @@ The per-leaf scalars are kept in the state for :func:`triaccel_jax.signals`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
@@ -255,8 +256,10 @@ def scale_by_triaccel(
             if not isinstance(m, optax.MaskedNode) and tree_lib.is_trainable(g)
         ]
         nu = treedef.flatten_up_to(state.nu)
-        stores = treedef.flatten_up_to(state.curvature)
-        old_signals = treedef.flatten_up_to(state.leaf_signals)
+        stores = [
+            _as(compression.CompressedDiagonal, x) for x in treedef.flatten_up_to(state.curvature)
+        ]
+        old_signals = [_as(LeafSignals, x) for x in treedef.flatten_up_to(state.leaf_signals)]
 
         # Moments and direction (Adam, with bias correction).
         count = optax.safe_increment(state.count)
@@ -339,3 +342,14 @@ def scale_by_triaccel(
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _as(cls: type, node: Any) -> Any:
+    """``node`` as the NamedTuple ``cls`` if it came back as a mapping of its fields.
+
+    ``nnx.Optimizer`` keeps the optimizer state in ``nnx.Variable``s and returns nested
+    NamedTuples as dicts of their fields; ``lax.cond`` needs the same structure in both branches.
+    """
+    if isinstance(node, Mapping) and set(node) == set(cls._fields):
+        return cls(**{name: node[name] for name in cls._fields})
+    return node

@@ -1,0 +1,190 @@
+"""Flax: triaccel_jax.flax.TrainState (extra arguments, policy, batch stats) and nnx.Optimizer."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import triaccel_jax
+from triaccel_jax.flax import TrainState
+from triaccel_jax.models import ResNet20
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.tanh(nn.Dense(32)(x))
+        return nn.Dense(1)(x)
+
+
+def setup(tx, policy=None):
+    model = MLP()
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    y = jnp.sin(x.sum(-1, keepdims=True))
+    params = model.init(jax.random.key(0), x)["params"]
+    if callable(policy):
+        policy = policy(params)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, policy=policy)
+    return state, x, y
+
+
+def test_apply_gradients_forwards_the_loss_to_hutchinson():
+    tx = triaccel_jax.triaccel(0.05, estimator="hutchinson", curvature_every=1)
+    state, x, y = setup(tx)
+
+    def loss(params):
+        return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
+
+    grads = jax.grad(loss)(state.params)
+    new = jax.jit(lambda s, g: s.apply_gradients(grads=g, loss_fn=loss))(state, grads)
+    # The same step by hand through optax.
+    updates, opt_state = tx.update(grads, tx.init(state.params), state.params, loss_fn=loss)
+    expected = optax.apply_updates(state.params, updates)
+    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)  # jit against eager
+    assert int(new.step) == 1
+    curvature = triaccel_jax.signals(new.opt_state)
+    assert all(s["max_curvature"] > 0 for s in curvature.values())
+    # Without the loss, Hutchinson says how to pass it.
+    with pytest.raises(ValueError, match="loss_fn"):
+        state.apply_gradients(grads=grads)
+
+
+def test_field_keywords_are_replaced_as_in_flax():
+    state, _, _ = setup(optax.sgd(0.1))
+    stats = {"mean": jnp.ones(3)}
+    new = state.apply_gradients(grads=jax.tree.map(jnp.zeros_like, state.params), batch_stats=stats)
+    assert new.batch_stats is stats
+    with pytest.raises(TypeError, match="`params`"):
+        state.apply_gradients(grads=state.params, params=state.params)
+
+
+def test_grads_of_another_structure_are_rejected():
+    state, _, _ = setup(optax.sgd(0.1))
+    with pytest.raises(ValueError, match="structure of `params`"):
+        state.apply_gradients(grads={"Dense_0": state.params["Dense_0"]})
+
+
+def test_policy_keeps_a_compute_copy_and_updates_in_master_precision():
+    def policy(params):
+        return triaccel_jax.PrecisionPolicy.from_patterns(params, {"*/kernel": "bf16"})
+
+    state, x, y = setup(triaccel_jax.triaccel(0.05), policy)
+    assert state.compute_params["Dense_0"]["kernel"].dtype == jnp.bfloat16
+    assert state.compute_params["Dense_0"]["bias"].dtype == jnp.float32
+    assert state.params["Dense_0"]["kernel"].dtype == jnp.float32
+
+    @jax.jit
+    def step(state):
+        def loss(compute):
+            return jnp.mean((state.apply_fn({"params": compute}, x) - y) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(state.forward_params)
+        return state.apply_gradients(grads=grads), value
+
+    losses = []
+    for _ in range(50):
+        state, value = step(state)
+        losses.append(float(value))
+    assert losses[-1] < 0.5 * losses[0]
+    assert state.params["Dense_0"]["kernel"].dtype == jnp.float32
+    np.testing.assert_array_equal(
+        state.compute_params["Dense_0"]["kernel"],
+        state.params["Dense_0"]["kernel"].astype(jnp.bfloat16),
+    )
+    # The moments follow the policy's state dtype (fp32 here: from_patterns' default).
+    assert triaccel_jax.signals(state.opt_state)["Dense_0/kernel"]["state_dtype"] == "float32"
+
+
+def test_with_policy_converts_the_state_and_rebuilds_the_copy():
+    state, _, _ = setup(triaccel_jax.triaccel(0.05))
+    assert state.compute_params is None and state.forward_params is state.params
+    policy = triaccel_jax.PrecisionPolicy.uniform(state.params, "bf16", "bf16")
+    converted = state.with_policy(policy)
+    signals = triaccel_jax.signals(converted.opt_state)
+    assert {s["state_dtype"] for s in signals.values()} == {"bfloat16"}
+    assert converted.compute_params["Dense_1"]["kernel"].dtype == jnp.bfloat16
+    assert converted.with_policy(None).compute_params is None
+    with pytest.raises(TypeError, match="PrecisionPolicy"):
+        TrainState.create(apply_fn=None, params=state.params, tx=optax.sgd(1.0), policy="bf16")
+
+
+def test_batch_stats_train_with_resnet20():
+    model = ResNet20(num_classes=10)
+    images = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
+    labels = jnp.arange(4) % 10
+    variables = model.init(jax.random.key(1), images, train=False)
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=triaccel_jax.triaccel(1e-3),
+        batch_stats=variables["batch_stats"],
+    )
+
+    @jax.jit
+    def step(state):
+        def loss(params):
+            logits, updates = state.apply_fn(
+                {"params": params, "batch_stats": state.batch_stats},
+                images,
+                train=True,
+                mutable=["batch_stats"],
+            )
+            value = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            return value, updates["batch_stats"]
+
+        (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads, batch_stats=stats), value
+
+    new, value = step(state)
+    assert np.isfinite(float(value))
+    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), state.batch_stats, new.batch_stats)
+    assert all(jax.tree.leaves(changed))
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(8, 32, rngs=rngs)
+        self.out = nnx.Linear(32, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jnp.tanh(self.hidden(x)))
+
+
+def test_nnx_optimizer_with_extra_arguments_and_signals():
+    model = NNXModel(nnx.Rngs(0))
+    tx = triaccel_jax.triaccel(0.05, estimator="hutchinson", curvature_every=1)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    y = jnp.sin(x.sum(-1, keepdims=True))
+
+    def loss(model):
+        return jnp.mean((model(x) - y) ** 2)
+
+    @nnx.jit
+    def step(model, optimizer):
+        value, grads = nnx.value_and_grad(loss)(model)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss_of_params(p):  # the params the optimizer sees, as Hutchinson needs
+            return loss(nnx.merge(graphdef, p, rest))
+
+        optimizer.update(model, grads, loss_fn=loss_of_params)
+        return value
+
+    losses = [float(step(model, optimizer)) for _ in range(60)]
+    assert losses[-1] < 0.5 * losses[0]
+    signals = triaccel_jax.signals(optimizer.opt_state)
+    # nnx paths end in the Variable's ``value``, as nnx's own state paths do.
+    assert set(signals) == {
+        "hidden/bias/value",
+        "hidden/kernel/value",
+        "out/bias/value",
+        "out/kernel/value",
+    }
+    assert all(s["max_curvature"] > 0 for s in signals.values())

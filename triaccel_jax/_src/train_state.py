@@ -1,0 +1,195 @@
+"""``TrainState``: Flax's train state with optax extra arguments, a precision policy and BatchNorm.
+
+Flax's ``flax.training.train_state.TrainState.apply_gradients(grads=..., **kwargs)`` treats every
+keyword as a field to replace and calls ``tx.update`` without extra arguments, so a Hutchinson
+estimator cannot get its ``loss_fn`` through it. This subclass forwards the keywords that are not
+fields to ``tx.update`` (DESIGN §6), holds the precision policy (static: it is part of the
+compiled program) and the compute copy of the params that the policy asks for, and a
+``batch_stats`` field for BatchNorm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from flax.training import train_state
+
+from triaccel_jax._src import policy as policy_lib
+from triaccel_jax._src import precision
+from triaccel_jax._src import transform
+from triaccel_jax._src import tree as tree_lib
+
+
+class TrainState(train_state.TrainState):
+    """A Flax ``TrainState`` for triaccel: extra arguments, a precision policy, batch statistics.
+
+    How it differs from ``flax.training.train_state.TrainState``:
+
+    * ``apply_gradients(grads=..., **kwargs)``: keywords naming a field of the state are
+      replaced as in Flax (e.g. ``batch_stats=``); every other keyword is an optax *extra
+      argument* forwarded to ``tx.update`` (e.g. ``loss_fn=`` for
+      ``triaccel(estimator="hutchinson")``).
+    * ``policy`` (static, not a pytree leaf) and ``compute_params``: with a policy whose compute
+      dtypes are not all fp32, ``compute_params`` holds the compute copy of ``params``
+      (:func:`triaccel_jax.cast_params`), refreshed by every ``apply_gradients``; the forward pass
+      uses :attr:`forward_params`. Gradients taken with respect to the compute copy arrive in its
+      dtypes and are cast up to the masters' dtypes before the optimizer sees them, so the
+      update is computed in the masters' precision.
+    * ``batch_stats``: BatchNorm's running statistics (None for models without them).
+    * :meth:`with_policy` switches policy: the optimizer state's moments are converted
+      (:func:`triaccel_jax.convert_state`) and the compute copy rebuilt.
+
+    Flax's ``OVERWRITE_WITH_GRADIENT`` collection (fp8 training through Flax's own fp8 ops) is
+    not supported here.
+
+    Attributes:
+      batch_stats: BatchNorm statistics, or None.
+      policy: the :class:`triaccel_jax.PrecisionPolicy`, or None (everything in the params'
+        own dtypes).
+      compute_params: the compute copy, or None when it would equal ``params``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> import triaccel_jax
+      >>> from triaccel_jax.flax import TrainState
+      >>> model = nn.Dense(1)
+      >>> x, y = jnp.ones((8, 3)), jnp.zeros((8, 1))
+      >>> params = model.init(jax.random.key(0), x)["params"]
+      >>> tx = triaccel_jax.triaccel(0.1, estimator="hutchinson")
+      >>> state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+      >>> loss = lambda p: jnp.mean((state.apply_fn({"params": p}, x) - y) ** 2)
+      >>> state = state.apply_gradients(grads=jax.grad(loss)(state.params), loss_fn=loss)
+      >>> int(state.step)
+      1
+    """
+
+    batch_stats: Any = None
+    policy: policy_lib.PrecisionPolicy | None = struct.field(pytree_node=False, default=None)
+    compute_params: Any = None
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        apply_fn: Any,
+        params: Any,
+        tx: optax.GradientTransformation,
+        policy: policy_lib.PrecisionPolicy | None = None,
+        batch_stats: Any = None,
+        **kwargs: Any,
+    ) -> TrainState:
+        """A state at step 0 with ``tx.init(params)`` and the policy's compute copy.
+
+        Args:
+          apply_fn: the model's apply function.
+          params: the (master) parameters.
+          tx: the optimizer.
+          policy: an optional precision policy covering ``params``.
+          batch_stats: BatchNorm statistics, if the model has them.
+          **kwargs: other fields of a subclass.
+
+        Returns:
+          The state.
+        """
+        if policy is not None:
+            if not isinstance(policy, policy_lib.PrecisionPolicy):
+                raise TypeError(f"`policy` must be a PrecisionPolicy, got {type(policy).__name__}")
+            policy.check_matches(params)
+        opt_state = tx.init(params)
+        if policy is not None:
+            opt_state = _convert_if_triaccel(opt_state, policy)
+        return cls(
+            step=jnp.asarray(0, jnp.int32),
+            apply_fn=apply_fn,
+            params=params,
+            tx=tx,
+            opt_state=opt_state,
+            batch_stats=batch_stats,
+            policy=policy,
+            compute_params=_compute_copy(params, policy),
+            **kwargs,
+        )
+
+    @property
+    def forward_params(self) -> Any:
+        """The params the forward pass should see: the compute copy, or the params themselves."""
+        return self.params if self.compute_params is None else self.compute_params
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """One optimizer step.
+
+        Args:
+          grads: gradients shaped like ``params`` (with respect to the params or to the compute
+            copy; they are cast to each master's dtype first).
+          **kwargs: fields of the state to replace (e.g. ``batch_stats=``), and optax extra
+            arguments for ``tx.update`` (every other name, e.g. ``loss_fn=``).
+
+        Returns:
+          The new state: ``step + 1``, updated params, optimizer state and compute copy.
+        """
+        fields = {f.name for f in dataclasses.fields(self)}
+        replaced = {k: v for k, v in kwargs.items() if k in fields}
+        extra = {k: v for k, v in kwargs.items() if k not in fields}
+        for name in ("step", "params", "opt_state", "compute_params"):
+            if name in replaced:
+                raise TypeError(f"apply_gradients computes `{name}`; it cannot be passed")
+        if jax.tree.structure(grads) != jax.tree.structure(self.params):
+            raise ValueError(
+                "`grads` must have the structure of `params`: got "
+                f"{jax.tree.structure(grads)}, params are {jax.tree.structure(self.params)}"
+            )
+        grads = jax.tree.map(_to_master_dtype, grads, self.params)
+        tx = optax.with_extra_args_support(self.tx)
+        updates, opt_state = tx.update(grads, self.opt_state, self.params, **extra)
+        params = optax.apply_updates(self.params, updates)
+        return self.replace(
+            step=self.step + 1,
+            params=params,
+            opt_state=opt_state,
+            compute_params=_compute_copy(params, self.policy),
+            **replaced,
+        )
+
+    def with_policy(self, policy: policy_lib.PrecisionPolicy | None) -> TrainState:
+        """The state under another precision policy (moments converted, compute copy rebuilt).
+
+        Args:
+          policy: the new policy, or None for none.
+
+        Returns:
+          The state; its program changes (the policy is static), so a jitted step retraces.
+        """
+        opt_state = self.opt_state
+        if policy is not None:
+            policy.check_matches(self.params)
+            opt_state = _convert_if_triaccel(opt_state, policy)
+        return self.replace(
+            policy=policy, opt_state=opt_state, compute_params=_compute_copy(self.params, policy)
+        )
+
+
+def _compute_copy(params: Any, policy: policy_lib.PrecisionPolicy | None) -> Any:
+    if policy is None or all(policy.compute(path) == "fp32" for path in policy):
+        return None
+    return precision.cast_params(params, policy)
+
+
+def _convert_if_triaccel(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
+    found = jax.tree.leaves(
+        opt_state, is_leaf=lambda n: isinstance(n, transform.ScaleByTriAccelState)
+    )
+    if any(isinstance(n, transform.ScaleByTriAccelState) for n in found):
+        return precision.convert_state(opt_state, policy)
+    return opt_state
+
+
+def _to_master_dtype(grad: Any, param: Any) -> Any:
+    if grad is None or not tree_lib.is_trainable(param):
+        return grad
+    return jnp.asarray(grad).astype(jnp.result_type(param))
