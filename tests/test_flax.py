@@ -43,7 +43,7 @@ def test_apply_gradients_forwards_the_loss_to_hutchinson():
     grads = jax.grad(loss)(state.params)
     new = jax.jit(lambda s, g: s.apply_gradients(grads=g, loss_fn=loss))(state, grads)
     # The same step by hand through optax.
-    updates, opt_state = tx.update(grads, tx.init(state.params), state.params, loss_fn=loss)
+    updates, _ = tx.update(grads, tx.init(state.params), state.params, loss_fn=loss)
     expected = optax.apply_updates(state.params, updates)
     for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)  # jit against eager
@@ -169,7 +169,7 @@ def test_nnx_optimizer_with_extra_arguments_and_signals():
     @nnx.jit
     def step(model, optimizer):
         value, grads = nnx.value_and_grad(loss)(model)
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
 
         def loss_of_params(p):  # the params the optimizer sees, as Hutchinson needs
             return loss(nnx.merge(graphdef, p, rest))
