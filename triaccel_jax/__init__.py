@@ -8,6 +8,8 @@ from triaccel_jax._src.buckets import BucketDecision
 from triaccel_jax._src.buckets import bucket_sizes
 from triaccel_jax._src.buckets import decide_bucket
 from triaccel_jax._src.buckets import predict_peak
+from triaccel_jax._src.checkpoint import Checkpointer
+from triaccel_jax._src.checkpoint import CheckpointError
 from triaccel_jax._src.compression import CompressedDiagonal
 from triaccel_jax._src.compression import compress_diagonal
 from triaccel_jax._src.compression import expand_diagonal
@@ -52,6 +54,8 @@ __version__ = "0.1.0"
 __all__ = (
     "BucketDecision",
     "BudgetMemoryProbe",
+    "CheckpointError",
+    "Checkpointer",
     "CompressedDiagonal",
     "Controller",
     "DeviceMemoryProbe",

@@ -346,12 +346,88 @@ class Controller:
         self._last_loss: float | None = None
         self._compiled: dict[tuple[int, int, Any], Any] = {}
         self.events: list[events_lib.Event] = []
+        self._train_state: tuple[Any, int] | None = None
         self.timings = {"step": 0.0, "compile": 0.0, "data": 0.0, "control": 0.0}
         self._check_loss_structure()
         self._log("start", None, self.batch_size, "controller created", buckets=list(self.buckets))
         self._set_learning_rate()
 
     # -- public ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_train_state(
+        cls, loss_fn: Callable[..., Any], state: Any, data: Any, **kwargs: Any
+    ) -> Controller:
+        """A controller that trains a Flax train state; :attr:`train_state` gives it back.
+
+        Args:
+          loss_fn: as for :class:`Controller`; with a state that has ``batch_stats`` (e.g.
+            :class:`triaccel_jax.flax.TrainState`), the loss gets them as ``model_state=``.
+          state: a ``flax.training.train_state.TrainState`` or
+            :class:`triaccel_jax.flax.TrainState` (whose ``policy`` becomes the starting policy).
+          data: as for :class:`Controller`.
+          **kwargs: the other arguments of :class:`Controller`.
+
+        Returns:
+          The controller.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
+          >>> import triaccel_jax
+          >>> from triaccel_jax.flax import TrainState
+          >>> x = np.random.default_rng(0).normal(size=(128, 3)).astype(np.float32)
+          >>> model = nn.Dense(1)
+          >>> state = TrainState.create(
+          ...     apply_fn=model.apply,
+          ...     tx=triaccel_jax.triaccel(0.05),
+          ...     params=model.init(jax.random.key(0), x)["params"],
+          ... )
+          >>> def loss_fn(params, batch, *, policy, rng):
+          ...     return jnp.mean((state.apply_fn({"params": params}, batch) - 1.0) ** 2)
+          >>> controller = triaccel_jax.Controller.from_train_state(
+          ...     loss_fn,
+          ...     state,
+          ...     x,
+          ...     min_batch=32,
+          ...     max_batch=32,
+          ...     probe=triaccel_jax.BudgetMemoryProbe(2**30),
+          ... )
+          >>> _ = controller.run(5)
+          >>> int(controller.train_state.step)
+          5
+        """
+        if "params" in kwargs or "opt_state" in kwargs or "model_state" in kwargs:
+            raise TypeError("from_train_state takes params, opt_state and batch_stats from `state`")
+        kwargs.setdefault("policy", getattr(state, "policy", None))
+        controller = cls(
+            loss_fn,
+            state.params,
+            state.tx,
+            data,
+            opt_state=state.opt_state,
+            model_state=getattr(state, "batch_stats", None),
+            **kwargs,
+        )
+        controller._train_state = (state, controller.step_count)
+        return controller
+
+    @property
+    def train_state(self) -> Any:
+        """The train state given to :meth:`from_train_state`, advanced to the current step."""
+        if self._train_state is None:
+            raise AttributeError("this controller was not made with Controller.from_train_state")
+        template, start = self._train_state
+        changes = {
+            "step": template.step + (self.step_count - start),
+            "params": self.params,
+            "opt_state": self.opt_state,
+        }
+        if getattr(template, "batch_stats", None) is not None:
+            changes["batch_stats"] = self.model_state
+        state = template.replace(**changes)
+        if hasattr(state, "with_policy"):  # triaccel_jax.flax.TrainState: rebuild the copy
+            state = state.with_policy(self.policy)
+        return state
 
     @property
     def batch_size(self) -> int:
@@ -403,6 +479,22 @@ class Controller:
         """Runs ``num_steps`` steps; returns their :class:`StepInfo`."""
         validation.check_integer("num_steps", num_steps, 0)
         return [self.step() for _ in range(num_steps)]
+
+    def set_policy(self, policy: policy_lib.PrecisionPolicy | None) -> None:
+        """Switches the precision policy (the optimizer state's moments are converted).
+
+        Raises:
+          ValueError: the policy does not cover the params.
+        """
+        if policy is not None:
+            if not isinstance(policy, policy_lib.PrecisionPolicy):
+                raise TypeError(f"`policy` must be a PrecisionPolicy, got {type(policy).__name__}")
+            policy.check_matches(self.params)
+            if self._replan_every is not None:
+                self.opt_state = self._place(precision.convert_state(self.opt_state, policy))
+        if policy != self.policy:
+            self._measured = {}  # measured peaks were for the old policy
+        self.policy = policy
 
     def event_records(self) -> list[dict[str, Any]]:
         """The event log as flat dicts (``pandas.DataFrame(controller.event_records())``)."""

@@ -1,0 +1,125 @@
+"""Checkpoints: train state and controller round trips, resume equality, atomicity, clear errors."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_controller import loss_fn
+from test_controller import make_controller
+
+import triaccel_jax
+from triaccel_jax import Checkpointer
+from triaccel_jax import CheckpointError
+from triaccel_jax.flax import TrainState
+
+
+def make_state():
+    model = nn.Dense(4)
+    params = model.init(jax.random.key(0), jnp.ones((2, 64)))["params"]
+    policy = triaccel_jax.PrecisionPolicy.from_patterns(params, {"kernel": ("bf16", "bf16")})
+    return TrainState.create(
+        apply_fn=model.apply,
+        params=params,
+        tx=triaccel_jax.triaccel(0.1),
+        policy=policy,
+        batch_stats={"mean": jnp.arange(4.0)},
+    )
+
+
+def trained(state, steps=3):
+    grads = jax.tree.map(jnp.ones_like, state.params)
+    for _ in range(steps):
+        state = state.apply_gradients(grads=grads)
+    return state
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def test_train_state_round_trip_with_policy_and_batch_stats(tmp_path):
+    state = trained(make_state())
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(3, state, metadata={"epoch": 1})
+        fresh = make_state().with_policy(None)  # restore_state re-applies the saved policy
+        restored = checkpointer.restore_state(fresh)
+        meta = checkpointer.read_metadata()
+    assert restored.policy == state.policy
+    assert_trees_equal(restored.params, state.params)
+    assert_trees_equal(restored.opt_state, state.opt_state)
+    assert_trees_equal(restored.batch_stats, state.batch_stats)
+    assert int(restored.step) == 3 and meta["metadata"] == {"epoch": 1}
+    assert restored.opt_state[0].mu["kernel"].dtype == jnp.bfloat16
+
+
+def test_a_resumed_controller_repeats_the_uninterrupted_losses(tmp_path):
+    kwargs = dict(replan_every=4, planner_options={"budget": float("inf"), "min_size": 0})
+    reference = make_controller(**kwargs)
+    reference.run(6)
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save_controller(reference, metadata={"run": "reference"})
+    saved_policy = reference.policy
+    expected = [i.loss for i in reference.run(10)]
+
+    resumed = make_controller(**kwargs)  # fresh params: everything comes from the checkpoint
+    with Checkpointer(tmp_path) as checkpointer:
+        metadata = checkpointer.restore_controller(resumed)
+    assert metadata == {"run": "reference"} and resumed.step_count == 6
+    assert resumed.policy == saved_policy
+    assert [i.loss for i in resumed.run(10)] == expected
+
+
+def test_an_interrupted_save_leaves_the_last_good_checkpoint(tmp_path):
+    state = trained(make_state())
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(3, state)
+    # What a save killed mid-write leaves: orbax's temporary folder, never renamed.
+    partial = tmp_path / "4.orbax-checkpoint-tmp-1234567"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "garbage").write_bytes(os.urandom(64))
+    with Checkpointer(tmp_path) as checkpointer:
+        assert checkpointer.latest_step() == 3
+        restored = checkpointer.restore_state(make_state())
+    assert_trees_equal(restored.params, state.params)
+
+
+def test_missing_and_foreign_checkpoints_give_clear_errors(tmp_path):
+    empty = Checkpointer(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="no complete checkpoint in"):
+        empty.restore({"w": jnp.ones(2)})
+    empty.close()
+    with Checkpointer(tmp_path / "one") as checkpointer:
+        checkpointer.save(1, {"w": jnp.ones(2)})
+        with pytest.raises(CheckpointError, match=r"no complete checkpoint for step 2 .*\[1\]"):
+            checkpointer.restore({"w": jnp.ones(2)}, step=2)
+        with pytest.raises(CheckpointError, match="could not be restored"):
+            checkpointer.restore({"w": jnp.ones(2), "v": jnp.ones(3)})
+        with pytest.raises(CheckpointError, match="holds no controller state"):
+            checkpointer.restore_controller(make_controller())
+        # A pickle planted where the JSON metadata belongs is refused, not loaded.
+        (tmp_path / "one" / "1" / "meta" / "metadata").write_bytes(pickle.dumps({"x": 1}))
+        with pytest.raises(CheckpointError, match="not valid JSON"):
+            checkpointer.read_metadata(1)
+
+
+def test_metadata_must_be_json(tmp_path):
+    with Checkpointer(tmp_path) as checkpointer:
+        with pytest.raises(TypeError, match="JSON-serialisable"):
+            checkpointer.save(1, {"w": jnp.ones(2)}, metadata={"f": loss_fn})
+        assert checkpointer.latest_step() is None
+
+
+def test_a_folder_that_cannot_be_created_is_reported(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(CheckpointError, match="cannot create checkpoint folder"):
+        Checkpointer(blocker / "checkpoints")
