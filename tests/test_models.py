@@ -1,8 +1,8 @@
 """Tests for the Flax models in ``triaccel_jax.models``.
 
-ResNet-20's variables are drawn with NumPy from the shapes that ``init`` traces: compiling
-``init`` itself costs several seconds on CPU (threefry bits for each 4-D kernel shape), and
-what is under test here is the network, not Flax's initialisers.
+The ResNets' and EfficientNet-B0's variables are drawn with NumPy from the shapes that ``init``
+traces: compiling ``init`` itself costs several seconds on CPU (threefry bits for each 4-D kernel
+shape), and what is under test here is the network, not Flax's initialisers.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ import numpy as np
 import optax
 import pytest
 
+from triaccel_jax.models import EfficientNetB0
+from triaccel_jax.models import ResNet18
 from triaccel_jax.models import ResNet20
 from triaccel_jax.models import SmallCNN
+from triaccel_jax.models._efficientnet import B0_STAGES
 from triaccel_jax.models._resnet import BasicBlock
 from triaccel_jax.models._resnet import ResNet
 
@@ -84,7 +87,8 @@ def resnet20_outputs(resnet20_variables):
 def test_models_are_exported():
     import triaccel_jax.models as models
 
-    assert sorted(models.__all__) == ["BatchNorm", "ResNet20", "SmallCNN"]
+    assert models.__all__ == sorted(models.__all__)
+    assert models.__all__ == ["BatchNorm", "EfficientNetB0", "ResNet18", "ResNet20", "SmallCNN"]
 
 
 def test_small_cnn_logits_shape_and_jit():
@@ -243,3 +247,296 @@ def test_batch_norm_matches_flax_in_fp32_and_stays_bf16_in_bf16():
     low, _ = ours.apply(variables, x.astype(jnp.bfloat16), mutable=["batch_stats"])
     assert low.dtype == jnp.bfloat16
     np.testing.assert_allclose(low.astype(jnp.float32), y, atol=0.05)
+
+
+# --- ResNet-18 and EfficientNet-B0 at the CIFAR input shape ---------------------------------------
+
+# Reference counts: the CIFAR ResNet-18 (3x3 stem, no max-pool, projection shortcuts) as in
+# kuangliu/pytorch-cifar, 11,173,962 parameters for ten classes; EfficientNet-B0 as in Tan & Le
+# (2019, Table 2: 5.3M) and the Keras / timm implementations, 5,288,548 for 1000 classes, so
+# 4,020,358 with a ten-class head. BatchNorm running statistics are not parameters.
+_REFERENCE_PARAMS = {
+    ("ResNet18", 10): 11_170_000,
+    ("EfficientNetB0", 10): 4_000_000,
+    ("EfficientNetB0", 1000): 5_290_000,
+}
+
+
+def _resnet18_param_count(num_classes: int) -> int:
+    """The CIFAR ResNet-18's parameters, counted from its architecture."""
+    count = 3 * 3 * 3 * 64 + 2 * 64  # stem conv and BatchNorm
+    in_channels = 64
+    for stage, width in enumerate((64, 128, 256, 512)):
+        for index in range(2):
+            count += 3 * 3 * in_channels * width + 3 * 3 * width * width + 4 * width
+            if stage > 0 and index == 0:  # projection: 1x1 conv and BatchNorm
+                count += in_channels * width + 2 * width
+            in_channels = width
+    return count + 512 * num_classes + num_classes
+
+
+def _efficientnet_b0_param_count(num_classes: int) -> int:
+    """EfficientNet-B0's parameters, counted from its stage table."""
+    count = 3 * 3 * 3 * 32 + 2 * 32  # stem conv and BatchNorm
+    in_channels = 32
+    for expand_ratio, width, repeats, _, kernel in B0_STAGES:
+        for _ in range(repeats):
+            hidden = in_channels * expand_ratio
+            if expand_ratio != 1:
+                count += in_channels * hidden + 2 * hidden
+            count += kernel * kernel * hidden + 2 * hidden  # depthwise conv and BatchNorm
+            reduced = max(1, in_channels // 4)  # squeeze-and-excitation, with biases
+            count += hidden * reduced + reduced + reduced * hidden + hidden
+            count += hidden * width + 2 * width  # projection and BatchNorm
+            in_channels = width
+    count += 320 * 1280 + 2 * 1280  # head conv and BatchNorm
+    return count + 1280 * num_classes + num_classes
+
+
+_CIFAR_MODELS = {
+    "ResNet18": (lambda n, **kw: ResNet18(num_classes=n, **kw), _resnet18_param_count),
+    # Stem stride 1 suits 32x32 inputs; stride 2 (the ImageNet network) must run on them too.
+    "EfficientNetB0": (
+        lambda n, **kw: EfficientNetB0(num_classes=n, stem_stride=1 if n == 10 else 2, **kw),
+        _efficientnet_b0_param_count,
+    ),
+}
+_CIFAR_CASES = [(name, n) for name in _CIFAR_MODELS for n in (10, 100)]
+# Compiling a training step of the full EfficientNet-B0 takes XLA's CPU backend 15-40 s, so
+# those cases are slow; a three-stage EfficientNet (same blocks, same head) stands in for it
+# in the quick runs.
+_SHALLOW_STAGES = (*B0_STAGES[:2], (6, 40, 1, 2, 5))
+_STEP_MODELS = {
+    "ResNet18-10": lambda: ResNet18(num_classes=10),
+    "ResNet18-100": lambda: ResNet18(num_classes=100),
+    "EfficientNetB0-3stages-10": lambda: EfficientNetB0(
+        num_classes=10, stem_stride=1, stages=_SHALLOW_STAGES
+    ),
+    "EfficientNetB0-10": lambda: _cifar_model("EfficientNetB0", 10),
+    "EfficientNetB0-100": lambda: _cifar_model("EfficientNetB0", 100),
+}
+_STEP_CASES = [
+    pytest.param(name, marks=pytest.mark.slow, id=name)
+    if name.startswith("EfficientNetB0-1")
+    else pytest.param(name, id=name)
+    for name in _STEP_MODELS
+]
+
+
+def _cifar_model(name: str, num_classes: int, **kwargs):
+    return _CIFAR_MODELS[name][0](num_classes, **kwargs)
+
+
+def _train_step(model, tx):
+    """One training step and an evaluation pass of ``model``, as one function to jit."""
+
+    def step(variables, opt_state, x, labels, key):
+        params, batch_stats = variables["params"], variables["batch_stats"]
+
+        def loss_fn(p):
+            logits, updates = model.apply(
+                {"params": p, "batch_stats": batch_stats},
+                x,
+                train=True,
+                mutable=["batch_stats"],
+                rngs={"dropout": key},
+            )
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            return loss, (logits, updates["batch_stats"])
+
+        (loss, (logits, new_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        eval_logits, eval_updates = model.apply(
+            {"params": new_params, "batch_stats": batch_stats},
+            x,
+            train=False,
+            mutable=["batch_stats"],
+        )
+        return {
+            "loss": loss,
+            "logits": logits,
+            "grads": grads,
+            "params": new_params,
+            "batch_stats": new_stats,
+            "eval_logits": eval_logits,
+            "eval_batch_stats": eval_updates["batch_stats"],
+        }
+
+    return step
+
+
+@pytest.fixture(scope="module", params=_STEP_CASES)
+def cifar_step(request):
+    """Variables, and the outputs of one jitted adam step on a CIFAR-shaped batch of two."""
+    model = _STEP_MODELS[request.param]()
+    num_classes = model.num_classes
+    x = _images((2, 32, 32, 3), seed=4) * 2.0 + 1.0
+    labels = jnp.array([1, num_classes - 1])
+    variables = _numpy_variables(_abstract_variables(model, x[:1], train=False))
+    tx = optax.adam(1e-3)
+    opt_state = tx.init(variables["params"])
+    out = jax.jit(_train_step(model, tx))(variables, opt_state, x, labels, jax.random.key(5))
+    return num_classes, variables, out
+
+
+@pytest.mark.parametrize(("name", "num_classes"), [*_CIFAR_CASES, ("EfficientNetB0", 1000)])
+def test_cifar_model_param_counts(name, num_classes):
+    model = _cifar_model(name, num_classes)
+    variables = _abstract_variables(model, jnp.zeros((1, 32, 32, 3)), train=False)
+    count = _num_params(variables)
+    assert count == _CIFAR_MODELS[name][1](num_classes)
+    reference = _REFERENCE_PARAMS.get((name, num_classes))
+    if reference is not None:
+        assert abs(count - reference) <= 0.02 * reference
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(variables))
+
+
+def test_cifar_model_exact_param_counts():
+    assert _resnet18_param_count(10) == 11_173_962
+    assert _efficientnet_b0_param_count(10) == 4_020_358
+    assert _efficientnet_b0_param_count(1000) == 5_288_548
+
+
+def test_resnet18_is_a_resnet_configuration():
+    model = ResNet18(100)  # num_classes first, as for ResNet20
+    assert isinstance(model, ResNet)
+    assert model.num_classes == 100
+    assert (tuple(model.stage_sizes), model.num_filters) == ((2, 2, 2, 2), 64)
+    variables = _abstract_variables(model, jnp.zeros((1, 32, 32, 3)), train=False)
+    params = variables["params"]
+    assert params["Conv_0"]["kernel"].shape == (3, 3, 3, 64)  # 3x3 stem, 64 filters
+    blocks = sorted(k for k in params if k.startswith("BasicBlock"))
+    assert len(blocks) == 8
+    assert [k for k in blocks if "Conv_2" in params[k]] == [
+        "BasicBlock_2",
+        "BasicBlock_4",
+        "BasicBlock_6",
+    ]
+    assert params["BasicBlock_7"]["Conv_1"]["kernel"].shape == (3, 3, 512, 512)
+    assert params["Dense_0"]["kernel"].shape == (512, 100)
+    # Stride 1 in the stem and no max-pool: 32 -> 32 -> 16 -> 8 -> 4.
+    _, state = jax.eval_shape(
+        lambda v: model.apply(
+            v, jnp.zeros((1, 32, 32, 3)), train=False, capture_intermediates=True
+        ),
+        variables,
+    )
+    assert state["intermediates"]["BasicBlock_7"]["__call__"][0].shape == (1, 4, 4, 512)
+    assert state["intermediates"]["BasicBlock_0"]["__call__"][0].shape == (1, 32, 32, 64)
+
+
+@pytest.mark.parametrize(("stem_stride", "final_size"), [(1, 2), (2, 1)])
+def test_efficientnet_b0_structure(stem_stride, final_size):
+    model = EfficientNetB0(num_classes=10, stem_stride=stem_stride)
+    x = jnp.zeros((1, 32, 32, 3))
+    variables = _abstract_variables(model, x, train=False)
+    params = variables["params"]
+    blocks = sorted(k for k in params if k.startswith("MBConv"))
+    assert len(blocks) == sum(repeats for _, _, repeats, _, _ in B0_STAGES) == 16
+    assert params["Conv_0"]["kernel"].shape == (3, 3, 3, 32)  # stem
+    # The first block has no expansion: depthwise 3x3 on the stem's 32 channels, SE to 8.
+    first = params["MBConv_0"]
+    assert first["Conv_0"]["kernel"].shape == (3, 3, 1, 32)
+    assert first["SqueezeExcitation_0"]["Conv_0"]["kernel"].shape == (1, 1, 32, 8)
+    assert first["Conv_1"]["kernel"].shape == (1, 1, 32, 16)
+    # The second expands 16 -> 96 channels, its SE bottleneck is a quarter of its input (4).
+    second = params["MBConv_1"]
+    assert second["Conv_0"]["kernel"].shape == (1, 1, 16, 96)
+    assert second["Conv_1"]["kernel"].shape == (3, 3, 1, 96)  # depthwise
+    assert second["SqueezeExcitation_0"]["Conv_0"]["kernel"].shape == (1, 1, 96, 4)
+    assert params["MBConv_3"]["Conv_1"]["kernel"].shape == (5, 5, 1, 144)  # stage 3: 5x5
+    assert params["Conv_1"]["kernel"].shape == (1, 1, 320, 1280)  # head
+    assert params["Dense_0"]["kernel"].shape == (1280, 10)
+    _, state = jax.eval_shape(
+        lambda v: model.apply(v, x, train=False, capture_intermediates=True), variables
+    )
+    head = state["intermediates"]["Conv_1"]["__call__"][0]
+    assert head.shape == (1, final_size, final_size, 1280)
+
+
+def test_efficientnet_b0_dropout_needs_an_rng_in_train_mode_only():
+    x = jnp.zeros((2, 32, 32, 3))
+    model = EfficientNetB0(num_classes=10)
+    variables = _abstract_variables(model, x, train=False)
+
+    def run(model, train, **kwargs):
+        return jax.eval_shape(
+            lambda v: model.apply(v, x, train=train, mutable=["batch_stats"], **kwargs), variables
+        )
+
+    with pytest.raises(Exception, match="dropout"):
+        run(model, train=True)
+    run(model, train=True, rngs={"dropout": jax.random.key(0)})
+    run(model, train=False)
+    # Without dropout and stochastic depth nothing is random; with stochastic depth alone
+    # the rng is needed again.
+    run(EfficientNetB0(num_classes=10, dropout_rate=0.0), train=True)
+    with pytest.raises(Exception, match="dropout"):
+        run(EfficientNetB0(num_classes=10, dropout_rate=0.0, drop_path_rate=0.2), train=True)
+
+
+def test_cifar_model_train_step(cifar_step):
+    num_classes, variables, out = cifar_step
+    params = variables["params"]
+    assert out["logits"].shape == out["eval_logits"].shape == (2, num_classes)
+    assert np.isfinite(out["loss"])
+    assert np.all(np.isfinite(out["logits"]))
+    assert np.all(np.isfinite(out["eval_logits"]))
+    assert jax.tree.structure(out["grads"]) == jax.tree.structure(params)
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(out["grads"]))
+    assert all(np.any(g != 0) for g in jax.tree.leaves(out["grads"]))
+    # Adam moves every parameter that has a gradient.
+    assert jax.tree.structure(out["params"]) == jax.tree.structure(params)
+    assert all(np.all(np.isfinite(p)) for p in jax.tree.leaves(out["params"]))
+    moved = jax.tree.map(lambda a, b: bool(np.any(a != b)), params, out["params"])
+    assert all(jax.tree.leaves(moved))
+
+
+def test_cifar_model_batch_stats_update_in_train_mode_only(cifar_step):
+    _, variables, out = cifar_step
+    old_stats = variables["batch_stats"]
+    for stats in (out["batch_stats"], out["eval_batch_stats"]):
+        assert jax.tree.structure(stats) == jax.tree.structure(old_stats)
+    changed = jax.tree.map(lambda a, b: bool(np.any(a != b)), old_stats, out["batch_stats"])
+    assert all(jax.tree.leaves(changed))
+    unchanged = jax.tree.map(lambda a, b: bool(np.all(a == b)), old_stats, out["eval_batch_stats"])
+    assert all(jax.tree.leaves(unchanged))
+
+
+@pytest.mark.parametrize("name", list(_CIFAR_MODELS))
+def test_cifar_model_bfloat16_compute_keeps_float32_params(name):
+    model = _cifar_model(name, 10, dtype=jnp.bfloat16)
+    x = jnp.zeros((2, 32, 32, 3))
+    variables = _abstract_variables(model, x[:1], train=False)
+    assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(variables))
+
+    def forward(params, batch_stats):
+        logits, state = model.apply(
+            {"params": params, "batch_stats": batch_stats},
+            x,
+            train=True,
+            mutable=["batch_stats", "intermediates"],
+            capture_intermediates=True,
+            rngs={"dropout": jax.random.key(0)},
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.zeros(2, int)).mean()
+        return loss, (logits, state)
+
+    tx = optax.adam(1e-3)
+    grads, (logits, state) = jax.eval_shape(
+        jax.grad(forward, has_aux=True), variables["params"], variables["batch_stats"]
+    )
+    assert logits.dtype == jnp.bfloat16
+    # Every module's output (convolutions, BatchNorm, blocks, head) is bf16.
+    activations = jax.tree.leaves(state["intermediates"])
+    assert len(activations) > 20
+    assert all(a.dtype == jnp.bfloat16 for a in activations)
+    assert all(s.dtype == jnp.float32 for s in jax.tree.leaves(state["batch_stats"]))
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    new_params = jax.eval_shape(
+        lambda p, g: optax.apply_updates(p, tx.update(g, tx.init(p), p)[0]),
+        variables["params"],
+        grads,
+    )
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(new_params))

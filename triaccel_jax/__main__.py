@@ -1,8 +1,8 @@
-"""``python -m triaccel_jax``: the demo run (see ``triaccel_jax._src.demo``)."""
+"""``python -m triaccel_jax``: the main job (see ``triaccel_jax._src.main_job``)."""
 
 import sys
 
-from triaccel_jax._src.demo import main
+from triaccel_jax._src.main_job import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 
 from triaccel_jax._src import policy as policy_lib
 
@@ -26,6 +25,13 @@ META_VERSION = 1
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or not one of triaccel_jax's."""
+
+
+def _orbax() -> Any:
+    """orbax.checkpoint, imported on first use (it is slow to import and only needed here)."""
+    import orbax.checkpoint
+
+    return orbax.checkpoint
 
 
 def _abstract(tree: Any) -> Any:
@@ -67,6 +73,7 @@ class Checkpointer:
             ) from None
         if not os.access(self.directory, os.W_OK):
             raise CheckpointError(f"checkpoint folder {self.directory} is not writable")
+        ocp = _orbax()
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -100,6 +107,7 @@ class Checkpointer:
             "controller": None if controller_state is None else dict(controller_state),
             "metadata": None if metadata is None else dict(metadata),
         }
+        ocp = _orbax()
         try:
             json.dumps(meta)
         except TypeError as error:
@@ -159,6 +167,7 @@ class Checkpointer:
         """
         step = self._resolve(step)
         meta = self.read_metadata(step)
+        ocp = _orbax()
         try:
             restored = self._manager.restore(
                 step,

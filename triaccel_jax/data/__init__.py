@@ -1,8 +1,35 @@
-"""Offline data sets as numpy arrays: Fashion-MNIST (Debian's package) and scikit-learn's digits."""
+"""Offline data sets as numpy arrays, CIFAR through tensorflow-datasets, and CIFAR augmentation.
+
+Fashion-MNIST (Debian's package) and scikit-learn's digits need no download; CIFAR-10/100 are
+prepared offline from the official archive (see :func:`load_cifar`).
+"""
 
 from triaccel_jax.data._arrays import FASHION_MNIST_DIR
 from triaccel_jax.data._arrays import ArraySplit
 from triaccel_jax.data._arrays import load_digits
 from triaccel_jax.data._arrays import load_fashion_mnist
+from triaccel_jax.data._augment import CIFAR10_MEAN
+from triaccel_jax.data._augment import CIFAR10_STD
+from triaccel_jax.data._augment import CIFAR100_MEAN
+from triaccel_jax.data._augment import CIFAR100_STD
+from triaccel_jax.data._augment import normalize
+from triaccel_jax.data._augment import random_crop_flip
+from triaccel_jax.data._tfds import CifarNotFoundError
+from triaccel_jax.data._tfds import load_cifar
+from triaccel_jax.data._tfds import prepare_cifar
 
-__all__ = ("FASHION_MNIST_DIR", "ArraySplit", "load_digits", "load_fashion_mnist")
+__all__ = (
+    "CIFAR10_MEAN",
+    "CIFAR10_STD",
+    "CIFAR100_MEAN",
+    "CIFAR100_STD",
+    "FASHION_MNIST_DIR",
+    "ArraySplit",
+    "CifarNotFoundError",
+    "load_cifar",
+    "load_digits",
+    "load_fashion_mnist",
+    "normalize",
+    "prepare_cifar",
+    "random_crop_flip",
+)

@@ -160,6 +160,31 @@ class ResNet20(ResNet):
     """
 
 
+class ResNet18(ResNet):
+    """ResNet-18 for 32x32 images, the CIFAR variant of He et al. (2016).
+
+    The ImageNet ResNet-18's four stages of two :class:`BasicBlock` s with 64, 128,
+    256 and 512 filters (stride 2 at the start of stages 2-4), with the stem of the
+    CIFAR networks: one 3x3 convolution with 64 filters and stride 1, and no
+    max-pool. With projection shortcuts where the shape changes it has 11,173,962
+    parameters for ten classes (11,220,132 for a hundred). The attributes are those
+    of :class:`ResNet`; only the defaults of ``stage_sizes`` (``(2, 2, 2, 2)``) and
+    ``num_filters`` (64) differ.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from triaccel_jax.models import ResNet18
+        >>> model = ResNet18(num_classes=100)
+        >>> x = jnp.zeros((2, 32, 32, 3))
+        >>> variables = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))
+        >>> variables["params"]["Dense_0"]["kernel"].shape
+        (512, 100)
+    """
+
+    stage_sizes: Sequence[int] = (2, 2, 2, 2)
+    num_filters: int = 64
+
+
 def _conv(
     features: int, kernel_size: tuple[int, int], strides: tuple[int, int], dtype: Any
 ) -> nn.Conv:

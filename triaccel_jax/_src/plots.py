@@ -1,0 +1,136 @@
+"""The main job's PNG plots: learning curves, the batch and memory timeline, the precision map."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+_COLORS = {"fp32": "tab:blue", "bf16": "tab:orange", "triaccel": "tab:green"}
+_DTYPE_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8_e4m3": 3}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _smooth(values: np.ndarray, window: int) -> np.ndarray:
+    if len(values) < window or window <= 1:
+        return values
+    kernel = np.ones(window) / window
+    return np.convolve(values, kernel, mode="valid")
+
+
+def write_plots(results: Sequence[Any], output: pathlib.Path) -> list[pathlib.Path]:
+    """Writes ``curves.png``, ``batch_memory.png`` and ``precision_map.png``; returns the paths."""
+    from triaccel_jax._src.main_job import RUN_LABELS
+
+    plt = _pyplot()
+    written = []
+
+    figure, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        samples = np.array([h["samples"] for h in r.history]) / 1000
+        losses = np.array([h["loss"] for h in r.history])
+        window = max(1, len(losses) // 50)
+        smooth = _smooth(losses, window)
+        loss_ax.plot(
+            samples[len(samples) - len(smooth) :],
+            smooth,
+            label=RUN_LABELS[r.name],
+            color=_COLORS[r.name],
+        )
+        epochs = np.arange(1, len(r.epoch_accuracy) + 1)
+        acc_ax.plot(
+            epochs,
+            100 * np.array(r.epoch_accuracy),
+            "o-",
+            label=RUN_LABELS[r.name],
+            color=_COLORS[r.name],
+        )
+    loss_ax.set(
+        title="Training loss (moving average)",
+        xlabel="samples seen (thousands)",
+        ylabel="cross-entropy (nats)",
+    )
+    acc_ax.set(title="Test accuracy after each epoch", xlabel="epoch", ylabel="accuracy (%)")
+    acc_ax.xaxis.get_major_locator().set_params(integer=True)
+    for ax in (loss_ax, acc_ax):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    figure.tight_layout()
+    written.append(output / "curves.png")
+    figure.savefig(written[-1], dpi=110)
+    plt.close(figure)
+
+    elastic = next((r for r in results if r.name == "triaccel"), None)
+    if elastic is not None and elastic.history:
+        figure, (batch_ax, mem_ax) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+        steps = [h["step"] for h in elastic.history]
+        batch_ax.step(
+            steps,
+            [h["batch"] for h in elastic.history],
+            where="post",
+            color="tab:green",
+            label="batch size",
+        )
+        for event in elastic.events:
+            if event["kind"] in ("grow", "shrink", "oom"):
+                batch_ax.axvline(event["step"], color="grey", ls=":", lw=1)
+        batch_ax.set(
+            title="Tri-Accel: batch size and memory over training", ylabel="batch size (samples)"
+        )
+        batch_ax.legend(loc="lower right")
+        mem_ax.plot(
+            steps,
+            [h["peak_mib"] for h in elastic.history],
+            color="tab:purple",
+            label="step peak (measured or compiled)",
+        )
+        mem_ax.plot(
+            steps,
+            [h["limit_mib"] for h in elastic.history],
+            color="tab:red",
+            ls="--",
+            label="memory limit",
+        )
+        mem_ax.set(xlabel="training step", ylabel="memory (MiB)")
+        mem_ax.set_yscale("log")
+        mem_ax.legend(loc="lower right")
+        for ax in (batch_ax, mem_ax):
+            ax.grid(alpha=0.3)
+        figure.tight_layout()
+        written.append(output / "batch_memory.png")
+        figure.savefig(written[-1], dpi=110)
+        plt.close(figure)
+
+    if elastic is not None and elastic.policies:
+        paths = sorted(elastic.policies[0])
+        grid = np.array([[_DTYPE_CODES[p[path]] for p in elastic.policies] for path in paths])
+        figure, ax = plt.subplots(
+            figsize=(max(5, 1 + 0.5 * len(elastic.policies)), max(3, 0.3 * len(paths) + 1.5))
+        )
+        cmap = plt.get_cmap("viridis", len(_DTYPE_CODES))
+        image = ax.imshow(grid, aspect="auto", cmap=cmap, vmin=-0.5, vmax=len(_DTYPE_CODES) - 0.5)
+        ax.set_yticks(range(len(paths)), paths, fontsize=7)
+        ax.set_xticks(range(len(elastic.policies)))
+        ax.set(
+            title="Tri-Accel: compute precision per leaf",
+            xlabel="re-plan (0: start)",
+            ylabel="parameter leaf",
+        )
+        bar = figure.colorbar(image, ax=ax, ticks=list(_DTYPE_CODES.values()))
+        bar.ax.set_yticklabels(list(_DTYPE_CODES))
+        bar.set_label("compute dtype")
+        figure.tight_layout()
+        written.append(output / "precision_map.png")
+        figure.savefig(written[-1], dpi=110)
+        plt.close(figure)
+    return written
