@@ -68,8 +68,9 @@ class RunResult:
     accuracy: float
     history: list[dict[str, float]]
     epoch_accuracy: list[float]
+    evals: list[dict[str, float]]
     events: list[dict[str, Any]]
-    policies: list[dict[str, str]]
+    policies: list[dict[str, Any]]  # {"step": the first step it ran, "leaves": {path: dtype}}
 
 
 # -- data and models ------------------------------------------------------------------------------
@@ -224,7 +225,22 @@ def train_run(run: str, data: Data, args: argparse.Namespace, progress: Any) -> 
 
     history: list[dict[str, float]] = []
     epoch_accuracy: list[float] = []
-    policies: list[dict[str, str]] = []
+    evals: list[dict[str, float]] = []
+
+    def record_eval() -> float:
+        accuracy = evaluate(
+            loss_fn, controller.params, controller.model_state, controller.policy, data.test
+        )
+        evals.append(
+            {
+                "step": controller.step_count,
+                "samples": controller.sampler.samples_seen,
+                "accuracy": accuracy,
+            }
+        )
+        return accuracy
+
+    policies: list[dict[str, Any]] = []
     start = time.perf_counter()
     max_steps = args.max_steps if args.max_steps is not None else math.inf
     for epoch in range(args.epochs):
@@ -241,9 +257,10 @@ def train_run(run: str, data: Data, args: argparse.Namespace, progress: Any) -> 
                 }
             )
             if run == "triaccel" and (not policies or any(e.kind == "replan" for e in info.events)):
-                policies.append(
-                    {path: controller.policy.compute(path) for path in controller.policy}
-                )
+                leaves = {path: controller.policy.compute(path) for path in controller.policy}
+                policies.append({"step": info.step - 1, "leaves": leaves})
+            if args.eval_every and controller.step_count % args.eval_every == 0:
+                record_eval()
             progress.update(info.batch_size)
             progress.set_postfix(
                 run=run,
@@ -280,6 +297,7 @@ def train_run(run: str, data: Data, args: argparse.Namespace, progress: Any) -> 
         accuracy=epoch_accuracy[-1],
         history=history,
         epoch_accuracy=epoch_accuracy,
+        evals=evals,
         events=[_jsonable(r) for r in controller.event_records()],
         policies=policies,
     )
@@ -368,6 +386,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--data-dir", default=None, help="tensorflow-datasets data_dir for CIFAR")
     parser.add_argument(
+        "--eval-every", type=int, default=None, help="also measure test accuracy every N steps"
+    )
+    parser.add_argument(
         "--max-steps", type=int, default=None, help="stop each run after this many steps"
     )
     parser.add_argument(
@@ -381,7 +402,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "max_batch", "replan_every", "check_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("max_steps", "train_subset", "test_subset"):
+    for name in ("max_steps", "train_subset", "test_subset", "eval_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not (args.lr > 0 and math.isfinite(args.lr)):

@@ -112,8 +112,10 @@ def write_plots(results: Sequence[Any], output: pathlib.Path) -> list[pathlib.Pa
         plt.close(figure)
 
     if elastic is not None and elastic.policies:
-        paths = sorted(elastic.policies[0])
-        grid = np.array([[_DTYPE_CODES[p[path]] for p in elastic.policies] for path in paths])
+        paths = sorted(elastic.policies[0]["leaves"])
+        grid = np.array(
+            [[_DTYPE_CODES[p["leaves"][path]] for p in elastic.policies] for path in paths]
+        )
         figure, ax = plt.subplots(
             figsize=(max(5, 1 + 0.5 * len(elastic.policies)), max(3, 0.3 * len(paths) + 1.5))
         )
