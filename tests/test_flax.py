@@ -188,3 +188,57 @@ def test_nnx_optimizer_with_extra_arguments_and_signals():
         "out/kernel/value",
     }
     assert all(s["max_curvature"] > 0 for s in signals.values())
+
+
+class TinyBN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        from triaccel_jax.models import BatchNorm
+
+        x = nn.Dense(16)(x)
+        x = BatchNorm(use_running_average=not train)(x)
+        return nn.Dense(1)(nn.relu(x))
+
+
+def test_controller_trains_a_train_state_with_batch_stats():
+    model = TinyBN()
+    x = np.random.default_rng(0).normal(size=(256, 8)).astype(np.float32)
+    data = {"x": x, "y": np.sin(x.sum(-1, keepdims=True)).astype(np.float32)}
+    variables = model.init(jax.random.key(0), x[:2], train=False)
+    policy = triaccel_jax.PrecisionPolicy.from_patterns(variables["params"], {"*/kernel": "bf16"})
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=triaccel_jax.triaccel(1e-2),
+        batch_stats=variables["batch_stats"],
+        policy=policy,
+    )
+
+    def loss_fn(params, batch, *, policy, rng, model_state):
+        compute = triaccel_jax.cast_params(params, policy)
+        out, updates = triaccel_jax.apply_with_policy(
+            model,
+            {"params": compute, "batch_stats": model_state},
+            batch["x"],
+            train=True,
+            mutable=["batch_stats"],
+            policy=policy,
+        )
+        loss = jnp.mean((out.astype(jnp.float32) - batch["y"]) ** 2)
+        return loss, {"model_state": updates["batch_stats"]}
+
+    controller = triaccel_jax.Controller.from_train_state(
+        loss_fn, state, data, has_aux=True, min_batch=32, max_batch=32,
+        probe=triaccel_jax.FakeMemoryProbe(10**9),
+    )  # fmt: skip
+    assert controller.policy == policy
+    infos = controller.run(20)
+    assert infos[-1].loss < infos[0].loss
+    trained = controller.train_state
+    assert isinstance(trained, TrainState) and int(trained.step) == 20
+    assert trained.policy == policy
+    assert trained.compute_params["Dense_0"]["kernel"].dtype == jnp.bfloat16
+    moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), state.batch_stats, trained.batch_stats)
+    assert all(jax.tree.leaves(moved))
+    with pytest.raises(TypeError, match="from_train_state takes params"):
+        triaccel_jax.Controller.from_train_state(loss_fn, state, data, params=state.params)

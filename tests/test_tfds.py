@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import io
+import re
 import socket
 import tarfile
 
@@ -164,3 +165,16 @@ def test_arguments_and_missing_packages(tmp_path, monkeypatch):
         ImportError, match="pip install tensorflow-datasets array-record pillow importlib-resources"
     ):
         load_cifar("cifar10", "train", data_dir=tmp_path)
+
+
+def test_main_job_trains_on_cifar_through_tfds(tfds, tmp_path, monkeypatch, capsys):
+    from triaccel_jax._src import main_job
+
+    path, _ = _write_archive(tmp_path / "tfds", "cifar10", n_train=64, n_test=16)
+    _accept_checksum(monkeypatch, "cifar10", path)
+    args = ["--dataset", "cifar10", "--data-dir", str(tmp_path / "tfds"), "--model", "resnet20"]
+    args += ["--runs", "fp32", "--batch-size", "16", "--max-steps", "2", "--no-progress"]
+    assert main_job.main([*args, "--output-dir", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "resnet20 on cifar10 (64 train / 16 test)" in out
+    assert re.search(r"^\| FP32 AdamW \| [\d.]+ \| 2 \| 16 \|", out, re.M)

@@ -54,7 +54,7 @@ class Data:
     train: dict[str, np.ndarray]
     test: dict[str, np.ndarray]
     num_classes: int
-    augment: bool  # CIFAR's random crop and flip
+    channel_stats: tuple[Any, Any] | None  # CIFAR: (mean, std); crop, flip and normalise
 
 
 @dataclasses.dataclass
@@ -86,14 +86,19 @@ def load_data(
         name = "fashion_mnist" if data_lib.FASHION_MNIST_DIR.exists() else "digits"
     if name == "fashion_mnist":
         train, test = data_lib.load_fashion_mnist("train"), data_lib.load_fashion_mnist("test")
-        classes, augment = 10, False
+        classes, stats = 10, None
     elif name == "digits":
         train, test = data_lib.load_digits("train"), data_lib.load_digits("test")
-        classes, augment = 10, False
+        classes, stats = 10, None
     else:
         train = data_lib.load_cifar(name, "train", data_dir=data_dir)
         test = data_lib.load_cifar(name, "test", data_dir=data_dir)
-        classes, augment = (10 if name == "cifar10" else 100), True
+        classes = 10 if name == "cifar10" else 100
+        stats = (
+            (data_lib.CIFAR10_MEAN, data_lib.CIFAR10_STD)
+            if name == "cifar10"
+            else (data_lib.CIFAR100_MEAN, data_lib.CIFAR100_STD)
+        )
 
     def as_dict(split, limit):
         images, labels = split.images, split.labels
@@ -101,7 +106,7 @@ def load_data(
             images, labels = images[:limit], labels[:limit]
         return {"image": np.asarray(images, np.float32), "label": np.asarray(labels, np.int32)}
 
-    return Data(name, as_dict(train, train_subset), as_dict(test, test_subset), classes, augment)
+    return Data(name, as_dict(train, train_subset), as_dict(test, test_subset), classes, stats)
 
 
 def build_model(name: str, num_classes: int) -> tuple[Any, bool]:
@@ -119,10 +124,19 @@ def build_model(name: str, num_classes: int) -> tuple[Any, bool]:
     raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")
 
 
-def make_loss(model: Any, has_state: bool, augment: bool) -> Callable[..., Any]:
-    """The controller's loss: cross-entropy, with accuracy as a metric."""
+def make_loss(
+    model: Any, has_state: bool, channel_stats: tuple[Any, Any] | None
+) -> Callable[..., Any]:
+    """The controller's loss: cross-entropy, with accuracy as a metric.
+
+    With ``channel_stats`` (CIFAR), training images get the standard random crop and flip, and
+    all images are normalised per channel.
+    """
+    from triaccel_jax import data as data_lib
 
     def logits_of(params, images, policy, model_state, rng, train):
+        if channel_stats is not None:
+            images = data_lib.normalize(images, *channel_stats)
         variables = {"params": params if policy is None else precision.cast_params(params, policy)}
         kwargs: dict[str, Any] = {"rngs": {"dropout": rng}} if train else {}
         if has_state:
@@ -141,9 +155,7 @@ def make_loss(model: Any, has_state: bool, augment: bool) -> Callable[..., Any]:
 
     def loss_fn(params, batch, *, policy, rng, model_state=None):
         images = batch["image"]
-        if augment:
-            from triaccel_jax import data as data_lib
-
+        if channel_stats is not None:
             images = data_lib.random_crop_flip(jax.random.fold_in(rng, 1), images)
         logits, new_state = logits_of(params, images, policy, model_state, rng, True)
         labels = batch["label"]
@@ -182,7 +194,7 @@ def evaluate(loss_fn, params, model_state, policy, test: dict[str, np.ndarray]) 
 
 def train_run(run: str, data: Data, args: argparse.Namespace, progress: Any) -> RunResult:
     model, has_state = build_model(args.model, data.num_classes)
-    loss_fn = make_loss(model, has_state, data.augment)
+    loss_fn = make_loss(model, has_state, data.channel_stats)
     sample = data.train["image"][:2]
     init_kwargs = {"train": False} if has_state else {}
     variables = model.init(jax.random.key(args.seed), sample, **init_kwargs)
