@@ -178,6 +178,8 @@ def test_out_of_memory_loses_no_sample_and_training_continues():
     np.testing.assert_array_equal(seen, served[: len(seen)])
     assert len(seen) == sampler.samples_seen
     assert len(seen) > 2 * NUM_EXAMPLES  # several epochs, with different batch sizes
+    # StepInfo counts the samples each step trained, retried steps included.
+    assert sum(i.batch_size for i in infos) == sampler.samples_seen
     ooms = [(e.step, e.old, e.new) for e in controller.events if e.kind == "oom"]
     assert [step for step, _, _ in ooms] == [3, 40, 40, 90]
     for step, old, new in ooms:

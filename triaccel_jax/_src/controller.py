@@ -50,9 +50,11 @@ class StepInfo(NamedTuple):
 
     Attributes:
       step: the number of steps completed, this one included.
-      batch_size: samples in the step (the global batch).
-      micro_batch: samples per micro-batch (the batch bucket); ``batch_size // micro_batch``
-        micro-batches were accumulated.
+      batch_size: samples this step trained (the global batch; after an out-of-memory retry,
+        the batch drawn before the bucket shrank).
+      micro_batch: samples per micro-batch (the batch bucket after the step); when it is
+        smaller than ``batch_size``, ``batch_size // micro_batch`` micro-batches were
+        accumulated.
       loss: the step's mean loss.
       metrics: the step's mean metrics (``loss`` included), as Python floats.
       peak_bytes: the current bucket's peak bytes as last measured or compiled, or None.
@@ -462,7 +464,7 @@ class Controller:
         self.timings["control"] += seconds - spent
         info = StepInfo(
             self.step_count,
-            self.batch_size,
+            len(indices),  # the samples this step trained, also when an OOM shrank the bucket
             self._micro,
             metrics["loss"],
             metrics,
