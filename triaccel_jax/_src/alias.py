@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import optax
 
 from triaccel_jax._src import transform
@@ -106,4 +107,24 @@ def triaccel(
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )
-    return optax.chain(direction, optax.masked(step, tree_lib.trainable_mask))
+    return optax.chain(direction, _masked_to_trainable(step))
+
+
+def _masked_to_trainable(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``optax.masked(inner)`` on the leaves trainable in both the updates and the params.
+
+    ``optax.masked`` computes a callable mask from the updates alone, so a float gradient of an
+    integer parameter (e.g. after a cast) would get weight decay and the learning rate, where
+    scale_by_triaccel passes it through.
+    """
+
+    def init_fn(params: Any) -> Any:
+        return optax.masked(inner, tree_lib.trainable_mask).init(params)
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        mask = tree_lib.trainable_mask(updates)
+        if params is not None:
+            mask = jax.tree.map(lambda m, p: m and tree_lib.is_trainable(p), mask, params)
+        return optax.masked(inner, mask).update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

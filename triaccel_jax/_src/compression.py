@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from triaccel_jax._src import validation
+
 
 class CompressedDiagonal(NamedTuple):
     """A leaf's diagonal curvature, compressed.
@@ -119,6 +121,8 @@ def compress_diagonal(h: jax.Array, *, block_size: int, rho: float) -> Compresse
       >>> store.block_means.tolist(), store.outlier_indices.tolist()
       ([2.0, 4.0], [3])
     """
+    validation.check_integer("block_size", block_size, 1)
+    validation.check_in_range("rho", rho, 0.0, 1.0, low_inclusive=False)
     means = _block_means(h, num_blocks(h.size, block_size))
     indices, values = _top_magnitude(h, num_outliers(h.size, rho))
     return CompressedDiagonal(means, indices, values)

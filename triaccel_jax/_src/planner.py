@@ -122,6 +122,18 @@ def plan_precision(
     References:
       Yao et al., 2021, "HAWQ-V3: Dyadic Neural Network Quantization"; DESIGN §3.
     """
+    if not isinstance(signals, Mapping):
+        raise TypeError(
+            "`signals` must map leaf paths to figures, as triaccel_jax.signals(opt_state) "
+            f"returns, got {type(signals).__name__}"
+        )
+    if previous_policy is not None and not isinstance(previous_policy, policy_lib.PrecisionPolicy):
+        raise TypeError(
+            "`previous_policy` must be a PrecisionPolicy or None, got "
+            f"{type(previous_policy).__name__}"
+        )
+    if isinstance(allowed, str):
+        raise TypeError(f"`allowed` must be a sequence of dtype names, e.g. ({allowed!r},)")
     allowed_names = tuple(dtypes.format_name(a, what="allowed dtype") for a in allowed)
     if "fp32" not in allowed_names:
         allowed_names = ("fp32", *allowed_names)
@@ -142,7 +154,8 @@ def plan_precision(
     ndims = {path: leaf.ndim for path, leaf in policy_lib.trainable_paths(params)}
     if previous_policy is not None:
         previous_policy.check_matches(params)
-    allowance = budget * (loss if loss is not None else 1.0)
+    # An infinite budget stays infinite even relative to a loss of 0 (inf * 0 would be NaN).
+    allowance = budget * (loss if loss is not None and not math.isinf(budget) else 1.0)
 
     fixed: dict[str, str] = {}  # leaves the planner does not consider, and why
     notes: dict[str, str] = {}  # range rejections
@@ -160,8 +173,14 @@ def plan_precision(
             fixed[path] = "fp32: no curvature signal for this leaf"
             continue
         ladder, rejected = _ladder(allowed_names, max_abs)
-        kappa = max(float(record["mean_curvature"]), 0.0)
-        nsr = min(max(float(record.get("noise_to_signal", 0.0)), 0.0), _MAX_NOISE_DISCOUNT)
+        try:
+            kappa = max(float(record["mean_curvature"]), 0.0)
+            nsr = min(max(float(record.get("noise_to_signal", 0.0)), 0.0), _MAX_NOISE_DISCOUNT)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(
+                f"`signals[{path!r}]` must hold a number 'mean_curvature' (and optionally "
+                f"'noise_to_signal'), as triaccel_jax.signals returns; got {record!r} ({error!r})"
+            ) from None
         sensitivity = max(kappa * sum_sq, _MIN_SENSITIVITY) / (1.0 + nsr)
         before = previous_policy.compute(path) if previous_policy is not None else "fp32"
         cost[path] = {}
@@ -207,7 +226,7 @@ def plan_precision(
     if previous_policy is not None:
         for path, proposed in choice.items():
             current = previous_policy.compute(path)
-            if proposed == current:
+            if proposed == current or path in fixed:  # fixed leaves go fp32 at once
                 continue
             target, streak = previous_policy.pending.get(path, (proposed, 0))
             streak = streak + 1 if target == proposed else 1

@@ -42,6 +42,13 @@ def trainable_paths(params: Any) -> list[tuple[str, Any]]:
     ]
 
 
+def _check_pair(name: str, value: Any) -> None:
+    if isinstance(value, tuple) and len(value) != 2:
+        raise ValueError(
+            f"{name!r}: expected a compute dtype or a (compute, state) pair, got {value!r}"
+        )
+
+
 def _leaf(compute: Any, state: Any) -> LeafPrecision:
     return LeafPrecision(
         dtypes.format_name(compute, what="compute dtype"),
@@ -134,6 +141,7 @@ class PrecisionPolicy:
         """
         rules = []
         for pattern, value in patterns.items():
+            _check_pair(pattern, value)
             compute, leaf_state = (value, state) if not isinstance(value, tuple) else value
             rules.append((pattern, _leaf(compute, leaf_state)))
         fallback = _leaf(default, state)
@@ -191,6 +199,8 @@ class PrecisionPolicy:
           params: the parameter tree the policy was made for.
           which: ``"compute"`` or ``"state"``.
         """
+        if which not in ("compute", "state"):
+            raise ValueError(f"`which` must be 'compute' or 'state', got {which!r}")
         self.check_matches(params)
         index = 0 if which == "compute" else 1
         by_path = {path: dtypes.FORMATS[leaf[index]].dtype for path, leaf in self.leaves}
@@ -205,6 +215,7 @@ class PrecisionPolicy:
         for path, value in changes.items():
             if path not in leaves:
                 raise KeyError(f"no leaf {path!r} in the policy")
+            _check_pair(path, value)
             compute, state = (value, leaves[path].state) if not isinstance(value, tuple) else value
             leaves[path] = _leaf(compute, state)
         return PrecisionPolicy(tuple(leaves.items()), self.reasons, self.pending)
@@ -258,11 +269,19 @@ class PrecisionPolicy:
             isinstance(v, dict) and set(v) == {"compute", "state"} for v in leaves.values()
         ):
             raise ValueError("not a precision policy: 'leaves' must map paths to {compute, state}")
-        pending = {p: (str(v[0]), int(v[1])) for p, v in document.get("pending", {}).items()}
+        reasons, pending = document.get("reasons", {}), document.get("pending", {})
+        if not isinstance(reasons, dict):
+            raise ValueError("not a precision policy: 'reasons' must map paths to strings")
+        if not isinstance(pending, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and isinstance(v[1], int) for v in pending.values()
+        ):
+            raise ValueError(
+                "not a precision policy: 'pending' must map paths to [compute dtype, count]"
+            )
         return cls(
             tuple((p, LeafPrecision(v["compute"], v["state"])) for p, v in leaves.items()),
-            {str(k): str(v) for k, v in document.get("reasons", {}).items()},
-            pending,
+            {str(k): str(v) for k, v in reasons.items()},
+            {p: (str(v[0]), int(v[1])) for p, v in pending.items()},
         )
 
     # -- display ------------------------------------------------------------------------------

@@ -24,6 +24,11 @@ from triaccel_jax.kernels import cast as cast_kernel
 MASTER_DTYPES = ("fp32", "policy")
 
 
+def _check_policy(policy: Any) -> None:
+    if not isinstance(policy, policy_lib.PrecisionPolicy):
+        raise TypeError(f"`policy` must be a PrecisionPolicy, got {type(policy).__name__}")
+
+
 def _leaf_keys(key: jax.Array | None, count: int) -> list[jax.Array | None]:
     if key is None:
         return [None] * count
@@ -67,6 +72,7 @@ def cast_params(
     """
     if rounding == "stochastic" and key is None:
         raise ValueError("rounding='stochastic' needs a PRNG `key`")
+    _check_policy(policy)
     policy.check_matches(params)
     names = {path: policy.compute(path) for path in policy}
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -110,6 +116,7 @@ def master_params(
     """
     if master_dtype not in MASTER_DTYPES:
         raise ValueError(f"`master_dtype` must be one of {MASTER_DTYPES}, got {master_dtype!r}")
+    _check_policy(policy)
     policy.check_matches(params)
 
     def master(path, leaf):
@@ -144,7 +151,10 @@ def apply_updates(params: Any, updates: Any, *, key: jax.Array | None = None) ->
       True
     """
     leaves, treedef = jax.tree.flatten(params)
-    update_leaves = treedef.flatten_up_to(updates)
+    try:
+        update_leaves = treedef.flatten_up_to(updates)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"`updates` do not have the tree structure of `params`: {error}") from None
     keys = _leaf_keys(key, len(leaves))
     out = []
     for param, update, leaf_key in zip(leaves, update_leaves, keys, strict=True):
@@ -185,6 +195,8 @@ def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
       >>> triaccel_jax.convert_state(state, policy)[0].mu["w"].dtype
       dtype(bfloat16)
     """
+
+    _check_policy(policy)
 
     def is_triaccel(node):
         return isinstance(node, transform.ScaleByTriAccelState)

@@ -39,6 +39,7 @@ ESTIMATORS = ("fisher", "hutchinson")
 STATE_DTYPES = ("float32", "bfloat16")
 
 _TINY = float(jnp.finfo(jnp.float32).tiny)
+_HUGE = float(jnp.finfo(jnp.float32).max)
 
 
 class LeafSignals(NamedTuple):
@@ -204,6 +205,11 @@ def scale_by_triaccel(
 
     def init_fn(params: Any) -> ScaleByTriAccelState:
         def zeros_or_skip(path, leaf):
+            if jnp.issubdtype(getattr(leaf, "dtype", None), jnp.complexfloating):
+                raise ValueError(
+                    f"leaf {tree_lib.path_string(path)!r} is {leaf.dtype}: triaccel trains real "
+                    "floating-point leaves only (keep the real and imaginary parts as two leaves)"
+                )
             if not tree_lib.is_trainable(leaf):
                 return optax.MaskedNode()
             dtype = _state_dtype(tree_lib.path_string(path), leaf.dtype, state_dtype)
@@ -247,7 +253,13 @@ def scale_by_triaccel(
         if estimator == "hutchinson" and loss_fn is None:
             raise ValueError(curvature_lib._LOSS_FN_HELP)
         grads, treedef = jax.tree.flatten(updates)
-        mu = treedef.flatten_up_to(state.mu)
+        try:
+            mu = treedef.flatten_up_to(state.mu)
+        except (ValueError, TypeError) as error:
+            raise ValueError(
+                "the updates do not have the tree structure of the params the optimizer state "
+                f"was initialised with: {error}"
+            ) from None
         # The state decides which leaves are trained (init saw the params): a float gradient for
         # an integer parameter, say, passes through like the parameter's other updates.
         active = [
@@ -255,6 +267,13 @@ def scale_by_triaccel(
             for i, (g, m) in enumerate(zip(grads, mu, strict=True))
             if not isinstance(m, optax.MaskedNode) and tree_lib.is_trainable(g)
         ]
+        for i in active:
+            if grads[i].shape != mu[i].shape:
+                path = jax.tree_util.tree_flatten_with_path(updates)[0][i][0]
+                raise ValueError(
+                    f"the update of leaf {tree_lib.path_string(path)!r} has shape "
+                    f"{grads[i].shape}, its parameter had shape {mu[i].shape} at init"
+                )
         nu = treedef.flatten_up_to(state.nu)
         stores = [
             _as(compression.CompressedDiagonal, x) for x in treedef.flatten_up_to(state.curvature)
@@ -315,7 +334,8 @@ def scale_by_triaccel(
                     mean_curvature=summaries[i].mean / correction,
                     max_curvature=summaries[i].max_abs / correction,
                     trace=summaries[i].trace / correction,
-                    noise_to_signal=noise / (signal + _TINY),
+                    # m_hat can cancel to exactly 0 while v_hat > 0: keep the ratio finite.
+                    noise_to_signal=jnp.minimum(noise / (signal + _TINY), _HUGE),
                     step_scale=scale.astype(jnp.float32),
                 )
             return stores, estimator_state, curvature_count, signals

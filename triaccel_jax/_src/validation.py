@@ -64,7 +64,10 @@ def check_learning_rate(value: Any) -> None:
     """Raises ``ValueError`` for a negative or non-finite constant learning rate."""
     if callable(value):
         return
-    number = _concrete_float(value) if not isinstance(value, str) else math.nan
+    try:
+        number = _concrete_float(value) if not isinstance(value, str) else math.nan
+    except (TypeError, ValueError):  # None, an array, another object
+        number = math.nan
     if number is not None and not (math.isfinite(number) and number >= 0):
         raise ValueError(
             f"`learning_rate` must be a finite number >= 0 or a schedule, got {value!r}"
