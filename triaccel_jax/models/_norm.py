@@ -16,8 +16,12 @@ class BatchNorm(nn.Module):
     Flax's ``nn.BatchNorm`` computes its statistics in float32 and promotes the normalised
     activations, and so the residuals saved for backward, to float32 even when a bf16 convolution
     feeds it. Here the statistics are accumulated in float32 (``jnp.mean(..., dtype=float32)``,
-    two-pass variance) but the centring, scaling and shift run in the input's dtype, as
-    mixed-precision training runs normalisation layers. For float32 inputs it is the usual batch
+    two-pass variance) and the centring ``x - mean`` is computed in float32 and then rounded,
+    while the scaling and shift run in the input's dtype, as mixed-precision training runs
+    normalisation layers. Centring in bf16 would round ``x`` and ``mean`` before subtracting: where
+    a channel's mean is large against its spread that cancellation error differs between the
+    batch mean (training) and the running mean (evaluation), and evaluation accuracy swung
+    between 14% and 70% on ResNet-20 while the training loss looked fine. For float32 inputs it is the usual batch
     normalisation. Parameters (``scale``, ``bias``) and running statistics (``mean``, ``var`` in
     the ``batch_stats`` collection) are float32, named as in ``nn.BatchNorm``.
 
@@ -51,10 +55,10 @@ class BatchNorm(nn.Module):
         axes = tuple(range(x.ndim - 1))
         if self.use_running_average:
             mean, var = running_mean.value, running_var.value
-            centred = x - mean.astype(x.dtype)
+            centred = (x.astype(jnp.float32) - mean).astype(x.dtype)
         else:
             mean = jnp.mean(x, axes, dtype=jnp.float32)
-            centred = x - mean.astype(x.dtype)
+            centred = (x.astype(jnp.float32) - mean).astype(x.dtype)
             var = jnp.mean(jnp.square(centred), axes, dtype=jnp.float32)
             if not self.is_initializing():
                 decay = self.momentum
