@@ -39,6 +39,9 @@ def test_main_job_writes_the_table_and_plots(tmp_path, capsys):
     elastic = record["results"][2]
     assert elastic["name"] == "triaccel" and max(h["batch"] for h in elastic["history"]) == 64
     assert any(e["kind"] == "grow" for e in elastic["events"])
+    # Every epoch's end is among the evaluations, so steps-to-accuracy can be read from them.
+    assert [e["step"] for e in elastic["evals"]][-1] == 6
+    assert elastic["evals"][-1]["accuracy"] == elastic["epoch_accuracy"][-1]
 
 
 def test_unknown_names_list_the_valid_ones(capsys):

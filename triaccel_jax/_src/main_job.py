@@ -280,11 +280,12 @@ def train_run(run: str, data: Data, args: argparse.Namespace, progress: Any) -> 
                 batch=info.batch_size,
                 mem=f"{(info.peak_bytes or 0) / 2**20:.0f}MiB",
             )
-        epoch_accuracy.append(
-            evaluate(
-                loss_fn, controller.params, controller.model_state, controller.policy, data.test
-            )
-        )
+        # The end of each epoch is evaluated too (once, if --eval-every just did).
+        last = evals[-1] if evals else None
+        if last is not None and last["step"] == controller.step_count:
+            epoch_accuracy.append(last["accuracy"])
+        else:
+            epoch_accuracy.append(record_eval())
         if controller.step_count >= max_steps:
             break
     seconds = time.perf_counter() - start
