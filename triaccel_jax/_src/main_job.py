@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import sys
 import tempfile
@@ -472,8 +471,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         + ", ".join(str(p) for p in written)
     )
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.exit(main())
