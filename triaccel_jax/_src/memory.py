@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from triaccel_jax._src import dtypes
+from triaccel_jax._src import memory_probe
 from triaccel_jax._src import tree as tree_lib
 
 COMPONENTS = ("params", "compute_copies", "gradients", "optimizer_state", "residuals")
@@ -267,18 +268,7 @@ def _compiled_bytes(step_fn: Callable[[Any, Any], Any], params: Any, batch: Any)
     """XLA's temp + argument + output - alias bytes of ``jit(value_and_grad(step_fn))``."""
     grad_fn = jax.value_and_grad(step_fn, allow_int=True)
     compiled = jax.jit(grad_fn).lower(_abstract(params), _abstract(batch)).compile()
-    try:
-        stats = compiled.memory_analysis()
-    except (NotImplementedError, RuntimeError):
-        return None
-    if stats is None:
-        return None
-    return int(
-        stats.temp_size_in_bytes
-        + stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        - stats.alias_size_in_bytes
-    )
+    return memory_probe.compiled_peak_bytes(compiled)
 
 
 def memory_report(
