@@ -213,7 +213,7 @@ def scale_by_triaccel(
             if not tree_lib.is_trainable(leaf):
                 return optax.MaskedNode()
             dtype = _state_dtype(tree_lib.path_string(path), leaf.dtype, state_dtype)
-            return jnp.zeros(leaf.shape, dtype)
+            return _placed(jnp.zeros(leaf.shape, dtype), leaf, same_shape=True)
 
         static_block_size = validation.static_value("block_size", block_size, int)
         static_rho = validation.static_value("rho", rho, float)
@@ -221,7 +221,10 @@ def scale_by_triaccel(
         def store_or_skip(leaf):
             if not tree_lib.is_trainable(leaf):
                 return optax.MaskedNode()
-            return compression.empty_store(leaf.shape, block_size=static_block_size, rho=static_rho)
+            store = compression.empty_store(
+                leaf.shape, block_size=static_block_size, rho=static_rho
+            )
+            return jax.tree.map(lambda x: _placed(x, leaf, same_shape=False), store)
 
         def signals_or_skip(leaf):
             if not tree_lib.is_trainable(leaf):
@@ -373,3 +376,20 @@ def _as(cls: type, node: Any) -> Any:
     if isinstance(node, Mapping) and set(node) == set(cls._fields):
         return cls(**{name: node[name] for name in cls._fields})
     return node
+
+
+def _placed(state_leaf: jax.Array, param: Any, *, same_shape: bool) -> jax.Array:
+    """``state_leaf`` on the devices of a concrete, sharded ``param``.
+
+    Moments take the param's own sharding, so the state of a sharded model is sharded the same
+    way instead of landing on one device; the compressed curvature store (other shapes, about
+    ``1 / block_size`` of the leaf) is replicated over the param's mesh. Under ``jit`` (tracers)
+    and for ``jax.ShapeDtypeStruct`` leaves without a sharding nothing is placed: the caller's
+    ``out_shardings`` decide there.
+    """
+    sharding = getattr(param, "sharding", None)
+    if isinstance(param, jax.core.Tracer) or not isinstance(sharding, jax.sharding.NamedSharding):
+        return state_leaf
+    if not same_shape:
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.device_put(state_leaf, sharding)
