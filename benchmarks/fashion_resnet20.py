@@ -27,15 +27,9 @@ import statistics
 import sys
 import time
 
+from tqdm.auto import tqdm
+
 from triaccel_jax._src import main_job
-
-
-class _Silent:
-    def update(self, *args, **kwargs):
-        pass
-
-    def set_postfix(self, *args, **kwargs):
-        pass
 
 
 def steps_to_reach(evals, accuracy):
@@ -77,7 +71,7 @@ def main(argv=None) -> int:
         results = {}
         for run in ("fp32", "triaccel"):
             start = time.perf_counter()
-            results[run] = main_job.train_run(run, data, job_args, _Silent())
+            results[run] = main_job.train_run(run, data, job_args, tqdm(disable=True))
             print(
                 f"seed {seed} {run:>8}: accuracy {100 * results[run].accuracy:.2f}%, "
                 f"{results[run].steps} steps, final batch {results[run].final_batch}, "

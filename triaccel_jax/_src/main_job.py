@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -168,14 +169,21 @@ def make_loss(
     return loss_fn
 
 
-def evaluate(loss_fn, params, model_state, policy, test: dict[str, np.ndarray]) -> float:
-    """Test accuracy (eval mode: running BatchNorm statistics, no augmentation)."""
+@functools.lru_cache(maxsize=8)
+def _predictor(loss_fn: Callable[..., Any], policy: Any) -> Callable[..., jax.Array]:
+    """The jitted eval-mode prediction for ``(loss_fn, policy)``, made once, not per evaluation."""
 
     @jax.jit
     def predict(params, model_state, images):
         logits, _ = loss_fn.logits_of(params, images, policy, model_state, None, False)
         return jnp.argmax(logits, -1)
 
+    return predict
+
+
+def evaluate(loss_fn, params, model_state, policy, test: dict[str, np.ndarray]) -> float:
+    """Test accuracy (eval mode: running BatchNorm statistics, no augmentation)."""
+    predict = _predictor(loss_fn, policy)
     correct, size = 0, len(test["label"])
     for start in range(0, size, 1000):
         images = test["image"][start : start + 1000]
