@@ -23,10 +23,12 @@ def gpu_check():
 
 def test_arguments(gpu_check):
     args = gpu_check.parse_args([])
-    assert (args.parity_size, args.bandwidth_log2, args.iterations) == (2**20 + 123, 26, 20)
+    assert (args.parity_size, args.bandwidth_log2, args.iterations) == (2**20 + 123, 28, 20)
     assert args.batch_size == 128 and not args.dry_run and args.memory_child is None
     dry = gpu_check.parse_args(["--dry-run", "--parity-size", "10"])
     assert dry.dry_run and dry.parity_size == 10 and dry.bandwidth_log2 == 14
+    assert args.sections == ["cast-parity", "fused-parity", "bandwidth", "memory"]
+    assert gpu_check.parse_args(["--sections", "bandwidth"]).sections == ["bandwidth"]
 
 
 def test_ulp_distance(gpu_check):

@@ -236,7 +236,8 @@ def train_run(run: str, data: Data, args: argparse.Namespace, progress: Any) -> 
         kwargs = dict(
             min_batch=args.batch_size,
             max_batch=args.batch_size,
-            probe=memory_probe.BudgetMemoryProbe(2**40),
+            # The batch is fixed (min = max); the probe only supplies the recorded figures.
+            probe=memory_probe.default_memory_probe(),
             policy=policy,
             lr_scaling="none",
         )
