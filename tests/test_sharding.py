@@ -2,7 +2,15 @@
 
 Eight simulated CPU devices in a 2 x 4 (``data`` x ``model``) mesh; the params are sharded over
 ``model`` (column- then row-parallel, Megatron style), the batch over ``data``. XLA's device
-count is fixed when jax starts, so the check runs in a subprocess.
+count is fixed when jax starts, so the checks run in a subprocess:
+
+* every state leaf's sharding, at init and after 5 steps: moments as their params, the compressed
+  curvature replicated;
+* 5 steps equal the unsharded run;
+* the compiled step gathers no whole sharded leaf: every all-gather in its HLO
+  (``compiled.as_text()``) is one of the top-k candidate vectors, ``shards x k`` long;
+* the partitioned compressed-EMA update equals the reference on many layouts (1-D to 4-D, conv
+  kernels' channel pairs, two mesh axes on one dimension, ties among equal values).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent(
     """
+    import re
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import triaccel_jax
@@ -58,9 +67,61 @@ SCRIPT = textwrap.dedent(
         np.testing.assert_allclose(p1[k], p8[k], rtol=1e-5, atol=1e-6)
         wanted = NamedSharding(mesh, specs[k])
         assert p8[k].sharding.is_equivalent_to(wanted, p8[k].ndim), (k, p8[k].sharding)
+    for name in ("mu", "nu"):
+        for k, leaf in getattr(s8[0], name).items():
+            assert leaf.sharding.is_equivalent_to(sharded[k].sharding, leaf.ndim), (name, k)
+    for k, store in s8[0].curvature.items():
+        for leaf in store:
+            assert leaf.sharding.is_fully_replicated, (k, leaf.sharding)
+
+    # No whole sharded leaf is gathered: the only all-gathers are the top-k candidates, k from
+    # each of the 4 shards of every leaf (k = ceil(rho * size)).
+    hlo = step.lower(sharded, state, xs, ys).compile().as_text()
+    gathered = sorted(
+        int(np.prod([int(d) for d in dims.split(",") if d]))
+        for dims in re.findall(r"= [a-z0-9]+\\[([0-9,]*)\\]\\{[0-9,]*\\} all-gather\\(", hlo)
+    )
+    candidates = sorted(2 * [4 * int(np.ceil(0.05 * v.size)) for v in params.values()])
+    assert gathered == candidates, (gathered, candidates)
+    print("all-gathered elements:", gathered)
+
     for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s8), strict=True):
         a, b = np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+    # The partitioned compressed-EMA update against the reference, layout by layout.
+    from triaccel_jax._src import compression, compression_sharded
+
+    layouts = [
+        ((256,), P("model")),
+        ((64, 256), P(None, "model")),
+        ((256, 8), P("model", None)),
+        ((64, 256), P("data", "model")),
+        ((16, 8, 4), P(("data", "model"))),
+        ((3, 3, 16, 32), P(None, None, None, "model")),  # conv kernel: channel-pair means
+        ((3, 3, 16, 32), P(None, None, "model", "data")),
+        ((1, 1, 16, 32), P(None, None, "model")),  # 1x1 conv: flat blocks
+        ((6, 10), P("data")),  # 10 does not split 4 ways: only "data" shards it
+    ]
+    update = jax.jit(compression_sharded.update_compressed_ema)
+    rng = np.random.default_rng(0)
+    for shape, spec in layouts:
+        for case in ("ties", "random"):
+            h = rng.normal(size=shape).astype(np.float32)
+            if case == "ties":  # mostly zeros and repeated values; the store starts empty
+                h = np.where(rng.random(shape) < 0.8, 0.0, np.round(h)).astype(np.float32)
+                store = compression.empty_store(shape, block_size=16, rho=0.05)
+            else:
+                old = rng.normal(size=shape).astype(np.float32)
+                store = compression.compress_diagonal(jnp.asarray(old), block_size=16, rho=0.05)
+            expected = compression.update_compressed_ema(store, jnp.asarray(h), 0.9)
+            h_sharded = jax.device_put(h, NamedSharding(mesh, spec))
+            replicated = jax.device_put(store, NamedSharding(mesh, P()))
+            got = update(replicated, h_sharded, 0.9)
+            np.testing.assert_array_equal(got.outlier_indices, expected.outlier_indices, err_msg=str((shape, spec, case)))
+            np.testing.assert_allclose(got.outlier_values, expected.outlier_values, rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(got.block_means, expected.block_means, rtol=1e-5, atol=1e-6)
+            assert all(leaf.sharding.is_fully_replicated for leaf in got), (shape, spec)
     print("ok")
     """
 )

@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from triaccel_jax._src import validation
@@ -60,17 +59,19 @@ def num_blocks(size: int, block_size: int) -> int:
     return -(-size // block_size)
 
 
-def _block_counts(size: int, blocks: int) -> tuple[int, np.ndarray]:
+def block_counts(size: int, blocks: int) -> tuple[int, jax.Array]:
     """Block length and elements per block when ``size`` elements are cut into ``blocks``.
 
     Blocks are contiguous and of length ``ceil(size / blocks)`` (at most ``block_size``), the
     last one possibly shorter. The layout depends only on the number of blocks, which the store's
     shape records, so the update needs no static ``block_size`` (it may be an injected
-    hyperparameter).
+    hyperparameter). The counts are built from an iota rather than a NumPy constant, so that a
+    traced function using them closes over no array constants (``custom_partitioning`` needs
+    that).
     """
     length = -(-size // blocks)
-    counts = np.full((blocks,), length, np.float32)
-    counts[-1] = size - (blocks - 1) * length
+    last = size - (blocks - 1) * length
+    counts = jnp.where(jnp.arange(blocks) == blocks - 1, last, length).astype(jnp.float32)
     return length, counts
 
 
@@ -90,7 +91,7 @@ def _block_means(h: jax.Array, blocks: int) -> jax.Array:
     h = h.astype(jnp.float32)
     if uses_channel_pairs(h.shape):
         return jnp.mean(h, axis=(0, 1))
-    length, counts = _block_counts(h.size, blocks)
+    length, counts = block_counts(h.size, blocks)
     padded = jnp.pad(h.reshape(-1), (0, blocks * length - h.size))
     return jnp.sum(padded.reshape(blocks, length), axis=1) / counts
 
@@ -150,7 +151,7 @@ def expand_diagonal(store: CompressedDiagonal, shape: tuple[int, ...]) -> jax.Ar
     if uses_channel_pairs(shape):
         full = jnp.broadcast_to(store.block_means, shape).reshape(-1)
     else:
-        length, _ = _block_counts(size, store.block_means.size)
+        length, _ = block_counts(size, store.block_means.size)
         full = jnp.repeat(store.block_means, length)[:size]
     return full.at[store.outlier_indices].set(store.outlier_values).reshape(shape)
 
@@ -198,7 +199,7 @@ def summarize_diagonal(store: CompressedDiagonal, shape: tuple[int, ...]) -> Dia
     if uses_channel_pairs(shape):
         trace = jnp.sum(store.block_means) * (shape[0] * shape[1])
     else:
-        _, counts = _block_counts(size, store.block_means.size)
+        _, counts = block_counts(size, store.block_means.size)
         trace = jnp.sum(store.block_means * counts)
     max_abs = jnp.max(jnp.abs(store.outlier_values), initial=0.0)
     return DiagonalSummary(trace / size, max_abs, trace)

@@ -28,6 +28,7 @@ import optax
 from jax import lax
 
 from triaccel_jax._src import compression
+from triaccel_jax._src import compression_sharded
 from triaccel_jax._src import curvature as curvature_lib
 from triaccel_jax._src import dtypes
 from triaccel_jax._src import policy as policy_lib
@@ -315,7 +316,7 @@ def scale_by_triaccel(
             diagonal = treedef.flatten_up_to(diagonal)
             stores, signals = list(stores), list(signals)
             for i in active:
-                stores[i] = compression.update_compressed_ema(
+                stores[i] = compression_sharded.update_compressed_ema(
                     stores[i], diagonal[i], curvature_decay
                 )
             curvature_count = optax.safe_increment(curvature_count)
