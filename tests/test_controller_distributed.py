@@ -2,8 +2,10 @@
 
 * 8 simulated CPU devices: the batch sharded over a ``data`` mesh axis gives the losses and
   params of the single-device run.
-* 2 processes (``jax.distributed`` on localhost, CPU, gloo collectives): each process's fake probe
-  reports a different limit, and both still take identical decisions, those of the smaller limit.
+* 2 processes (``jax.distributed`` on localhost, CPU, gloo collectives), 50 controller steps with
+  precision re-plans: only one process's fake probe reports memory pressure, and it changes
+  mid-run; both still take identical decisions (those of the tighter limit) and end with
+  identical params, policies and controller state.
 
 XLA's device count and the distributed runtime are fixed when jax starts, so each runs in
 subprocesses.
@@ -95,15 +97,25 @@ TWO_PROCESSES = (
     from jax.sharding import Mesh
     assert jax.process_count() == 2 and jax.device_count() == 2
 
-    # Process 1's device has less memory: only it sees the pressure.
-    limit = 20_000 if process_id == 0 else 6_000
+    # Only process 1 sees memory pressure, and it changes: its limit allows batch 64 at first,
+    # then drops to 6000 bytes (batch 32) from its 10th reading on. Process 0 always has room.
+    def limit(reading):
+        if process_id == 0:
+            return 20_000
+        return 9_000 if reading < 10 else 6_000
+
     probe = triaccel_jax.FakeMemoryProbe(limit, peak_bytes=lambda b: 500 + 100 * b)
     mesh = Mesh(np.array(jax.devices()), ("data",))
     controller = triaccel_jax.Controller(
-        loss_fn, params, triaccel_jax.triaccel(1e-2), data, min_batch=8, max_batch=128,
-        probe=probe, check_every=2, mesh=mesh, seed=0)
-    infos = controller.run(16)
-    print("RESULT " + json.dumps(summary(controller, infos)))
+        loss_fn, params, triaccel_jax.triaccel(1e-2, curvature_every=2), data, min_batch=8,
+        max_batch=128, probe=probe, check_every=2, replan_every=10,
+        planner_options={"budget": 0.5}, mesh=mesh, seed=0)
+    infos = controller.run(50)
+    result = summary(controller, infos)
+    result["policies"] = [e.new for e in controller.events if e.kind == "replan"]
+    result["policy"] = controller.policy.to_json()
+    result["state"] = controller.state_dict()
+    print("RESULT " + json.dumps(result))
     """
     )
 )
@@ -152,10 +164,16 @@ def test_two_processes_take_identical_decisions_when_their_probes_disagree():
         (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
         outputs.append(json.loads(line[len("RESULT ") :]))
     first, second = outputs
-    assert first["decisions"] == second["decisions"]
-    assert first["batches"] == second["batches"]
-    assert first["losses"] == second["losses"]
-    assert first["params"] == second["params"]
-    # The decisions follow the smaller limit (6000: 500 + 100 b <= 5100 -> b <= 46 -> 32), which
-    # only process 1 measured.
-    assert max(first["batches"]) == 32, first["batches"]
+    assert len(first["losses"]) == 50
+    for key in ("decisions", "batches", "losses", "params", "policies", "policy", "state"):
+        assert first[key] == second[key], key
+    # The decisions follow process 1's limits, which process 0 never measured: grow to 64
+    # (500 + 100 b under 80% of 9000; alone, process 0 would take 128), then shrink to 32 once its
+    # limit drops to 6000.
+    batches = first["batches"]
+    runs = [b for i, b in enumerate(batches) if i == 0 or b != batches[i - 1]]
+    assert max(batches) == 64 and runs[-2:] == [64, 32], runs
+    assert [d[1] for d in first["decisions"]].count("shrink") >= 1, first["decisions"]
+    # A re-plan changed the policy (the same on both, checked above: "policies", "policy").
+    assert len(first["policies"]) >= 1, first["policies"]
+    assert first["state"]["step"] == 50
