@@ -670,6 +670,56 @@ CASES = [
         ValueError,
         "needs both `step_fn` and `batch`",
     ),
+    Case(
+        "memory-report-policy-a-string",
+        lambda _: T.memory_report(PARAMS, None, policy="bf16"),
+        TypeError,
+        "`policy` must be a PrecisionPolicy or None",
+    ),
+    Case(
+        "plan-budget-a-string",
+        lambda _: T.plan_precision(SIGNALS, PARAMS, budget="0.1"),
+        TypeError,
+        "`budget` must be a number",
+    ),
+    Case(
+        "compiled-peak-bytes-of-a-function",
+        lambda _: T.compiled_peak_bytes(jax.jit(lambda x: x)),
+        TypeError,
+        "`compiled` must be a compiled executable",
+    ),
+    Case(
+        "event-records-of-ints",
+        lambda _: T.event_records([1, 2]),
+        TypeError,
+        "takes triaccel_jax.Event objects, got int",
+    ),
+    Case(
+        "device-probe-devices-an-int",
+        lambda _: T.DeviceMemoryProbe(devices=3),
+        TypeError,
+        "`devices` must be a sequence of jax devices",
+    ),
+    Case(
+        "device-probe-no-devices",
+        lambda _: T.DeviceMemoryProbe(devices=[]),
+        TypeError,
+        "`devices` must be a non-empty sequence",
+    ),
+    Case(
+        "decide-bucket-current-not-a-bucket",
+        lambda _: T.decide_bucket(48, (16, 32, 64), {}, 1000),
+        ValueError,
+        "`current` bucket 48 is not one of `buckets`",
+    ),
+    Case(
+        "expand-diagonal-store-of-another-shape",
+        lambda _: T.expand_diagonal(
+            T.compress_diagonal(jnp.ones((3, 3, 2, 4)), block_size=4, rho=0.1), (3, 3, 4, 2)
+        ),
+        ValueError,
+        r"is not one of a leaf of shape \(3, 3, 4, 2\)",
+    ),
 ]
 
 
@@ -678,3 +728,9 @@ def test_bad_input_is_rejected_naming_the_problem(case, tmp_path):
     with pytest.raises(case.error, match=case.match) as info:
         case.call(tmp_path)
     assert type(info.value) is case.error, info.value  # the type itself, not a subclass
+
+
+def test_numpy_and_jax_scalars_are_numbers_for_the_planner():
+    # A budget computed from a float32 loss is a NumPy or JAX scalar, not a Python float.
+    for budget in (np.float32(1e-3), jnp.float32(1e-3), 1e-3):
+        assert isinstance(T.plan_precision(SIGNALS, PARAMS, budget=budget), PrecisionPolicy)

@@ -143,6 +143,8 @@ def decide_bucket(
       >>> decision.bucket, decision.kind  # 64 predicted at 500 bytes, 128 at 900 > 850
       (64, 'grow')
     """
+    if current not in buckets:
+        raise ValueError(f"`current` bucket {current!r} is not one of `buckets` {tuple(buckets)}")
     if limit is None:
         return BucketDecision(current, "keep", "no memory limit known", 0, 0)
     allowed = [b for b in buckets if ceiling is None or b < ceiling]

@@ -147,7 +147,20 @@ def expand_diagonal(store: CompressedDiagonal, shape: tuple[int, ...]) -> jax.Ar
       >>> expand_diagonal(store, (4,)).tolist()
       [2.0, 2.0, 4.0, 8.0]
     """
+    shape = tuple(shape)
     size = math.prod(shape)
+    means_ok = (
+        store.block_means.shape == shape[2:]
+        if uses_channel_pairs(shape)
+        else store.block_means.ndim == 1
+        and store.block_means.size <= size
+        and (size == 0 or store.block_means.size >= 1)
+    )
+    if not means_ok or store.outlier_values.size > size:
+        raise ValueError(
+            f"the store (block means {store.block_means.shape}, {store.outlier_values.size} "
+            f"outliers) is not one of a leaf of shape {shape}"
+        )
     if uses_channel_pairs(shape):
         full = jnp.broadcast_to(store.block_means, shape).reshape(-1)
     else:

@@ -43,4 +43,11 @@ def event_records(events: Iterable[Event]) -> list[dict[str, Any]]:
       >>> event_records([Event(3, "grow", 16, 32, "fits", {"limit_bytes": 1000})])
       [{'step': 3, 'kind': 'grow', 'old': 16, 'new': 32, 'reason': 'fits', 'figure_limit_bytes': 1000}]
     """
-    return [event.as_record() for event in events]
+    records = []
+    for event in events:
+        if not isinstance(event, Event):
+            raise TypeError(
+                f"event_records takes triaccel_jax.Event objects, got {type(event).__name__}"
+            )
+        records.append(event.as_record())
+    return records

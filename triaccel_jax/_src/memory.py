@@ -24,6 +24,7 @@ from jax.extend import core as jex_core
 
 from triaccel_jax._src import dtypes
 from triaccel_jax._src import memory_probe
+from triaccel_jax._src import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
 
 COMPONENTS = ("params", "compute_copies", "gradients", "optimizer_state", "residuals")
@@ -352,6 +353,11 @@ def memory_report(
         )
     with_paths, _ = jax.tree_util.tree_flatten_with_path(params)
     if policy is not None:
+        if not isinstance(policy, policy_lib.PrecisionPolicy):
+            raise TypeError(
+                "`policy` must be a PrecisionPolicy or None (e.g. "
+                f"PrecisionPolicy.uniform(params, 'bf16')), got {type(policy).__name__}"
+            )
         policy.check_matches(params)
         by_path = {path: compute_copy_dtype(leaf.compute) for path, leaf in policy.leaves}
     else:

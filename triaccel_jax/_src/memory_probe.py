@@ -17,6 +17,7 @@ cannot measure it) and the limit. Three probes ship:
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -63,6 +64,11 @@ def compiled_peak_bytes(compiled: Any) -> int | None:
       >>> compiled_peak_bytes(compiled) >= 2 * 4096
       True
     """
+    if not callable(getattr(compiled, "memory_analysis", None)):
+        raise TypeError(
+            "`compiled` must be a compiled executable, `jax.jit(f).lower(...).compile()`, got "
+            f"{type(compiled).__name__}"
+        )
     try:
         stats = compiled.memory_analysis()
     except (NotImplementedError, RuntimeError):
@@ -91,7 +97,15 @@ class DeviceMemoryProbe:
     """
 
     def __init__(self, devices: Sequence[Any] | None = None) -> None:
+        if devices is not None and (isinstance(devices, str) or not isinstance(devices, Iterable)):
+            raise TypeError(
+                f"`devices` must be a sequence of jax devices or None, got {type(devices).__name__}"
+            )
         self._devices = list(devices) if devices is not None else jax.local_devices()
+        if not self._devices or not all(hasattr(d, "memory_stats") for d in self._devices):
+            raise TypeError(
+                f"`devices` must be a non-empty sequence of jax devices, got {devices!r}"
+            )
         self._last_peak: int | None = None
 
     def read(self, *, batch_size: int) -> MemoryReading:

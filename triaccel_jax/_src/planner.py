@@ -137,7 +137,8 @@ def plan_precision(
     allowed_names = tuple(dtypes.format_name(a, what="allowed dtype") for a in allowed)
     if "fp32" not in allowed_names:
         allowed_names = ("fp32", *allowed_names)
-    if not (isinstance(budget, int | float) and budget >= 0 and not math.isnan(budget)):
+    budget = _real_scalar("budget", budget)
+    if not (budget >= 0 and not math.isnan(budget)):
         raise ValueError(f"`budget` must be a number >= 0 (inf allowed), got {budget!r}")
     if loss is not None and not (math.isfinite(loss) and loss >= 0):
         raise ValueError(f"`loss` must be a finite number >= 0, got {loss!r}")
@@ -259,3 +260,15 @@ def _reason(compute, cost, ladder, pending, patience, allowance, size) -> str:
     if cheaper is None:
         return "fp32: no cheaper format allowed"
     return f"fp32: {cheaper} would add {cost[cheaper]:.2e}, beyond the budget left"
+
+
+def _real_scalar(name: str, value: Any) -> float:
+    """``value`` as a float: Python, NumPy and concrete JAX scalars (a float32 loss times a
+    fraction, say) are numbers; booleans, strings and arrays are not."""
+    if not isinstance(value, bool | str | bytes) and np.ndim(value) == 0:
+        try:
+            if np.issubdtype(np.asarray(value).dtype, np.number):
+                return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(f"`{name}` must be a number >= 0 (inf allowed), got {value!r}")
