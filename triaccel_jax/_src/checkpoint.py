@@ -5,6 +5,11 @@ handler; the policy, the controller's state (with the sampler's cursor) and any 
 in a JSON item beside them. Orbax writes each step to a temporary folder and renames it when
 complete, so an interrupted save leaves the previous checkpoint usable. Loading never unpickles
 anything: both items are data formats (DESIGN §6, issue 5).
+
+The JSON item also records each array's shape, dtype and CRC-32: orbax and tensorstore do not
+checksum array data (a few overwritten bytes in a compressed chunk restore silently as wrong
+values), so :meth:`Checkpointer.restore` verifies the restored arrays against the record, and
+when orbax fails it uses the record to tell a template that does not match from damaged files.
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from triaccel_jax._src import policy as policy_lib
 
@@ -41,6 +48,75 @@ def _abstract(tree: Any) -> Any:
         return x
 
     return jax.tree.map(leaf, tree)
+
+
+def _host_array(x: Any) -> np.ndarray | None:
+    """``x`` as a numpy array when this process holds all of it; None for other leaves."""
+    if isinstance(x, jax.Array):
+        if not x.is_fully_addressable:  # each process holds only its shards: nothing to check
+            return None
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.asarray(x)
+    if isinstance(x, np.ndarray | np.generic):
+        return np.asarray(x)
+    return None
+
+
+def _crc32(array: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8))
+
+
+def _array_records(tree: Any) -> dict[str, dict[str, Any]]:
+    """Shape, dtype and CRC-32 of every array leaf of ``tree``, keyed by its path."""
+    records = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        array = _host_array(leaf)
+        if array is not None:
+            records[jax.tree_util.keystr(path)] = {
+                "shape": list(array.shape),
+                "dtype": str(array.dtype),
+                "crc32": _crc32(array),
+            }
+    return records
+
+
+def _template_mismatch(template: Any, records: Mapping[str, Any]) -> str | None:
+    """How ``template``'s array leaves differ from the saved ``records``; None if they agree."""
+    leaves = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(template)[0]:
+        if isinstance(leaf, jax.Array | np.ndarray | jax.ShapeDtypeStruct):
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # recorded as key data
+                leaf = jax.eval_shape(jax.random.key_data, leaf)
+            leaves[jax.tree_util.keystr(path)] = leaf
+    missing = sorted(set(records) - set(leaves))
+    extra = sorted(set(leaves) - set(records))
+    if missing or extra:
+        return (
+            f"the template lacks saved leaves {missing[:5]} and has leaves the checkpoint lacks "
+            f"{extra[:5]}"
+        )
+    for name, leaf in leaves.items():
+        saved = (tuple(records[name]["shape"]), records[name]["dtype"])
+        if (tuple(leaf.shape), str(leaf.dtype)) != saved:
+            return (
+                f"leaf {name} is {leaf.dtype}{list(leaf.shape)} in the template but "
+                f"{saved[1]}{list(saved[0])} in the checkpoint"
+            )
+    return None
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost chained exception, in one line without tensorstore's spec dump."""
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        error = inner
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    for noise in (" [tensorstore_spec", " See full TensorStore details"):
+        text = text.split(noise)[0]
+    return f"{type(error).__name__}: {text[:300]}"
 
 
 class Checkpointer:
@@ -106,6 +182,7 @@ class Checkpointer:
             "policy": None if policy is None else json.loads(policy.to_json()),
             "controller": None if controller_state is None else dict(controller_state),
             "metadata": None if metadata is None else dict(metadata),
+            "arrays": _array_records(state),
         }
         ocp = _orbax()
         try:
@@ -159,14 +236,17 @@ class Checkpointer:
           step: which checkpoint; default the latest.
 
         Returns:
-          ``(state, meta)``: the restored pytree and the JSON item (``"policy"``,
-          ``"controller"``, ``"metadata"``).
+          ``(state, meta)``: the restored pytree, its arrays checked against the CRC-32s
+          recorded at save time, and the JSON item (``"policy"``, ``"controller"``,
+          ``"metadata"``).
 
         Raises:
-          CheckpointError: no such checkpoint, or it cannot be read (the message says which).
+          CheckpointError: no such checkpoint, the template does not match it, or its files are
+            truncated or corrupted (the message says which).
         """
         step = self._resolve(step)
         meta = self.read_metadata(step)
+        where = f"checkpoint step {step} in {self.directory}"
         ocp = _orbax()
         try:
             restored = self._manager.restore(
@@ -176,10 +256,25 @@ class Checkpointer:
                 ),
             )
         except Exception as error:
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} could not be restored into the given "
-                f"template: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            ) from error
+            # Orbax raises whatever tensorstore or json raised, deep in its reader; say which of
+            # the two usual causes it is, using the record written at save time.
+            cause = _root_cause(error)
+            records = meta.get("arrays")
+            mismatch = None if records is None else _template_mismatch(template, records)
+            if mismatch is not None:
+                problem = f"could not be restored into the given template: {mismatch} ({cause})"
+            elif records is not None:
+                problem = (
+                    f"could not be read ({cause}); the template matches what was saved, so the "
+                    "checkpoint's files are damaged (truncated, corrupted or missing)"
+                )
+            else:
+                problem = (
+                    f"could not be restored ({cause}); its files may be damaged or the template "
+                    "may not match what was saved"
+                )
+            raise CheckpointError(f"{where} {problem}") from error
+        self._verify(where, restored["state"], meta.get("arrays") or {})
         return restored["state"], meta
 
     def restore_state(self, state: Any, *, step: int | None = None) -> Any:
@@ -219,23 +314,60 @@ class Checkpointer:
     def read_metadata(self, step: int | None = None) -> dict[str, Any]:
         """The JSON item of checkpoint ``step`` (default the latest), validated."""
         step = self._resolve(step)
+        where = f"checkpoint step {step} in {self.directory}"
         path = self.directory / str(step) / "meta" / "metadata"
         try:
             meta = json.loads(path.read_text())
         except FileNotFoundError:
             raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} has no metadata item ({path}); it "
-                "is incomplete or was not written by triaccel_jax"
+                f"{where} has no metadata item ({path}); it is incomplete or was not written by "
+                "triaccel_jax"
             ) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise CheckpointError(
-                f"checkpoint metadata {path} is not valid JSON: {error}"
+                f"{where}: its metadata {path} is not valid JSON ({error}); the file is "
+                "corrupted or is not a triaccel_jax checkpoint's"
             ) from None
+        except OSError as error:
+            raise CheckpointError(f"{where}: its metadata {path} cannot be read: {error}") from None
         if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
-            raise CheckpointError(f"{path} is not a triaccel_jax checkpoint's metadata")
+            raise CheckpointError(f"{where}: {path} is not a triaccel_jax checkpoint's metadata")
         if meta.get("version") != META_VERSION:
-            raise CheckpointError(f"checkpoint version {meta.get('version')!r} is not supported")
+            raise CheckpointError(
+                f"{where}: checkpoint version {meta.get('version')!r} is not supported"
+            )
+        records = meta.get("arrays")  # absent in checkpoints written before it was recorded
+        if records is not None and not (
+            isinstance(records, dict)
+            and all(
+                isinstance(r, dict)
+                and isinstance(r.get("shape"), list)
+                and isinstance(r.get("dtype"), str)
+                and isinstance(r.get("crc32"), int)
+                for r in records.values()
+            )
+        ):
+            raise CheckpointError(f"{where}: {path} holds a malformed array record")
         return meta
+
+    def _verify(self, where: str, state: Any, records: Mapping[str, Any]) -> None:
+        """Raises if a restored array differs from the CRC-32 recorded when it was saved."""
+        corrupted = []
+        for name, record in _array_records(state).items():
+            saved = records.get(name)
+            # A leaf restored with another shape or dtype (orbax casts to the template) cannot
+            # be compared; one saved on another process's devices has no record.
+            comparable = saved is not None and all(
+                saved[key] == record[key] for key in ("shape", "dtype")
+            )
+            if comparable and saved["crc32"] != record["crc32"]:
+                corrupted.append(name)
+        if corrupted:
+            raise CheckpointError(
+                f"{where} is corrupted: the data of {', '.join(corrupted[:5])} "
+                f"({len(corrupted)} of {len(records)} arrays) differ from the checksums written "
+                "when it was saved"
+            )
 
     def close(self) -> None:
         """Waits for pending writes and releases orbax's resources."""

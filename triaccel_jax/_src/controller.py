@@ -458,7 +458,10 @@ class Controller:
         indices = self.sampler.take(self.batch_size)
         metrics = self._run_with_retry(indices)
         self.step_count += 1
-        self._last_loss = metrics["loss"]
+        # A non-finite loss is a step the loss scaling skipped: it changed nothing, and the
+        # planner's relative budget needs a finite loss, so the last finite one is kept.
+        if math.isfinite(metrics["loss"]):
+            self._last_loss = metrics["loss"]
         seconds = time.perf_counter() - start
         spent = self.timings["step"] + self.timings["compile"] + self.timings["data"] - spent_before
         self.timings["control"] += seconds - spent
