@@ -13,7 +13,8 @@ For a machine with an NVIDIA GPU (written for an H200), ``jax[cuda12]`` and the 
    must match bit for bit; the fused update within 2 float32 ulps and 1 ulp of a narrow dtype.
    Inputs avoid float32 subnormals, which XLA may flush to zero.
 2. **Bandwidth**: each kernel's bytes moved per second against a measured device copy
-   (``jnp.copy`` of a large array: the practical ceiling, about 4.3 TB/s on an H200). Calls are
+   (``jnp.copy`` of a large array: the practical ceiling, about 4.3 TB/s on an H200), beside the
+   same cast's reference compiled by XLA (what ``impl="auto"`` chooses the kernel over). Calls are
    queued and waited for once per round, so the figure is the kernel's time, not the dispatch's.
 3. **Fused against unfused**: the fused update kernel, the same reference jitted (XLA fuses what
    it can), and an unfused pipeline (moments and direction, master update, compute cast as three
@@ -285,9 +286,15 @@ def bandwidth(n: int, impl: str, iterations: int) -> None:
             f = jax.jit(
                 functools.partial(cast_lib.cast, dtype=dtype, rounding=rounding, key=key, impl=impl)
             )
+            bytes_moved = n * (4 + jnp.dtype(dtype).itemsize)
             seconds = timed(f, x, iterations=iterations)
+            report(f"cast f32->{_name(dtype)} {rounding}", seconds, bytes_moved)
+            # The same cast as XLA compiles the reference: what impl="auto" is choosing against.
+            reference = jax.jit(
+                functools.partial(cast_lib.cast_reference, dtype=dtype, rounding=rounding, key=key)
+            )
             report(
-                f"cast f32->{_name(dtype)} {rounding}", seconds, n * (4 + jnp.dtype(dtype).itemsize)
+                "  reference, jitted (XLA)", timed(reference, x, iterations=iterations), bytes_moved
             )
 
     _print("\n== fused update against the same update unfused")
