@@ -14,11 +14,13 @@ subprocesses.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 import textwrap
+
+from simulated_devices import device_env
+from simulated_devices import run_script
 
 COMMON = textwrap.dedent(
     """
@@ -121,19 +123,8 @@ TWO_PROCESSES = (
 )
 
 
-def _env(devices: int = 1) -> dict[str, str]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return env
-
-
 def test_data_parallel_controller_on_8_devices_matches_one_device():
-    env = _env(devices=8)
-    result = subprocess.run(
-        [sys.executable, "-c", MULTI_DEVICE], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.strip().endswith("ok")
+    run_script(MULTI_DEVICE, devices=8)
 
 
 def _free_port() -> int:
@@ -147,7 +138,7 @@ def test_two_processes_take_identical_decisions_when_their_probes_disagree():
     processes = [
         subprocess.Popen(
             [sys.executable, "-c", TWO_PROCESSES, str(i), port],
-            env=_env(),
+            env=device_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -6,10 +6,9 @@ XLA's device count is fixed when jax is imported, so the check runs in a subproc
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
+
+from simulated_devices import run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -52,10 +51,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_curvature_is_averaged_across_devices_like_gradients():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.strip().endswith("ok")
+    run_script(SCRIPT, devices=8, timeout=300)

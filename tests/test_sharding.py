@@ -15,10 +15,9 @@ count is fixed when jax starts, so the checks run in a subprocess:
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
+
+from simulated_devices import run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -130,11 +129,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_state_follows_sharded_params_and_training_matches_one_device():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.strip().endswith("ok")
-    print(result.stdout)
+    print(run_script(SCRIPT, devices=8))
