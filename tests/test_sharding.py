@@ -103,6 +103,7 @@ SCRIPT = textwrap.dedent(
         ((3, 3, 16, 32), P(None, None, "model", "data")),
         ((1, 1, 16, 32), P(None, None, "model")),  # 1x1 conv: flat blocks
         ((6, 10), P("data")),  # 10 does not split 4 ways: only "data" shards it
+        ((), P()),  # a scalar, replicated
     ]
     update = jax.jit(compression_sharded.update_compressed_ema)
     rng = np.random.default_rng(0)
