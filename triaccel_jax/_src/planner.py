@@ -264,11 +264,11 @@ def _reason(compute, cost, ladder, pending, patience, allowance, size) -> str:
 
 def _real_scalar(name: str, value: Any) -> float:
     """``value`` as a float: Python, NumPy and concrete JAX scalars (a float32 loss times a
-    fraction, say) are numbers; booleans, strings and arrays are not."""
-    if not isinstance(value, bool | str | bytes) and np.ndim(value) == 0:
-        try:
-            if np.issubdtype(np.asarray(value).dtype, np.number):
-                return float(value)
-        except (TypeError, ValueError):
-            pass
-    raise TypeError(f"`{name}` must be a number >= 0 (inf allowed), got {value!r}")
+    fraction, say) are numbers; booleans, strings, complex numbers and arrays are not."""
+    problem = TypeError(f"`{name}` must be a number >= 0 (inf allowed), got {value!r}")
+    if isinstance(value, bool | str | bytes) or np.ndim(value) != 0:
+        raise problem
+    kind = np.asarray(value).dtype
+    if not (np.issubdtype(kind, np.floating) or np.issubdtype(kind, np.integer)):
+        raise problem
+    return float(value)
