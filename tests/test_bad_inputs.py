@@ -674,7 +674,7 @@ CASES = [
         "memory-report-policy-a-string",
         lambda _: T.memory_report(PARAMS, None, policy="bf16"),
         TypeError,
-        "`policy` must be a PrecisionPolicy or None",
+        "`policy` must be a PrecisionPolicy, got str",
     ),
     Case(
         "plan-budget-a-string",

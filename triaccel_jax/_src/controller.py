@@ -316,9 +316,7 @@ class Controller:
             )  # raises, naming the problem, without triaccel state
             policy = policy or policy_lib.PrecisionPolicy.uniform(self.params)
         if policy is not None:
-            if not isinstance(policy, policy_lib.PrecisionPolicy):
-                raise TypeError(f"`policy` must be a PrecisionPolicy, got {type(policy).__name__}")
-            policy.check_matches(self.params)
+            policy_lib.check_policy(policy, self.params)
             if replan_every is not None:  # the moments' dtypes follow the planned policy
                 self.opt_state = self._place(precision.convert_state(self.opt_state, policy))
         self.policy = policy
@@ -492,9 +490,7 @@ class Controller:
           ValueError: the policy does not cover the params.
         """
         if policy is not None:
-            if not isinstance(policy, policy_lib.PrecisionPolicy):
-                raise TypeError(f"`policy` must be a PrecisionPolicy, got {type(policy).__name__}")
-            policy.check_matches(self.params)
+            policy_lib.check_policy(policy, self.params)
             if self._replan_every is not None:
                 self.opt_state = self._place(precision.convert_state(self.opt_state, policy))
         if policy != self.policy:

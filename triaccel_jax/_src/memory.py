@@ -353,12 +353,7 @@ def memory_report(
         )
     with_paths, _ = jax.tree_util.tree_flatten_with_path(params)
     if policy is not None:
-        if not isinstance(policy, policy_lib.PrecisionPolicy):
-            raise TypeError(
-                "`policy` must be a PrecisionPolicy or None (e.g. "
-                f"PrecisionPolicy.uniform(params, 'bf16')), got {type(policy).__name__}"
-            )
-        policy.check_matches(params)
+        policy_lib.check_policy(policy, params)
         by_path = {path: compute_copy_dtype(leaf.compute) for path, leaf in policy.leaves}
     else:
         by_path = {}

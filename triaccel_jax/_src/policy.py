@@ -303,3 +303,24 @@ class PrecisionPolicy:
             counts[compute] = counts.get(compute, 0) + 1
         summary = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
         return f"PrecisionPolicy({len(self)} leaves: {summary}; signature {self.signature})"
+
+
+def check_policy(policy: Any, params: Any = None) -> PrecisionPolicy:
+    """Raises unless ``policy`` is a :class:`PrecisionPolicy` (covering ``params``, when given).
+
+    Args:
+      policy: what a caller passed as ``policy``.
+      params: the params it must cover exactly; None skips that check.
+
+    Returns:
+      ``policy``.
+
+    Raises:
+      TypeError: ``policy`` is not a PrecisionPolicy.
+      ValueError: it does not cover ``params`` (the message names the paths).
+    """
+    if not isinstance(policy, PrecisionPolicy):
+        raise TypeError(f"`policy` must be a PrecisionPolicy, got {type(policy).__name__}")
+    if params is not None:
+        policy.check_matches(params)
+    return policy

@@ -24,11 +24,6 @@ from triaccel_jax.kernels import cast as cast_kernel
 MASTER_DTYPES = ("fp32", "policy")
 
 
-def _check_policy(policy: Any) -> None:
-    if not isinstance(policy, policy_lib.PrecisionPolicy):
-        raise TypeError(f"`policy` must be a PrecisionPolicy, got {type(policy).__name__}")
-
-
 def _leaf_keys(key: jax.Array | None, count: int) -> list[jax.Array | None]:
     if key is None:
         return [None] * count
@@ -72,7 +67,7 @@ def cast_params(
     """
     if rounding == "stochastic" and key is None:
         raise ValueError("rounding='stochastic' needs a PRNG `key`")
-    _check_policy(policy)
+    policy_lib.check_policy(policy)
     policy.check_matches(params)
     names = {path: policy.compute(path) for path in policy}
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -116,7 +111,7 @@ def master_params(
     """
     if master_dtype not in MASTER_DTYPES:
         raise ValueError(f"`master_dtype` must be one of {MASTER_DTYPES}, got {master_dtype!r}")
-    _check_policy(policy)
+    policy_lib.check_policy(policy)
     policy.check_matches(params)
 
     def master(path, leaf):
@@ -196,7 +191,7 @@ def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
       dtype(bfloat16)
     """
 
-    _check_policy(policy)
+    policy_lib.check_policy(policy)
 
     def is_triaccel(node):
         return isinstance(node, transform.ScaleByTriAccelState)

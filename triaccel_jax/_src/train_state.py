@@ -98,9 +98,7 @@ class TrainState(train_state.TrainState):
           The state.
         """
         if policy is not None:
-            if not isinstance(policy, policy_lib.PrecisionPolicy):
-                raise TypeError(f"`policy` must be a PrecisionPolicy, got {type(policy).__name__}")
-            policy.check_matches(params)
+            policy_lib.check_policy(policy, params)
         opt_state = tx.init(params)
         if policy is not None:
             opt_state = _convert_if_triaccel(opt_state, policy)
