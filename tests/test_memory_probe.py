@@ -25,8 +25,9 @@ class _Device:
 
 
 def test_device_probe_reports_a_peak_only_when_it_rose():
-    device = _Device({"peak_bytes_in_use": 100, "bytes_limit": 1000})
+    device = _Device({"peak_bytes_in_use": 10, "bytes_limit": 1000})
     probe = DeviceMemoryProbe([device])
+    device.stats = {"peak_bytes_in_use": 100, "bytes_limit": 1000}
     assert probe.read(batch_size=8) == MemoryReading(100, 1000, "device")
     # peak_bytes_in_use is a high-water mark since start: unchanged means "not known".
     assert probe.read(batch_size=8) == MemoryReading(None, 1000, "device")
@@ -35,11 +36,11 @@ def test_device_probe_reports_a_peak_only_when_it_rose():
 
 
 def test_device_probe_takes_the_largest_peak_and_smallest_limit():
-    devices = [
-        _Device({"peak_bytes_in_use": 100, "bytes_limit": 1000}),
-        _Device({"peak_bytes_in_use": 300, "bytes_limit": 800}),
-    ]
-    assert DeviceMemoryProbe(devices).read(batch_size=1) == MemoryReading(300, 800, "device")
+    devices = [_Device({"bytes_limit": 1000}), _Device({"bytes_limit": 800})]
+    probe = DeviceMemoryProbe(devices)
+    devices[0].stats = {"peak_bytes_in_use": 100, "bytes_limit": 1000}
+    devices[1].stats = {"peak_bytes_in_use": 300, "bytes_limit": 800}
+    assert probe.read(batch_size=1) == MemoryReading(300, 800, "device")
 
 
 @pytest.mark.parametrize("stats", [None, {}, RuntimeError("UNIMPLEMENTED"), ValueError("no")])
@@ -101,3 +102,21 @@ def test_compiled_peak_without_analysis_is_none():
             raise NotImplementedError
 
     assert compiled_peak_bytes(NoAnalysis()) is None
+
+
+def test_a_new_probe_does_not_report_an_earlier_runs_peak():
+    # peak_bytes_in_use is a high-water mark since the process started: a first run peaked at
+    # 900 bytes; a second run in the same process, with its own probe, peaks at 400. That run's
+    # figures must be its own: 900 is not a peak of it, so it is reported as unknown.
+    device = _Device({"peak_bytes_in_use": 900, "bytes_in_use": 50, "bytes_limit": 1000})
+    probe = DeviceMemoryProbe([device])
+    device.stats = {"peak_bytes_in_use": 900, "bytes_in_use": 400, "bytes_limit": 1000}
+    assert probe.read(batch_size=8) == MemoryReading(None, 1000, "device")
+    # Once the mark rises past the earlier run's, the rise is this run's peak.
+    device.stats = {"peak_bytes_in_use": 950, "bytes_in_use": 60, "bytes_limit": 1000}
+    assert probe.read(batch_size=8).peak_bytes == 950
+    # reset() starts a new run on the same probe: the earlier marks are not its peaks.
+    probe.reset()
+    assert probe.read(batch_size=8).peak_bytes is None
+    device.stats = {"peak_bytes_in_use": 990, "bytes_limit": 1000}
+    assert probe.read(batch_size=8).peak_bytes == 990

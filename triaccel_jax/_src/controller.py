@@ -333,6 +333,8 @@ class Controller:
         self.probe = memory_probe.default_memory_probe() if probe is None else probe
         if not callable(getattr(self.probe, "read", None)):
             raise TypeError("`probe` must have a read(*, batch_size) method (a MemoryProbe)")
+        if callable(getattr(self.probe, "reset", None)):
+            self.probe.reset()  # a probe used before: its earlier peaks are not this run's
         self._target, self._high_water, self._patience = target, high_water, patience
         self._check_every = check_every
         self._callback = callback

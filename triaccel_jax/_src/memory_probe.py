@@ -5,8 +5,9 @@ One small interface, :class:`MemoryProbe`: ``read(batch_size=...)`` returns a
 cannot measure it) and the limit. Three probes ship:
 
 * :class:`DeviceMemoryProbe`: ``device.memory_stats()`` (GPU/TPU). ``peak_bytes_in_use`` is a
-  high-water mark since the process started, so the probe reports it only when it rose since the
-  previous reading: only then is it the peak of the steps in between. ``bytes_limit`` is XLA's
+  high-water mark since the process started, so the probe reports it only when it rose above
+  every mark seen since the probe was made (or reset) and since the previous reading: only then
+  is it the peak of the steps in between, and not that of an earlier run in the same process. ``bytes_limit`` is XLA's
   pool (see ``XLA_PYTHON_CLIENT_MEM_FRACTION``). Backends without statistics (CPU returns None)
   or that raise give a reading of Nones.
 * :class:`BudgetMemoryProbe`: a byte budget and no measurement, for CPU, where the controller
@@ -86,6 +87,13 @@ def compiled_peak_bytes(compiled: Any) -> int | None:
 class DeviceMemoryProbe:
     """Reads ``memory_stats()`` of the local devices (the largest peak, the smallest limit).
 
+    ``peak_bytes_in_use`` never goes down while the process lives, and JAX has no way to reset
+    it. So that each run's figures are its own (a process that trains several runs would
+    otherwise start each from the first run's peak), the probe takes the mark at creation, and at
+    :meth:`reset`, as a baseline: a reading reports a peak only when the mark rose above the
+    baseline and the previous reading. A run that peaks lower than an earlier one reads None
+    (unknown), and the controller then uses the compiled step's memory analysis.
+
     Args:
       devices: devices to read; default ``jax.local_devices()``.
 
@@ -107,9 +115,14 @@ class DeviceMemoryProbe:
                 f"`devices` must be a non-empty sequence of jax devices, got {devices!r}"
             )
         self._last_peak: int | None = None
+        self.reset()
 
-    def read(self, *, batch_size: int) -> MemoryReading:
-        del batch_size  # the device measures what really ran
+    def reset(self) -> None:
+        """Starts a new run: marks reached so far are not peaks of what runs from now on."""
+        self._last_peak = self._stats()[0]
+
+    def _stats(self) -> tuple[int | None, int | None]:
+        """The largest ``peak_bytes_in_use`` and the smallest ``bytes_limit``, or Nones."""
         peaks, limits = [], []
         for device in self._devices:
             try:
@@ -122,7 +135,11 @@ class DeviceMemoryProbe:
                 peaks.append(int(stats["peak_bytes_in_use"]))
             if "bytes_limit" in stats:
                 limits.append(int(stats["bytes_limit"]))
-        peak = max(peaks) if peaks else None
+        return (max(peaks) if peaks else None), (min(limits) if limits else None)
+
+    def read(self, *, batch_size: int) -> MemoryReading:
+        del batch_size  # the device measures what really ran
+        peak, limit = self._stats()
         fresh = (
             peak
             if peak is not None and (self._last_peak is None or peak > self._last_peak)
@@ -130,11 +147,11 @@ class DeviceMemoryProbe:
         )
         if peak is not None:
             self._last_peak = peak
-        return MemoryReading(fresh, min(limits) if limits else None, "device")
+        return MemoryReading(fresh, limit, "device")
 
     def available(self) -> bool:
-        """Whether any device reports a memory limit."""
-        return self.read(batch_size=1).limit_bytes is not None
+        """Whether any device reports a memory limit (without taking a reading)."""
+        return self._stats()[1] is not None
 
 
 class BudgetMemoryProbe:
