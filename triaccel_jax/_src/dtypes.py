@@ -36,6 +36,40 @@ if hasattr(jnp, "float8_e4m3fn"):
     FORMATS["fp8_e4m3"] = _format("fp8_e4m3", jnp.float8_e4m3fn)
 
 COMPUTE_NAMES = ("fp32", "bf16", "fp16", "fp8_e4m3")
+
+# fp8 values are carried in bf16 (fp8 times a per-leaf scale), since XLA has no general unscaled
+# fp8 matmul: an fp8 compute copy, and an fp8 leaf's master under ``master_dtype="policy"``, are
+# bf16 arrays. This is the one place that rule lives.
+_CARRIED_IN = {"fp8_e4m3": "bf16"}
+
+
+def carrier_name(name: str) -> str:
+    """The format whose dtype holds the values of format ``name`` (``"bf16"`` for fp8).
+
+    Example:
+      >>> from triaccel_jax._src.dtypes import carrier_name
+      >>> carrier_name("fp16"), carrier_name("fp8_e4m3")
+      ('fp16', 'bf16')
+    """
+    return _CARRIED_IN.get(name, name)
+
+
+def carrier_dtype(name: str) -> jnp.dtype:
+    """The dtype an array rounded to format ``name`` is stored in (bfloat16 for fp8).
+
+    Example:
+      >>> from triaccel_jax._src.dtypes import carrier_dtype
+      >>> carrier_dtype("fp16"), carrier_dtype("fp8_e4m3")
+      (dtype('float16'), dtype(bfloat16))
+    """
+    return FORMATS[carrier_name(name)].dtype
+
+
+def carried_itemsize(name: str) -> int:
+    """Bytes per element of a compute copy in format ``name``: 2 for fp8, carried in bf16."""
+    return FORMATS[carrier_name(name)].itemsize
+
+
 STATE_NAMES = ("fp32", "bf16")
 
 _ALIASES = {

@@ -90,7 +90,8 @@ def _cast_leaf(leaf, name, rounding, key, impl):
         return cast_kernel.cast(leaf, fmt.dtype, rounding=rounding, key=key, impl=impl)
     scale = cast_kernel.fp8_scale(leaf)
     rounded = cast_kernel.cast(leaf, fmt.dtype, rounding=rounding, key=key, scale=scale, impl=impl)
-    return rounded.astype(jnp.bfloat16) * scale.astype(jnp.bfloat16)
+    carrier = dtypes.carrier_dtype(name)
+    return rounded.astype(carrier) * scale.astype(carrier)
 
 
 def master_params(
@@ -120,7 +121,7 @@ def master_params(
         if master_dtype == "fp32":
             return leaf.astype(jnp.float32)
         name = policy.compute(tree_lib.path_string(path))
-        return leaf.astype(dtypes.FORMATS["bf16" if name == "fp8_e4m3" else name].dtype)
+        return leaf.astype(dtypes.carrier_dtype(name))
 
     return jax.tree_util.tree_map_with_path(master, params)
 
