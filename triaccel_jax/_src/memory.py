@@ -32,7 +32,7 @@ COMPONENTS = ("params", "compute_copies", "gradients", "optimizer_state", "resid
 _LABELS = {
     "params": "params (masters, as stored)",
     "compute_copies": "compute copies",
-    "gradients": "gradients (compute dtype)",
+    "gradients": "gradients (masters' dtype)",
     "optimizer_state": "optimizer state",
     "residuals": "residuals saved for backward",
 }
@@ -52,14 +52,14 @@ def compute_copy_dtype(name: str) -> jnp.dtype:
 
     fp8 copies are carried in bfloat16 (their values are fp8 times a per-leaf scale, since XLA has
     no general unscaled fp8 matmul; see :func:`triaccel_jax.cast_params`), so they occupy and
-    compute as bf16.
+    compute as bf16 (the rule is :func:`triaccel_jax._src.dtypes.carrier_dtype`).
 
     Example:
       >>> from triaccel_jax._src.memory import compute_copy_dtype
       >>> compute_copy_dtype("fp16"), compute_copy_dtype("fp8_e4m3")
       (dtype('float16'), dtype(bfloat16))
     """
-    return dtypes.FORMATS["bf16" if name == "fp8_e4m3" else name].dtype
+    return dtypes.carrier_dtype(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,9 @@ class MemoryReport:
       params: the parameters as stored (the masters), all array leaves.
       compute_copies: the low-precision copies the forward and backward passes see; 0 for a leaf
         computed in its master's dtype.
-      gradients: one gradient per trainable leaf, in its compute dtype.
+      gradients: one gradient per trainable leaf, in its master's dtype: the gradient with
+        respect to a master has the master's dtype (fp32 for fp32 masters, whatever the compute
+        dtype), and that is what the optimizer receives.
       optimizer_state: all array leaves of the optimizer state.
       residuals: arrays saved for backward by ``step_fn`` (``None``: not measured), not counting
         the params and compute copies, which ``params`` and ``compute_copies`` already hold.
@@ -286,10 +288,12 @@ def memory_report(
     Everything is read from shapes and dtypes, so arrays and ``jax.ShapeDtypeStruct`` trees both
     work and nothing is allocated or run (except the optional compile). Per trainable leaf of
     ``n`` elements with master dtype ``m`` and policy compute dtype ``c``: the compute copy takes
-    ``n * itemsize(c)`` when ``c != m`` (else 0), the gradient ``n * itemsize(c)`` (the gradient of
-    the compute copy comes out in its dtype). An fp8 leaf's ``c`` is bf16, the dtype its compute
-    copy is carried in (:func:`compute_copy_dtype`). Integer and other non-trainable leaves count
-    in ``params`` only.
+    ``n * itemsize(c)`` when ``c != m`` (else 0), the gradient ``n * itemsize(m)``: the step
+    differentiates the loss with respect to the masters, so the gradient the optimizer receives
+    has the master's dtype (the compute copy's cotangent, in ``c``, is a transient of the
+    backward pass, which the compiled figure sees). An fp8 leaf's ``c`` is bf16, the dtype its
+    compute copy is carried in (:func:`compute_copy_dtype`). Integer and other non-trainable
+    leaves count in ``params`` only.
 
     Residuals: with ``step_fn`` and ``batch``, the arrays that ``jax.vjp`` of
     ``lambda p: step_fn(p, batch)`` saves for the backward pass are read from a jaxpr, at their
@@ -329,17 +333,17 @@ def memory_report(
       >>> policy = triaccel_jax.PrecisionPolicy.from_patterns(params, {"w": "bf16"})
       >>> report = triaccel_jax.memory_report(params, optax.adam(1e-3).init(params), policy)
       >>> report.params, report.compute_copies, report.gradients
-      (263168, 131072, 132096)
+      (263168, 131072, 263168)
       >>> print(report)
       component                              bytes         MiB   share
       ----------------------------------------------------------------
-      params (masters, as stored)          263,168       0.251   25.0%
-      compute copies                       131,072       0.125   12.5%
-      gradients (compute dtype)            132,096       0.126   12.5%
-      optimizer state                      526,340       0.502   50.0%
+      params (masters, as stored)          263,168       0.251   22.2%
+      compute copies                       131,072       0.125   11.1%
+      gradients (masters' dtype)           263,168       0.251   22.2%
+      optimizer state                      526,340       0.502   44.5%
       residuals saved for backward    not measured
       ----------------------------------------------------------------
-      total                              1,052,676       1.004  100.0%
+      total                              1,183,748       1.129  100.0%
 
     References:
       DESIGN §7 "Measuring memory honestly"; JAX, "Autodiff cookbook" and
@@ -368,7 +372,7 @@ def memory_report(
         if not tree_lib.is_trainable(leaf):
             continue
         size = math.prod(leaf.shape)
-        grad_bytes += size * compute.itemsize
+        grad_bytes += size * master.itemsize
         if compute != master:
             compute_bytes += size * compute.itemsize
 
