@@ -458,6 +458,10 @@ class Controller:
         indices = self.sampler.take(self.batch_size)
         metrics = self._run_with_retry(indices)
         self.step_count += 1
+        if self._lr_factor != self._lr_factor_for(self.batch_size):
+            # An out-of-memory retry shrank the batch: the retried step kept the rate of the
+            # samples it trained; the steps from now on train the smaller batch.
+            self._set_learning_rate()
         # A non-finite loss is a step the loss scaling skipped: it changed nothing, and the
         # planner's relative budget needs a finite loss, so the last finite one is kept.
         if math.isfinite(metrics["loss"]):

@@ -1,0 +1,76 @@
+"""The controller's learning-rate factor: it follows the batch after an out-of-memory shrink, and
+a controller -> train state -> controller round trip keeps the effective rate."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from test_controller import BIG
+from test_controller import FaultyController
+from test_controller import loss_fn
+from test_controller import make_data
+from test_controller import make_params
+
+import triaccel_jax
+from triaccel_jax import Controller
+from triaccel_jax import FakeMemoryProbe
+from triaccel_jax.flax import TrainState
+
+BASE_LR = 0.1
+
+
+def injected_lr(opt_state) -> float:
+    return float(optax.tree_utils.tree_get(opt_state, "learning_rate"))
+
+
+def sgd_step(params, ids, lr):
+    """One plain SGD step on the samples ``ids`` at rate ``lr``."""
+    data = make_data()
+    batch = {k: v[ids] for k, v in data.items()}
+    grads = jax.grad(lambda p: loss_fn(p, batch, policy=None, rng=None))(params)
+    return jax.tree.map(lambda p, g: p - lr * g, params, grads)
+
+
+def assert_close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("injected", [True, False], ids=["injected", "update-scaled"])
+def test_after_an_out_of_memory_shrink_the_rate_follows_the_smaller_batch(injected):
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=BASE_LR) if injected else None
+    controller = FaultyController(
+        loss_fn,
+        make_params(),
+        tx or optax.sgd(BASE_LR),
+        make_data(),
+        faults={2: 1},
+        min_batch=32,
+        max_batch=64,
+        batch_size=64,
+        reference_batch=64,
+        lr_scaling="linear",
+        probe=FakeMemoryProbe(BIG),
+        check_every=1000,
+    )
+    controller.run(2)
+    before_retry = controller.params
+    info = controller.step()  # step 2: 64 samples, re-run as 2 x 32 after the injected OOM
+    assert info.batch_size == 64 and info.micro_batch == 32
+    # The retried step trains 64 samples, at the rate of 64.
+    retried_ids = np.concatenate(controller.seen[2:])
+    assert len(retried_ids) == 64
+    assert_close(controller.params, sgd_step(before_retry, retried_ids, BASE_LR))
+    # From the next step on, the batch is 32: half the rate (linear scaling), logged as an event.
+    rates = [e for e in controller.events if e.kind == "learning_rate"]
+    assert [(e.step, e.old, e.new) for e in rates] == [(3, 1.0, 0.5)]
+    if injected:
+        assert injected_lr(controller.opt_state) == pytest.approx(BASE_LR / 2)
+    after_retry = controller.params
+    info = controller.step()
+    assert info.batch_size == 32
+    assert_close(controller.params, sgd_step(after_retry, controller.seen[-1], BASE_LR / 2))
