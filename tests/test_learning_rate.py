@@ -3,9 +3,7 @@ a controller -> train state -> controller round trip keeps the effective rate.""
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -15,7 +13,6 @@ from test_controller import loss_fn
 from test_controller import make_data
 from test_controller import make_params
 
-import triaccel_jax
 from triaccel_jax import Controller
 from triaccel_jax import FakeMemoryProbe
 from triaccel_jax.flax import TrainState
@@ -74,3 +71,36 @@ def test_after_an_out_of_memory_shrink_the_rate_follows_the_smaller_batch(inject
     info = controller.step()
     assert info.batch_size == 32
     assert_close(controller.params, sgd_step(after_retry, controller.seen[-1], BASE_LR / 2))
+
+
+@pytest.mark.parametrize("flax_state", ["triaccel", "flax"])
+def test_a_train_state_round_trip_keeps_the_effective_rate(flax_state):
+    from flax.training import train_state
+
+    cls = TrainState if flax_state == "triaccel" else train_state.TrainState
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=BASE_LR)
+    state = cls.create(apply_fn=None, params=make_params(), tx=tx)
+    # Batch 64 against a reference of 16 with linear scaling: 4x the tuned rate.
+    options = dict(
+        min_batch=64,
+        max_batch=64,
+        reference_batch=16,
+        lr_scaling="linear",
+        probe=FakeMemoryProbe(BIG),
+    )
+    first = Controller.from_train_state(loss_fn, state, make_data(), **options)
+    assert injected_lr(first.opt_state) == pytest.approx(4 * BASE_LR)
+    first.run(2)
+    handed_back = first.train_state
+    # The state handed back holds the tuned (reference-batch) rate, not the scaled one, so
+    # whoever trains it next applies their own scaling once.
+    assert injected_lr(handed_back.opt_state) == pytest.approx(BASE_LR)
+    for _ in range(2):  # a second round trip compounds nothing either
+        again = Controller.from_train_state(loss_fn, handed_back, make_data(), **options)
+        assert injected_lr(again.opt_state) == pytest.approx(4 * BASE_LR)
+        handed_back = again.train_state
+    before = again.params
+    again.step()
+    ids = again.sampler.order(0)[:64]
+    assert_close(again.params, sgd_step(before, ids, 4 * BASE_LR))
+    assert int(again.train_state.step) == 3

@@ -415,14 +415,23 @@ class Controller:
 
     @property
     def train_state(self) -> Any:
-        """The train state given to :meth:`from_train_state`, advanced to the current step."""
+        """The train state given to :meth:`from_train_state`, advanced to the current step.
+
+        An injected learning rate in its optimizer state is the tuned (reference-batch) rate:
+        the controller's batch scaling is its own and is applied again by whoever trains next.
+        """
         if self._train_state is None:
             raise AttributeError("this controller was not made with Controller.from_train_state")
         template, start = self._train_state
+        opt_state = self.opt_state
+        if self._base_lr is not None:
+            # The state holds the tuned rate, not this batch's scaled one, so that a controller
+            # made from it again (or a plain loop) scales it once: round trips do not compound.
+            opt_state = hyperparams.set_hyperparam(opt_state, self._lr_hyperparam, self._base_lr)
         changes = {
             "step": template.step + (self.step_count - start),
             "params": self.params,
-            "opt_state": self.opt_state,
+            "opt_state": opt_state,
         }
         if getattr(template, "batch_stats", None) is not None:
             changes["batch_stats"] = self.model_state
