@@ -242,3 +242,39 @@ def test_controller_trains_a_train_state_with_batch_stats():
     assert all(jax.tree.leaves(moved))
     with pytest.raises(TypeError, match="from_train_state takes params"):
         triaccel_jax.Controller.from_train_state(loss_fn, state, data, params=state.params)
+
+
+def test_a_keyword_that_is_neither_a_field_nor_an_extra_argument_is_a_type_error():
+    state, x, y = setup(triaccel_jax.triaccel(0.05))
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    # batch_stat for batch_stats: neither a field nor an extra argument any transform takes.
+    with pytest.raises(TypeError, match="batch_stat") as info:
+        state.apply_gradients(grads=zeros, batch_stat={"mean": jnp.ones(3)})
+    assert "extra_arg_names" in str(info.value)  # says how to declare one
+    # optax's own names for the loss and its value are forwarded without declaring them.
+    loss = lambda p: jnp.mean((state.apply_fn({"params": p}, x) - y) ** 2)
+    for name, value in [("loss_fn", loss), ("value_fn", loss), ("obj_fn", loss), ("value", 1.0)]:
+        assert int(state.apply_gradients(grads=zeros, **{name: value}).step) == 1
+
+
+def test_extra_arguments_declared_at_create_reach_the_transform():
+    received = []
+
+    def update(updates, state, params=None, *, temperature=None, **extra):
+        received.append(temperature)
+        return jax.tree.map(lambda u: -temperature * u, updates), state
+
+    tx = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+    params = {"w": jnp.ones(2)}
+    state = TrainState.create(apply_fn=None, params=params, tx=tx, extra_arg_names=("temperature",))
+    new = state.apply_gradients(grads={"w": jnp.ones(2)}, temperature=0.5)
+    assert received == [0.5]
+    np.testing.assert_allclose(new.params["w"], [0.5, 0.5])
+    # The declaration is kept across steps (it is static, like the policy).
+    assert new.apply_gradients(grads={"w": jnp.ones(2)}, temperature=0.25).step == 2
+    with pytest.raises(TypeError, match="temprature"):
+        new.apply_gradients(grads={"w": jnp.ones(2)}, temprature=0.25)
+    with pytest.raises(TypeError, match="extra_arg_names"):
+        TrainState.create(apply_fn=None, params=params, tx=tx, extra_arg_names="temperature")
+    with pytest.raises(ValueError, match="batch_stats"):
+        TrainState.create(apply_fn=None, params=params, tx=tx, extra_arg_names=("batch_stats",))

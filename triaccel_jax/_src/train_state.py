@@ -2,8 +2,9 @@
 
 Flax's ``flax.training.train_state.TrainState.apply_gradients(grads=..., **kwargs)`` treats every
 keyword as a field to replace and calls ``tx.update`` without extra arguments, so a Hutchinson
-estimator cannot get its ``loss_fn`` through it. This subclass forwards the keywords that are not
-fields to ``tx.update`` (DESIGN §6), holds the precision policy (static: it is part of the
+estimator cannot get its ``loss_fn`` through it. This subclass forwards the known extra-argument
+names (and those declared at ``create``) to ``tx.update`` and rejects any other keyword that is
+not a field (DESIGN §6), holds the precision policy (static: it is part of the
 compiled program) and the compute copy of the params that the policy asks for, and a
 ``batch_stats`` field for BatchNorm.
 """
@@ -11,6 +12,7 @@ compiled program) and the compute copy of the params that the policy asks for, a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -24,6 +26,11 @@ from triaccel_jax._src import precision
 from triaccel_jax._src import transform
 from triaccel_jax._src import tree as tree_lib
 
+# The extra arguments optax's transforms and triaccel's take: the loss (triaccel's and optax's
+# linesearch ``loss_fn``/``value_fn``, optax.contrib.sophia's ``obj_fn``), its value and gradient
+# (``value``, ``grad``: linesearches, reduce_on_plateau). Others are declared at ``create``.
+KNOWN_EXTRA_ARGS = frozenset({"loss_fn", "value_fn", "obj_fn", "value", "grad"})
+
 
 class TrainState(train_state.TrainState):
     """A Flax ``TrainState`` for triaccel: extra arguments, a precision policy, batch statistics.
@@ -31,9 +38,11 @@ class TrainState(train_state.TrainState):
     How it differs from ``flax.training.train_state.TrainState``:
 
     * ``apply_gradients(grads=..., **kwargs)``: keywords naming a field of the state are
-      replaced as in Flax (e.g. ``batch_stats=``); every other keyword is an optax *extra
-      argument* forwarded to ``tx.update`` (e.g. ``loss_fn=`` for
-      ``triaccel(estimator="hutchinson")``).
+      replaced as in Flax (e.g. ``batch_stats=``); the names of optax *extra arguments*
+      (``loss_fn``, ``value_fn``, ``obj_fn``, ``value``, ``grad``, and those declared with
+      ``create(..., extra_arg_names=...)``) are forwarded to ``tx.update`` (e.g. ``loss_fn=``
+      for ``triaccel(estimator="hutchinson")``); any other keyword, such as a misspelt field,
+      is a ``TypeError`` naming it rather than an argument silently ignored.
     * ``policy`` (static, not a pytree leaf) and ``compute_params``: with a policy whose compute
       dtypes are not all fp32, ``compute_params`` holds the compute copy of ``params``
       (:func:`triaccel_jax.cast_params`), refreshed by every ``apply_gradients``; the forward pass
@@ -52,6 +61,7 @@ class TrainState(train_state.TrainState):
       policy: the :class:`triaccel_jax.PrecisionPolicy`, or None (everything in the params'
         own dtypes).
       compute_params: the compute copy, or None when it would equal ``params``.
+      extra_arg_names: extra-argument names accepted besides ``KNOWN_EXTRA_ARGS`` (static).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -72,6 +82,7 @@ class TrainState(train_state.TrainState):
     batch_stats: Any = None
     policy: policy_lib.PrecisionPolicy | None = struct.field(pytree_node=False, default=None)
     compute_params: Any = None
+    extra_arg_names: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
     @classmethod
     def create(
@@ -82,6 +93,7 @@ class TrainState(train_state.TrainState):
         tx: optax.GradientTransformation,
         policy: policy_lib.PrecisionPolicy | None = None,
         batch_stats: Any = None,
+        extra_arg_names: Iterable[str] = (),
         **kwargs: Any,
     ) -> TrainState:
         """A state at step 0 with ``tx.init(params)`` and the policy's compute copy.
@@ -92,11 +104,28 @@ class TrainState(train_state.TrainState):
           tx: the optimizer.
           policy: an optional precision policy covering ``params``.
           batch_stats: BatchNorm statistics, if the model has them.
+          extra_arg_names: names of extra arguments some transform in ``tx`` takes besides
+            the known ``loss_fn``, ``value_fn``, ``obj_fn``, ``value`` and ``grad``.
           **kwargs: other fields of a subclass.
 
         Returns:
           The state.
         """
+        if isinstance(extra_arg_names, str) or not isinstance(extra_arg_names, Iterable):
+            raise TypeError(
+                "`extra_arg_names` must be a sequence of names, e.g. ('temperature',), got "
+                f"{extra_arg_names!r}"
+            )
+        extra_arg_names = tuple(extra_arg_names)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        for name in extra_arg_names:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise TypeError(f"`extra_arg_names` holds {name!r}, which is not a name")
+            if name in fields:
+                raise ValueError(
+                    f"`extra_arg_names` holds {name!r}, a field of the state: apply_gradients "
+                    "replaces fields, so it cannot also be an extra argument"
+                )
         if policy is not None:
             policy_lib.check_policy(policy, params)
         opt_state = tx.init(params)
@@ -111,6 +140,7 @@ class TrainState(train_state.TrainState):
             batch_stats=batch_stats,
             policy=policy,
             compute_params=_compute_copy(params, policy),
+            extra_arg_names=extra_arg_names,
             **kwargs,
         )
 
@@ -126,12 +156,25 @@ class TrainState(train_state.TrainState):
           grads: gradients shaped like ``params`` (with respect to the params or to the compute
             copy; they are cast to each master's dtype first).
           **kwargs: fields of the state to replace (e.g. ``batch_stats=``), and optax extra
-            arguments for ``tx.update`` (every other name, e.g. ``loss_fn=``).
+            arguments for ``tx.update`` (``loss_fn=``, ``value_fn=``, ``obj_fn=``, ``value=``,
+            ``grad=`` and the names declared at :meth:`create`).
 
         Returns:
           The new state: ``step + 1``, updated params, optimizer state and compute copy.
+
+        Raises:
+          TypeError: a keyword is neither a field nor an accepted extra argument.
         """
         fields = {f.name for f in dataclasses.fields(self)}
+        accepted = KNOWN_EXTRA_ARGS.union(self.extra_arg_names)
+        unknown = sorted(k for k in kwargs if k not in fields and k not in accepted)
+        if unknown:
+            raise TypeError(
+                f"apply_gradients got unexpected keyword(s) {', '.join(map(repr, unknown))}: "
+                f"neither a field of the state ({', '.join(sorted(fields))}) nor an extra "
+                f"argument of the optimizer ({', '.join(sorted(accepted))}). Declare another "
+                "extra argument with TrainState.create(..., extra_arg_names=(name,))"
+            )
         replaced = {k: v for k, v in kwargs.items() if k in fields}
         extra = {k: v for k, v in kwargs.items() if k not in fields}
         for name in ("step", "params", "opt_state", "compute_params"):
