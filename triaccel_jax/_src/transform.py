@@ -54,6 +54,8 @@ class LeafSignals(NamedTuple):
       trace: sum of the curvature EMA over the leaf.
       noise_to_signal: ``mean(v_hat - m_hat**2) / mean(m_hat**2)``, the gradient noise.
       step_scale: the step-size multiplier ``s_l`` applied on the last update.
+      dropped_estimates: int32 number of this leaf's curvature estimates left out of the EMA
+        because they (or the EMA they would give) were not finite, saturating.
     """
 
     mean_curvature: jax.Array
@@ -61,6 +63,7 @@ class LeafSignals(NamedTuple):
     trace: jax.Array
     noise_to_signal: jax.Array
     step_scale: jax.Array
+    dropped_estimates: jax.Array
 
 
 class ScaleByTriAccelState(NamedTuple):
@@ -71,7 +74,8 @@ class ScaleByTriAccelState(NamedTuple):
 
     Attributes:
       count: int32 number of updates, saturating.
-      curvature_count: int32 number of curvature estimates folded into the EMA, saturating.
+      curvature_count: int32 number of curvature estimates taken, saturating; a leaf's EMA holds
+        ``curvature_count - dropped_estimates`` of them (see :class:`LeafSignals`).
       mu: first moments, in the state dtype.
       nu: second moments, in the state dtype.
       curvature: the curvature EMA per leaf, a :class:`triaccel_jax.CompressedDiagonal`.
@@ -232,7 +236,11 @@ def scale_by_triaccel(
                 return optax.MaskedNode()
             # Distinct arrays, never one shared buffer: callers donate the state to `jit`.
             zeros = [jnp.zeros((), jnp.float32) for _ in range(4)]
-            return LeafSignals(*zeros, step_scale=jnp.ones((), jnp.float32))
+            return LeafSignals(
+                *zeros,
+                step_scale=jnp.ones((), jnp.float32),
+                dropped_estimates=jnp.zeros((), jnp.int32),
+            )
 
         return ScaleByTriAccelState(
             count=jnp.zeros([], jnp.int32),
@@ -315,32 +323,45 @@ def scale_by_triaccel(
             )
             diagonal = treedef.flatten_up_to(diagonal)
             stores, signals = list(stores), list(signals)
+            curvature_count = optax.safe_increment(curvature_count)
+            decay = jnp.asarray(curvature_decay, jnp.float32)
+            summaries, kappa, dropped = {}, {}, {}
             for i in active:
-                stores[i] = compression_sharded.update_compressed_ema(
+                # A non-finite estimate (|x|**1.5 at 0, an overflowing HVP) would stay in the EMA
+                # for good: it is left out, and the leaf's bias correction counts only the
+                # estimates it kept.
+                candidate = compression_sharded.update_compressed_ema(
                     stores[i], diagonal[i], curvature_decay
                 )
-            curvature_count = optax.safe_increment(curvature_count)
-            correction = 1 - jnp.asarray(curvature_decay, jnp.float32) ** curvature_count
-            correction = jnp.maximum(correction, _TINY)
-            summaries = {
-                i: compression.summarize_diagonal(stores[i], grads[i].shape) for i in active
-            }
-            kappa = {i: jnp.maximum(summaries[i].mean / correction, 0.0) for i in active}
-            kappa_ref = jnp.median(jnp.stack([kappa[i] for i in active])) if active else None
+                keep = jnp.all(jnp.isfinite(diagonal[i])) & _all_finite(candidate)
+                stores[i] = jax.tree.map(
+                    lambda new, old, keep=keep: jnp.where(keep, new, old), candidate, stores[i]
+                )
+                old_dropped = signals[i].dropped_estimates
+                dropped[i] = jnp.where(keep, old_dropped, optax.safe_increment(old_dropped))
+                kept = jnp.maximum(curvature_count - dropped[i], 0)
+                correction = jnp.maximum(1 - decay**kept, _TINY)
+                summary = compression.summarize_diagonal(stores[i], grads[i].shape)
+                summaries[i] = jax.tree.map(lambda x, c=correction: x / c, summary)
+                kappa[i] = jnp.maximum(summaries[i].mean, 0.0)
+            kappa_ref = _finite_median([kappa[i] for i in active]) if active else None
             exponent = jnp.asarray(alpha, jnp.float32)
             for i in active:
                 scale = jnp.clip(
                     ((kappa_ref + _TINY) / (kappa[i] + _TINY)) ** exponent, min_scale, max_scale
                 )
+                # No finite curvature anywhere (or a NaN one here): leave the step unscaled.
+                scale = jnp.where(jnp.isnan(scale), 1.0, scale)
                 signal = jnp.mean(jnp.square(m_hat[i]))
                 noise = jnp.maximum(jnp.mean(v_hat[i]) - signal, 0.0)
                 signals[i] = LeafSignals(
-                    mean_curvature=summaries[i].mean / correction,
-                    max_curvature=summaries[i].max_abs / correction,
-                    trace=summaries[i].trace / correction,
+                    mean_curvature=summaries[i].mean,
+                    max_curvature=summaries[i].max_abs,
+                    trace=summaries[i].trace,
                     # m_hat can cancel to exactly 0 while v_hat > 0: keep the ratio finite.
                     noise_to_signal=jnp.minimum(noise / (signal + _TINY), _HUGE),
                     step_scale=scale.astype(jnp.float32),
+                    dropped_estimates=dropped[i],
                 )
             return stores, estimator_state, curvature_count, signals
 
@@ -366,6 +387,22 @@ def scale_by_triaccel(
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    """Whether every floating-point entry of ``tree`` is finite (a boolean scalar)."""
+    checks = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
+def _finite_median(values: list[jax.Array]) -> jax.Array:
+    """The median of the finite ``values`` (NaN when none is): one leaf cannot poison the rest."""
+    stacked = jnp.stack(values)
+    return jnp.nanmedian(jnp.where(jnp.isfinite(stacked), stacked, jnp.nan))
 
 
 def _as(cls: type, node: Any) -> Any:
