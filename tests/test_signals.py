@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import triaccel_jax
+from triaccel_jax._src import transform
 
 PARAMS = {"encoder": {"layers": [{"kernel": jnp.ones((3, 2))}, {"kernel": jnp.ones((2, 2))}]}}
 GRADS = jax.tree.map(lambda p: p * 0.5, PARAMS)
@@ -32,18 +34,23 @@ def test_signals_found_in_wrapped_states(make):
     found = triaccel_jax.signals(state)
     assert set(found) == PATHS
     record = found["encoder/layers/0/kernel"]
-    assert set(record) == {
-        "mean_curvature",
-        "max_curvature",
-        "trace",
-        "noise_to_signal",
-        "step_scale",
-        "state_dtype",
-    }
+    fields = transform.LeafSignals._fields
+    assert set(record) == {*fields, "state_dtype", "curvature_store"}
+    assert {"mean_curvature", "max_curvature", "trace", "noise_to_signal", "step_scale"} <= set(
+        record
+    )
     assert record["mean_curvature"] == pytest.approx(0.25, rel=1e-5)
     assert record["trace"] == pytest.approx(1.5, rel=1e-5)
     assert record["state_dtype"] == "float32"
-    assert all(isinstance(v, float) for k, v in record.items() if k != "state_dtype")
+    # Python numbers of the state's kinds: floats for the figures, ints for the counters.
+    for name in fields:
+        kind = int if name == "dropped_estimates" else float
+        assert type(record[name]) is kind, (name, record[name])
+    store = record["curvature_store"]
+    assert isinstance(store, triaccel_jax.CompressedDiagonal)
+    # One estimate of g**2 = 0.25 everywhere, bias-corrected: the store holds 0.25.
+    np.testing.assert_allclose(store.block_means, 0.25, rtol=1e-5)
+    np.testing.assert_allclose(store.outlier_values, 0.25, rtol=1e-5)
 
 
 def test_signals_inside_jit_are_traced_scalars():

@@ -3,14 +3,20 @@
 The predicted loss increase of running leaf ``l`` in format ``d`` is the curvature-weighted rounding
 noise (HAWQ-V3, Yao et al., 2021; Q-PACE-style weighting by the actual quantisation error):
 
-    dL_l(d) = (u_d**2 / 6) * sum_i h_i * w_i**2  ~=  (u_d**2 / 6) * kappa_l * sum_i w_i**2,
+    dL_l(d) = (u_d**2 / 6) * sum_i h_i * w_i**2,
 
 since rounding ``w_i`` to ``d`` perturbs it by ``delta_i``, uniform within ``+-u_d |w_i|``, and the
-second-order loss change is ``0.5 * sum_i h_i * E[delta_i**2]``. A leaf with noisy gradients
+second-order loss change is ``0.5 * sum_i h_i * E[delta_i**2]``. The sum is taken where the
+curvature sits, from the optimizer's compressed curvature store: each block's mean times the
+block's ``sum w**2`` (a conv kernel's (in, out) channel pair: its sum over spatial positions),
+plus the exact top-k entries in place of their block mean. A signal record without a store (made
+by hand) falls back to the leaf mean, ``kappa_l * sum_i w_i**2``. A leaf with noisy gradients
 tolerates more: its increase counts ``1 / (1 + nsr_l)`` against the budget. The planner moves leaves
 to cheaper formats greedily by predicted increase per byte saved while the total stays within the
-budget; vectors (biases, norms) and leaves under ``min_size`` stay fp32; fp16 needs the values to fit its range; and hysteresis
-(a margin and a patience) keeps noisy signals from flipping leaves back and forth.
+budget. Bytes are those a compute copy really takes: fp8 is carried in bf16, so it saves no more
+than bf16 and is never chosen over it for memory. Vectors (biases, norms) and leaves under
+``min_size`` stay fp32; fp16 needs the values to fit its range; and hysteresis (a margin and a
+patience) keeps noisy signals from flipping leaves back and forth.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from triaccel_jax._src import compression
 from triaccel_jax._src import dtypes
 from triaccel_jax._src import policy as policy_lib
 
@@ -38,26 +45,115 @@ _MIN_SENSITIVITY = 1e-30
 _FP16_HEADROOM = 4.0
 
 
-def _leaf_figures(params: Any) -> dict[str, tuple[int, float, float]]:
-    """``{path: (size, sum of squares, max |w|)}`` of the trainable leaves, in one transfer."""
+@jax.jit
+def weighted_curvature_sum(store: compression.CompressedDiagonal, leaf: jax.Array) -> jax.Array:
+    """``sum_i h_i * w_i**2`` for the diagonal ``h`` a compressed store represents.
+
+    Equal to ``sum(expand_diagonal(store, leaf.shape) * leaf**2)`` without building the full
+    diagonal: each block mean times its block's ``sum w**2`` (for a conv kernel stored per
+    (in, out) channel pair, the pair's sum over spatial positions), plus, for each top-k entry,
+    its exact value minus its block mean times its ``w**2``. The store's outlier indices are
+    distinct, as :func:`triaccel_jax.compress_diagonal` and the optimizer's updates make them.
+
+    Args:
+      store: a leaf's compressed curvature (e.g. ``signals(opt_state)[path]["curvature_store"]``,
+        bias-corrected).
+      leaf: the parameter leaf ``w``.
+
+    Returns:
+      A float32 scalar.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from triaccel_jax import compress_diagonal
+      >>> from triaccel_jax._src.planner import weighted_curvature_sum
+      >>> store = compress_diagonal(jnp.array([1.0, 3.0, 0.0, 8.0]), block_size=2, rho=0.25)
+      >>> float(weighted_curvature_sum(store, jnp.array([1.0, 1.0, 2.0, 0.5])))  # 2+2+4*4+8/4
+      22.0
+    """
+    w2 = jnp.square(leaf.astype(jnp.float32))
+    means = store.block_means.astype(jnp.float32)
+    flat = w2.reshape(-1)
+    indices = store.outlier_indices
+    if compression.uses_channel_pairs(leaf.shape):
+        block_w2 = jnp.sum(w2, axis=(0, 1))
+        # Flat index j of an (h, w, in, out) kernel lies in channel pair j mod (in * out).
+        outlier_means = means.reshape(-1)[indices % means.size]
+    else:
+        length, _ = compression.block_counts(leaf.size, means.size)
+        padded = jnp.pad(flat, (0, means.size * length - leaf.size))
+        block_w2 = jnp.sum(padded.reshape(means.size, length), axis=1)
+        outlier_means = means[indices // length]
+    base = jnp.sum(means * block_w2)
+    return base + jnp.sum((store.outlier_values - outlier_means) * flat[indices])
+
+
+def _as_store(path: str, store: Any, shape: tuple[int, ...]) -> compression.CompressedDiagonal:
+    """A record's ``curvature_store`` as a store of a leaf of ``shape``, or a clear error."""
+    size = math.prod(shape)
+    try:
+        means, indices, values = (jnp.asarray(x) for x in store)
+    except (TypeError, ValueError):
+        means = indices = values = None
+    if means is None:
+        fits = False
+    else:
+        means_fit = (
+            means.shape == shape[2:]
+            if compression.uses_channel_pairs(shape)
+            else means.ndim == 1 and 1 <= means.size <= max(size, 1)
+        )
+        fits = (
+            means_fit
+            and indices.ndim == values.ndim == 1
+            and indices.shape == values.shape
+            and values.size <= size
+            and jnp.issubdtype(indices.dtype, jnp.integer)
+        )
+    if not fits:
+        raise ValueError(
+            f"`signals[{path!r}]['curvature_store']` must be the compressed curvature of a leaf "
+            f"of shape {shape} (block means, outlier indices, outlier values), as "
+            f"triaccel_jax.signals returns; got {store!r}"
+        )
+    return compression.CompressedDiagonal(means, indices, values)
+
+
+def _leaf_figures(
+    params: Any, stores: Mapping[str, compression.CompressedDiagonal]
+) -> dict[str, tuple[int, float, float, float | None]]:
+    """``{path: (size, sum w**2, max |w|, sum h w**2 or None)}`` of the trainable leaves.
+
+    ``sum h w**2`` is computed for the leaves in ``stores``; everything comes in one transfer.
+    """
     paths = policy_lib.trainable_paths(params)
     figures = jax.device_get(
         [
             (
                 jnp.sum(jnp.square(leaf.astype(jnp.float32))),
                 jnp.max(jnp.abs(leaf.astype(jnp.float32))),
+                weighted_curvature_sum(stores[path], leaf) if path in stores else None,
             )
-            for _, leaf in paths
+            for path, leaf in paths
         ]
     )
     return {
-        path: (int(np.prod(leaf.shape)), float(sq), float(mx))
-        for (path, leaf), (sq, mx) in zip(paths, figures, strict=True)
+        path: (
+            int(np.prod(leaf.shape)),
+            float(sq),
+            float(mx),
+            None if weighted is None else float(weighted),
+        )
+        for (path, leaf), (sq, mx, weighted) in zip(paths, figures, strict=True)
     }
 
 
 def _ladder(allowed: Sequence[str], max_abs: float) -> tuple[list[str], list[str]]:
-    """Formats a leaf may take, from fp32 down, one per byte width; and range rejections."""
+    """Formats a leaf may take, from fp32 down, one per byte width; and range rejections.
+
+    The width is that of the dtype a compute copy is carried in (fp8: bf16), so of two formats
+    that take the same bytes only the more precise is a step on the ladder.
+    """
     by_width: dict[int, str] = {}
     rejected = []
     for name in sorted(allowed, key=lambda n: dtypes.FORMATS[n].unit_roundoff):
@@ -65,7 +161,7 @@ def _ladder(allowed: Sequence[str], max_abs: float) -> tuple[list[str], list[str
         if name == "fp16" and max_abs * _FP16_HEADROOM > fmt.max_finite:
             rejected.append(f"fp16 out of range (max |w| {max_abs:.3g})")
             continue
-        by_width.setdefault(fmt.itemsize, name)
+        by_width.setdefault(dtypes.carried_itemsize(name), name)
     ladder = [by_width[w] for w in sorted(by_width, reverse=True)]
     if ladder[0] != "fp32":
         ladder.insert(0, "fp32")
@@ -88,12 +184,16 @@ def plan_precision(
     """Plans a per-leaf precision policy from the optimizer's curvature and noise signals.
 
     Args:
-      signals: :func:`triaccel_jax.signals` of the optimizer state.
-      params: the parameter tree (for sizes, ``sum w**2`` and the range checks).
+      signals: :func:`triaccel_jax.signals` of the optimizer state: per leaf path a record with
+        ``"mean_curvature"``, optionally ``"noise_to_signal"`` and ``"curvature_store"`` (the
+        bias-corrected compressed curvature; with it the cost is ``sum_i h_i * w_i**2`` where
+        the curvature sits, without it ``mean_curvature * sum_i w_i**2``).
+      params: the parameter tree (for sizes, ``sum w**2``, ``sum h w**2`` and the range checks).
       previous_policy: the policy in force; with it, hysteresis applies.
       budget: total predicted loss increase allowed, >= 0; a fraction of ``loss`` when ``loss``
         is given, else in the loss's units. 0 keeps every leaf fp32; ``inf`` lets every eligible
-        leaf take the cheapest allowed format.
+        leaf take the allowed format that takes the fewest bytes (of two that take the same,
+        the more precise: fp8, carried in bf16, saves nothing over bf16 or fp16).
       loss: the current loss, to make ``budget`` relative.
       min_size: leaves with fewer elements stay fp32. Vectors (biases, normalisation scales)
         always do: they are few bytes and sensitive, and the Flax interceptor runs their layers
@@ -151,8 +251,13 @@ def plan_precision(
     if state not in ("auto", *dtypes.STATE_NAMES):
         raise ValueError(f"`state` must be one of ('auto', 'fp32', 'bf16'), got {state!r}")
 
-    figures = _leaf_figures(params)
-    ndims = {path: leaf.ndim for path, leaf in policy_lib.trainable_paths(params)}
+    shapes = {path: tuple(leaf.shape) for path, leaf in policy_lib.trainable_paths(params)}
+    stores = {
+        path: _as_store(path, record["curvature_store"], shapes[path])
+        for path, record in signals.items()
+        if path in shapes and isinstance(record, Mapping) and "curvature_store" in record
+    }
+    figures = _leaf_figures(params, stores)
     if previous_policy is not None:
         previous_policy.check_matches(params)
     # An infinite budget stays infinite even relative to a loss of 0 (inf * 0 would be NaN).
@@ -162,12 +267,12 @@ def plan_precision(
     notes: dict[str, str] = {}  # range rejections
     cost: dict[str, dict[str, float]] = {}
     ladders: dict[str, list[str]] = {}
-    for path, (size, sum_sq, max_abs) in figures.items():
+    for path, (size, sum_sq, max_abs, weighted) in figures.items():
         record = signals.get(path)
         if size < min_size:
             fixed[path] = f"fp32: {size} elements < min_size {min_size}"
             continue
-        if ndims[path] <= 1:
+        if len(shapes[path]) <= 1:
             fixed[path] = "fp32: a vector (bias or normalisation parameter)"
             continue
         if record is None:
@@ -182,7 +287,14 @@ def plan_precision(
                 f"`signals[{path!r}]` must hold a number 'mean_curvature' (and optionally "
                 f"'noise_to_signal'), as triaccel_jax.signals returns; got {record!r} ({error!r})"
             ) from None
-        sensitivity = max(kappa * sum_sq, _MIN_SENSITIVITY) / (1.0 + nsr)
+        # Where the curvature sits, if the record has the store; else the leaf mean. A
+        # Hutchinson store may hold negative entries: a negative sum is no loss decrease.
+        curvature_sum = kappa * sum_sq if weighted is None else weighted
+        if not math.isfinite(curvature_sum):
+            # A leaf whose rounding cannot be priced is not rounded (training goes on).
+            fixed[path] = f"fp32: its curvature-weighted sum is not finite ({curvature_sum})"
+            continue
+        sensitivity = max(curvature_sum, _MIN_SENSITIVITY) / (1.0 + nsr)
         before = previous_policy.compute(path) if previous_policy is not None else "fp32"
         cost[path] = {}
         for name in ladder:
@@ -205,7 +317,7 @@ def plan_precision(
         ladder = ladders[path]
         if level + 1 < len(ladder):
             here, there = ladder[level], ladder[level + 1]
-            saved = (dtypes.FORMATS[here].itemsize - dtypes.FORMATS[there].itemsize) * figures[
+            saved = (dtypes.carried_itemsize(here) - dtypes.carried_itemsize(there)) * figures[
                 path
             ][0]
             extra = cost[path][there] - cost[path][here]
@@ -237,7 +349,7 @@ def plan_precision(
 
     reasons = {}
     leaves = []
-    for path, (size, _, _) in figures.items():
+    for path, (size, *_) in figures.items():
         compute = final[path]
         leaf_state = state if state != "auto" else ("fp32" if compute == "fp32" else "bf16")
         leaves.append((path, policy_lib.LeafPrecision(compute, leaf_state)))
@@ -254,7 +366,7 @@ def _reason(compute, cost, ladder, pending, patience, allowance, size) -> str:
         return f"{compute} (held): {pending[0]} won {pending[1]}/{patience} re-plans in a row"
     share = f"{100 * cost[compute] / allowance:.1f}% of budget" if allowance > 0 else "no budget"
     if compute != "fp32":
-        saved = (4 - dtypes.FORMATS[compute].itemsize) * size
+        saved = (dtypes.carried_itemsize("fp32") - dtypes.carried_itemsize(compute)) * size
         return f"{compute}: predicted loss increase {cost[compute]:.2e} ({share}), saves {saved} B"
     cheaper = ladder[1] if len(ladder) > 1 else None
     if cheaper is None:

@@ -6,7 +6,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+from triaccel_jax._src import compression
 from triaccel_jax._src import transform
 from triaccel_jax._src import tree as tree_lib
 
@@ -35,9 +38,13 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
 
     Returns:
       ``{leaf_path: {"mean_curvature", "max_curvature", "trace", "noise_to_signal",
-      "step_scale": float, "state_dtype": str}}`` keyed by ``"a/b/kernel"``-style paths of the
-      params, for the leaves the optimizer acts on. Values are Python floats, or traced scalars
-      when called inside ``jit``.
+      "step_scale": float, ..., "state_dtype": str, "curvature_store": CompressedDiagonal}}``
+      keyed by ``"a/b/kernel"``-style paths of the params, for the leaves the optimizer acts
+      on: every field of the state's per-leaf signals (Python floats, and ints for counters
+      such as ``dropped_estimates``; traced scalars when called inside ``jit``), the moments'
+      dtype, and the leaf's bias-corrected curvature EMA as a
+      :class:`triaccel_jax.CompressedDiagonal` (NumPy arrays; traced inside ``jit``), which
+      :func:`triaccel_jax.plan_precision` uses to weigh each weight by its own curvature.
 
     Raises:
       ValueError: no triaccel state is found, or two of them hold the same leaf.
@@ -70,6 +77,11 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
                 isinstance(node, Mapping) and set(node) == set(SIGNAL_NAMES)
             )
 
+        def is_store(node):
+            return isinstance(node, compression.CompressedDiagonal) or (
+                isinstance(node, Mapping) and set(node) == set(STORE_FIELDS)
+            )
+
         with_paths, _ = jax.tree_util.tree_flatten_with_path(state.leaf_signals, is_leaf=is_signals)
         dtypes = jax.tree.leaves(state.mu)
         entries = [(p, s) for p, s in with_paths if is_signals(s)]
@@ -77,13 +89,53 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
             s if isinstance(s, transform.LeafSignals) else transform.LeafSignals(**s)
             for _, s in entries
         ]
-        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values)):
-            values = jax.tree.map(float, jax.device_get(values))
-        for (path, _), leaf_values, moment in zip(entries, values, dtypes, strict=True):
+        stores = [
+            s
+            if isinstance(s, compression.CompressedDiagonal)
+            else compression.CompressedDiagonal(**s)
+            for s in jax.tree.leaves(state.curvature, is_leaf=is_store)
+            if is_store(s)
+        ]
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((values, stores)))
+        if not traced:
+            values, stores = jax.device_get((values, stores))
+            # Python numbers: floats for the float32 figures, ints for the int32 counters.
+            values = jax.tree.map(lambda x: np.asarray(x).item(), values)
+        for (path, _), leaf_values, moment, store in zip(
+            entries, values, dtypes, stores, strict=True
+        ):
             key = tree_lib.path_string(path)
             if key in result:
                 raise ValueError(f"two triaccel states hold signals for leaf {key!r}")
             record = dict(zip(SIGNAL_NAMES, leaf_values, strict=True))
             record["state_dtype"] = moment.dtype.name
+            record["curvature_store"] = _bias_corrected(store, leaf_values, traced=traced)
             result[key] = record
     return result
+
+
+STORE_FIELDS = compression.CompressedDiagonal._fields
+
+
+def _bias_corrected(
+    store: compression.CompressedDiagonal, leaf: transform.LeafSignals, *, traced: bool
+) -> compression.CompressedDiagonal:
+    """The store divided by the EMA's bias correction ``1 - decay**n``.
+
+    The state does not keep the decay, but the signals were computed from this very store with
+    that correction: ``max_curvature = max |outlier values| / correction`` (the largest entry is
+    always an outlier). So the correction is read back as that ratio; it is the one the
+    optimizer used for this leaf, whatever estimates it counted. A store that is still all zero
+    (or whose signals are not finite) is returned as it is.
+    """
+    xp = jnp if traced else np
+    raw_max = xp.max(xp.abs(store.outlier_values), initial=0.0)
+    corrected_max = xp.asarray(leaf.max_curvature, xp.float32)
+    usable = (raw_max > 0) & (corrected_max > 0) & xp.isfinite(corrected_max)
+    factor = xp.where(usable, corrected_max / xp.where(raw_max > 0, raw_max, 1.0), 1.0)
+    factor = factor.astype(xp.float32)
+    return compression.CompressedDiagonal(
+        block_means=store.block_means * factor,
+        outlier_indices=store.outlier_indices,
+        outlier_values=store.outlier_values * factor,
+    )
