@@ -114,3 +114,17 @@ def test_bad_arguments(kwargs, name):
 def test_loss_scale_needs_exactly_one_state():
     with pytest.raises(ValueError, match="found 0"):
         triaccel_jax.loss_scale(optax.sgd(0.1).init({"w": jnp.ones(1)}))
+
+
+def test_unscaled_gradients_stay_in_float32_and_do_not_underflow():
+    # A float16 gradient of 1e-8 scaled by 2**15 is 3.3e-4, which float16 holds; divided by the
+    # scale in float16 it would underflow to 0 (float16's smallest subnormal is 6e-8).
+    scale = 2.0**15
+    tx = triaccel_jax.dynamic_loss_scale(optax.sgd(1.0), initial_scale=scale)
+    params = {"w": jnp.ones(2, jnp.float16)}
+    scaled = {"w": (jnp.array([1e-8, -3e-8], jnp.float32) * scale).astype(jnp.float16)}
+    updates, _ = tx.update(scaled, tx.init(params), params)
+    assert updates["w"].dtype == jnp.float32
+    expected = np.asarray(scaled["w"], np.float32) / scale
+    np.testing.assert_allclose(updates["w"], -expected, rtol=1e-7)
+    assert np.all(np.asarray(updates["w"]) != 0)

@@ -7,10 +7,16 @@ as PyTorch's GradScaler and Flax's ``DynamicScale`` do. Here the wrapper also co
 gradients per leaf (which layer overflows), and a skipped step returns updates of ``-0.0``:
 ``x + (-0.0) == x`` bit for bit for every ``x`` (``+0.0`` would turn a ``-0.0`` parameter into
 ``+0.0``), so the parameters and the inner state stay bit-identical.
+
+The scale's rule lives in one place, :class:`LossScaling`, which the wrapper, the controller's
+compiled step and :class:`triaccel_jax.flax.TrainState` share. Gradients are unscaled in float32:
+dividing a float16 gradient by the scale in float16 would underflow exactly the small values the
+scale was there to keep.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -21,6 +27,111 @@ from jax import lax
 
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
+
+# Compute formats whose exponent range is too narrow for small gradients: a policy putting any
+# leaf in one of these trains with a scaled loss.
+NARROW_FORMATS = ("fp16", "fp8_e4m3")
+
+
+class LossScaleState(NamedTuple):
+    """The dynamic loss scale carried across steps by the controller and the Flax train state.
+
+    Attributes:
+      scale: float32 loss scale to multiply the loss by before differentiating.
+      good_steps: int32 consecutive finite steps since the scale last changed.
+      skipped_steps: int32 total steps skipped for non-finite gradients (saturating).
+    """
+
+    scale: jax.Array
+    good_steps: jax.Array
+    skipped_steps: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    """The dynamic loss scale's rule: back off on overflow, grow after a run of finite steps.
+
+    Attributes:
+      initial_scale: starting scale, > 0.
+      growth_interval: finite steps in a row before the scale grows, >= 1.
+      growth_factor: multiplier on growth, >= 1.
+      backoff_factor: multiplier on overflow, in (0, 1].
+      min_scale: the scale never backs off below this, > 0.
+      max_scale: the scale never grows above this, >= min_scale.
+    """
+
+    initial_scale: float = 2.0**15
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+
+    def __post_init__(self) -> None:
+        validation.check_in_range(
+            "initial_scale", self.initial_scale, 0.0, float("inf"), low_inclusive=False
+        )
+        validation.check_integer("growth_interval", self.growth_interval, 1)
+        validation.check_in_range("growth_factor", self.growth_factor, 1.0, float("inf"))
+        validation.check_in_range(
+            "backoff_factor", self.backoff_factor, 0.0, 1.0, low_inclusive=False
+        )
+        validation.check_in_range(
+            "min_scale", self.min_scale, 0.0, float("inf"), low_inclusive=False
+        )
+        validation.check_not_above("min_scale", self.min_scale, "max_scale", self.max_scale)
+
+    def init(self) -> LossScaleState:
+        """The state before the first step."""
+        return LossScaleState(
+            scale=jnp.asarray(self.initial_scale, jnp.float32),
+            good_steps=jnp.zeros([], jnp.int32),
+            skipped_steps=jnp.zeros([], jnp.int32),
+        )
+
+    def update(self, state: LossScaleState, finite: jax.Array) -> LossScaleState:
+        """The state after a step whose gradients were all finite (``finite``) or not."""
+        good = optax.safe_increment(state.good_steps)
+        grow = finite & (good >= self.growth_interval)
+        scale = jnp.where(
+            finite,
+            jnp.where(
+                grow, jnp.minimum(state.scale * self.growth_factor, self.max_scale), state.scale
+            ),
+            jnp.maximum(state.scale * self.backoff_factor, self.min_scale),
+        ).astype(jnp.float32)
+        return LossScaleState(
+            scale=scale,
+            good_steps=jnp.where(finite & ~grow, good, 0).astype(jnp.int32),
+            skipped_steps=jnp.where(
+                finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
+            ).astype(jnp.int32),
+        )
+
+
+def needs_loss_scaling(policy: Any) -> bool:
+    """Whether a precision policy (or None) computes any leaf in fp16 or fp8."""
+    return policy is not None and any(policy.compute(path) in NARROW_FORMATS for path in policy)
+
+
+def unscale(grads: Any, scale: jax.Array) -> Any:
+    """Gradients of a scaled loss, divided by the scale in float32 (non-trainable leaves kept)."""
+    return jax.tree.map(
+        lambda g: g.astype(jnp.float32) / scale if tree_lib.is_trainable(g) else g, grads
+    )
+
+
+def leaf_finite(grads: Any) -> Any:
+    """Per trainable leaf, whether every element is finite (``MaskedNode`` for the others)."""
+    return jax.tree.map(
+        lambda g: jnp.all(jnp.isfinite(g)) if tree_lib.is_trainable(g) else optax.MaskedNode(),
+        grads,
+    )
+
+
+def all_finite(finite: Any) -> jax.Array:
+    """Whether every leaf of :func:`leaf_finite`'s tree is finite (True for no leaf)."""
+    return jnp.all(jnp.stack([jnp.asarray(True), *jax.tree.leaves(finite)]))
 
 
 class DynamicLossScaleState(NamedTuple):
@@ -54,8 +165,9 @@ def dynamic_loss_scale(
     """Wraps ``inner``: unscales the gradients, and skips the step where any leaf is non-finite.
 
     Multiply the loss by :func:`loss_scale` of the state before taking gradients; pass the scaled
-    gradients to ``update``. On a finite step the gradients are divided by the scale and handed to
-    ``inner``; after ``growth_interval`` finite steps in a row the scale grows by
+    gradients to ``update``. On a finite step the gradients are divided by the scale in float32
+    and handed to ``inner`` in float32 (unscaling in a float16 gradient's own dtype would
+    underflow the small values the scale preserved); after ``growth_interval`` finite steps in a row the scale grows by
     ``growth_factor``. On a step where any leaf's gradient holds inf or nan, the updates are
     ``-0.0``, ``inner``'s state is left untouched, the scale is multiplied by ``backoff_factor``
     and the offending leaves are counted.
@@ -85,21 +197,17 @@ def dynamic_loss_scale(
     References:
       Micikevicius et al., 2018, "Mixed Precision Training".
     """
-    validation.check_in_range(
-        "initial_scale", initial_scale, 0.0, float("inf"), low_inclusive=False
+    rule = LossScaling(
+        initial_scale, growth_interval, growth_factor, backoff_factor, min_scale, max_scale
     )
-    validation.check_integer("growth_interval", growth_interval, 1)
-    validation.check_in_range("growth_factor", growth_factor, 1.0, float("inf"))
-    validation.check_in_range("backoff_factor", backoff_factor, 0.0, 1.0, low_inclusive=False)
-    validation.check_in_range("min_scale", min_scale, 0.0, float("inf"), low_inclusive=False)
-    validation.check_not_above("min_scale", min_scale, "max_scale", max_scale)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> DynamicLossScaleState:
+        start = rule.init()
         return DynamicLossScaleState(
-            scale=jnp.asarray(initial_scale, jnp.float32),
-            good_steps=jnp.zeros([], jnp.int32),
-            skipped_steps=jnp.zeros([], jnp.int32),
+            scale=start.scale,
+            good_steps=start.good_steps,
+            skipped_steps=start.skipped_steps,
             nonfinite_count=jax.tree.map(
                 lambda p: (
                     jnp.zeros([], jnp.int32) if tree_lib.is_trainable(p) else optax.MaskedNode()
@@ -110,48 +218,40 @@ def dynamic_loss_scale(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        def unscale(g):
-            if not tree_lib.is_trainable(g):
-                return g
-            return (g.astype(jnp.float32) / state.scale).astype(g.dtype)
-
-        grads = jax.tree.map(unscale, updates)
-        leaf_finite = jax.tree.map(
-            lambda g: jnp.all(jnp.isfinite(g)) if tree_lib.is_trainable(g) else optax.MaskedNode(),
-            grads,
-        )
-        all_finite = jnp.all(jnp.stack([jnp.asarray(True), *jax.tree.leaves(leaf_finite)]))
+        grads = unscale(updates, state.scale)
+        finite_leaves = leaf_finite(grads)
+        finite = all_finite(finite_leaves)
 
         def apply(operand):
             grads, inner_state = operand
             return inner.update(grads, inner_state, params, **extra_args)
 
+        # The skipped step's updates have the dtypes the inner update would give, as cond needs.
+        shapes = jax.eval_shape(apply, (grads, state.inner_state))[0]
+
         def skip(operand):
             grads, inner_state = operand
-            zeros = jax.tree.map(
-                lambda g: jnp.full_like(g, -0.0) if tree_lib.is_trainable(g) else g, grads
-            )
-            return zeros, inner_state
 
-        new_updates, inner_state = lax.cond(all_finite, apply, skip, (grads, state.inner_state))
-        good = optax.safe_increment(state.good_steps)
-        grow = all_finite & (good >= growth_interval)
-        scale = jnp.where(
-            all_finite,
-            jnp.where(grow, jnp.minimum(state.scale * growth_factor, max_scale), state.scale),
-            jnp.maximum(state.scale * backoff_factor, min_scale),
-        ).astype(jnp.float32)
+            def skipped(shape, grad):
+                if tree_lib.is_trainable(shape):
+                    return jnp.full(shape.shape, -0.0, shape.dtype)
+                return grad  # integer leaves pass through, as the inner update passes them
+
+            return jax.tree.map(skipped, shapes, grads), inner_state
+
+        new_updates, inner_state = lax.cond(finite, apply, skip, (grads, state.inner_state))
+        scale_state = rule.update(
+            LossScaleState(state.scale, state.good_steps, state.skipped_steps), finite
+        )
         counts = jax.tree.map(
-            lambda count, finite: jnp.where(finite, count, optax.safe_increment(count)),
+            lambda count, leaf_ok: jnp.where(leaf_ok, count, optax.safe_increment(count)),
             state.nonfinite_count,
-            leaf_finite,
+            finite_leaves,
         )
         return new_updates, DynamicLossScaleState(
-            scale=scale,
-            good_steps=jnp.where(all_finite & ~grow, good, 0).astype(jnp.int32),
-            skipped_steps=jnp.where(
-                all_finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
-            ).astype(jnp.int32),
+            scale=scale_state.scale,
+            good_steps=scale_state.good_steps,
+            skipped_steps=scale_state.skipped_steps,
             nonfinite_count=counts,
             inner_state=inner_state,
         )
