@@ -52,3 +52,99 @@ SCRIPT = textwrap.dedent(
 
 def test_curvature_is_averaged_across_devices_like_gradients():
     run_script(SCRIPT, devices=8, timeout=300)
+
+
+DATA_PARALLEL = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import Mesh, PartitionSpec as P
+    import triaccel_jax
+
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # older JAX
+        from jax.experimental.shard_map import shard_map
+
+    assert jax.device_count() == 8, jax.devices()
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {"w": 0.5 * jax.random.normal(keys[0], (6, 4)), "b": jnp.zeros(4)}
+    x = jax.random.normal(keys[1], (64, 6))
+    y = jax.random.normal(keys[2], (64, 4))
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
+
+    def train(axis_name):
+        tx = triaccel_jax.triaccel(
+            1e-2, estimator="hutchinson", curvature_every=1, axis_name=axis_name
+        )
+
+        def step(params, state, x, y):
+            # Each replica holds its own copy of the state (leading axis of 1 here).
+            state = jax.tree.map(lambda s: s[0], state)
+            local_loss = lambda p: loss(p, x, y)
+            grads = jax.lax.pmean(jax.grad(local_loss)(params), "data")
+            updates, state = tx.update(grads, state, params, loss_fn=local_loss)
+            params = optax.apply_updates(params, updates)
+            return params, jax.tree.map(lambda s: s[None], state)
+
+        step = jax.jit(
+            shard_map(
+                step,
+                mesh=mesh,
+                in_specs=(P(), P("data"), P("data"), P("data")),
+                out_specs=(P(), P("data")),
+                **({"check_vma": False} if hasattr(jax, "shard_map") else {"check_rep": False}),
+            )
+        )
+        state = jax.tree.map(lambda s: jnp.stack([s] * 8), tx.init(params))
+        p = params
+        for _ in range(20):
+            p, state = step(p, state, x, y)
+        return state
+
+    def spread(state):
+        # Largest difference between any replica's copy of a state leaf and replica 0's.
+        return max(
+            float(np.max(np.abs(np.asarray(s, np.float64) - np.asarray(s[:1], np.float64))))
+            for s in jax.tree.leaves(state)
+            if s.size
+        )
+
+    local = spread(train(None))
+    averaged = train("data")
+    print("spread without axis_name", local, "with", spread(averaged))
+    assert local > 1e-4, local  # local Hutchinson estimates: the replicas' states drift apart
+    for leaf in jax.tree.leaves(averaged):
+        for replica in range(1, 8):
+            np.testing.assert_array_equal(leaf[replica], leaf[0])
+
+    # The averaged estimate is the global batch's: one step equals the single-device one.
+    tx = triaccel_jax.scale_by_triaccel(estimator="hutchinson", axis_name="data")
+
+    def curvature(params, x, y):
+        local_loss = lambda p: loss(p, x, y)
+        grads = jax.lax.pmean(jax.grad(local_loss)(params), "data")
+        _, state = tx.update(grads, tx.init(params), params, loss_fn=local_loss)
+        return state.leaf_signals
+
+    sharded = jax.jit(
+        shard_map(
+            curvature, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(),
+            **({"check_vma": False} if hasattr(jax, "shard_map") else {"check_rep": False}),
+        )
+    )(params, x, y)
+    single_tx = triaccel_jax.scale_by_triaccel(estimator="hutchinson")
+    _, single = single_tx.update(
+        jax.grad(loss)(params, x, y), single_tx.init(params), params,
+        loss_fn=lambda p: loss(p, x, y),
+    )
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single.leaf_signals), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
+    print("ok")
+    """
+)
+
+
+def test_axis_name_keeps_data_parallel_replicas_identical():
+    run_script(DATA_PARALLEL, devices=8, timeout=600)

@@ -31,6 +31,7 @@ def triaccel(
     max_scale: float = 2.0,
     state_dtype: Any = None,
     seed: int = 0,
+    axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The Tri-Accel optimizer: AdamW with a per-leaf, curvature-derived step-size scale.
 
@@ -60,6 +61,8 @@ def triaccel(
       state_dtype: moment dtype: None (float32), ``jnp.float32``, ``jnp.bfloat16``, or a
         :class:`triaccel_jax.PrecisionPolicy` (each leaf's state dtype).
       seed: seed of the stochastic rounding and of the Hutchinson probes.
+      axis_name: the ``shard_map``/``pmap`` axis over which replicas average their curvature
+        estimates (see :func:`triaccel_jax.scale_by_triaccel`); None for one replica or ``jit``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. Works under ``optax.inject_hyperparams``
@@ -100,6 +103,7 @@ def triaccel(
         max_scale=max_scale,
         state_dtype=state_dtype,
         seed=seed,
+        axis_name=axis_name,
     )
     # Weight decay and the learning rate would turn integer leaves into floats; the mask keeps
     # them untouched, as scale_by_triaccel does.

@@ -146,6 +146,7 @@ def scale_by_triaccel(
     max_scale: float = 2.0,
     state_dtype: Any = None,
     seed: int = 0,
+    axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Rescales updates by Adam's moments times a per-leaf curvature step-size scale.
 
@@ -170,6 +171,11 @@ def scale_by_triaccel(
         ``jnp.float32`` or ``jnp.bfloat16`` (stochastically rounded writes), or a
         :class:`triaccel_jax.PrecisionPolicy` giving each leaf's state dtype.
       seed: seed of the PRNG keys for stochastic rounding and Hutchinson probes.
+      axis_name: under ``shard_map`` or ``pmap`` data parallelism, the mapped axis over which the
+        curvature estimate is averaged (``lax.pmean``), so that every replica folds the same
+        estimate and keeps the same state, as the gradients (averaged by the caller) do. None
+        (default) for a single replica or a ``jit`` over sharded data, where the estimate is
+        already the global one.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. Its ``update`` takes the keyword-only extra
@@ -322,6 +328,13 @@ def scale_by_triaccel(
                 updates, estimator_state, params, loss_fn=loss_fn
             )
             diagonal = treedef.flatten_up_to(diagonal)
+            if axis_name is not None:
+                # Each replica's Hutchinson estimate sees only its shard of the batch; left alone,
+                # the replicas' EMAs and step scales drift apart. The mean over replicas is the
+                # estimate of the global batch (the HVP is linear in the loss).
+                active_diagonals = lax.pmean([diagonal[i] for i in active], axis_name)
+                for i, averaged in zip(active, active_diagonals, strict=True):
+                    diagonal[i] = averaged
             stores, signals = list(stores), list(signals)
             curvature_count = optax.safe_increment(curvature_count)
             decay = jnp.asarray(curvature_decay, jnp.float32)
