@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 
@@ -13,17 +15,40 @@ TINY = ["--dataset", "digits", "--epochs", "2", "--max-steps", "6", "--batch-siz
 TINY += ["--max-batch", "64", "--check-every", "2", "--replan-every", "3", "--no-progress"]
 
 
-def test_main_job_writes_the_table_and_plots(tmp_path, capsys):
-    assert main_job.main([*TINY, "--output-dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def tiny_job(tmp_path_factory):
+    """The main job with tiny settings, run once: (printed output, output folder)."""
+    output = tmp_path_factory.mktemp("main_job")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main_job.main([*TINY, "--output-dir", str(output)]) == 0
+    return printed.getvalue(), output
+
+
+def _table(out):
+    """The printed table's rows as ``{run label: {column: cell}}``."""
+    header = re.search(r"^\| run \|(.*)\|$", out, re.M)
+    assert header, out
+    columns = ["run", *(c.strip() for c in header.group(1).split("|"))]
     rows = re.findall(r"^\| (FP32 AdamW|static bf16 AdamW|Tri-Accel) \|(.*)\|$", out, re.M)
-    assert [name for name, _ in rows] == ["FP32 AdamW", "static bf16 AdamW", "Tri-Accel"]
-    for _, cells in rows:
-        seconds, steps, _, mib, _, _, accuracy = (c.strip() for c in cells.split("|"))
-        assert float(seconds) > 0 and int(steps) == 6 and float(mib) > 0
-        assert 0 <= float(accuracy.rstrip("%")) <= 100
+    return {
+        name: dict(zip(columns, [name, *(c.strip() for c in cells.split("|"))], strict=True))
+        for name, cells in rows
+    }
+
+
+def test_main_job_writes_the_table_and_plots(tiny_job):
+    out, tmp_path = tiny_job
+    table = _table(out)
+    assert list(table) == ["FP32 AdamW", "static bf16 AdamW", "Tri-Accel"]
+    for row in table.values():
+        assert float(row["wall s"]) > 0 and int(row["steps"]) == 6
+        assert float(row["memory_report MiB at common batch"]) > 0
+        assert 0 <= float(row["test accuracy"].rstrip("%")) <= 100
     # bf16 compute copies and bf16 residuals: less memory than FP32 (memory_report, exact).
-    ratios = {name: float(cells.split("|")[4].strip().rstrip("x")) for name, cells in rows}
+    ratios = {
+        name: float(row["vs FP32 at common batch"].rstrip("x")) for name, row in table.items()
+    }
     assert ratios["FP32 AdamW"] == 1.0 and ratios["static bf16 AdamW"] < 0.9
     for name in (
         "results.md",
@@ -42,6 +67,33 @@ def test_main_job_writes_the_table_and_plots(tmp_path, capsys):
     # Every epoch's end is among the evaluations, so steps-to-accuracy can be read from them.
     assert [e["step"] for e in elastic["evals"]][-1] == 6
     assert elastic["evals"][-1]["accuracy"] == elastic["epoch_accuracy"][-1]
+
+
+def test_every_run_reports_memory_at_the_batch_it_trained_at_and_at_a_common_batch(tiny_job):
+    out, tmp_path = tiny_job
+    table = _table(out)
+    record = {r["name"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    for name, run in record.items():
+        row = table[main_job.RUN_LABELS[name]]
+        trained = max(h["batch"] for h in run["history"])
+        assert int(row["trained at batch"]) == run["run_batch"] == trained
+        assert int(row["common batch"]) == run["common_batch"] == 32
+        assert float(row["memory_report MiB at trained batch"]) == pytest.approx(
+            run["run_batch_memory_mib"], abs=0.01
+        )
+        if trained == 32:  # one batch, one figure
+            assert run["run_batch_memory_mib"] == run["common_batch_memory_mib"]
+    # Tri-Accel grew to 64: at the batch it trained at it needs more than at the common batch,
+    # and the table says so instead of showing only the common batch's figure.
+    elastic = record["triaccel"]
+    assert elastic["run_batch"] == 64
+    assert elastic["run_batch_memory_mib"] > elastic["common_batch_memory_mib"]
+    assert elastic["run_batch_compiled_mib"] > elastic["common_batch_compiled_mib"]
+    # The ratio to FP32 compares the same batch.
+    fp32 = record["fp32"]
+    ratio = float(table["Tri-Accel"]["vs FP32 at common batch"].rstrip("x"))
+    expected = elastic["common_batch_memory_mib"] / fp32["common_batch_memory_mib"]
+    assert ratio == pytest.approx(expected, abs=1e-3)
 
 
 def test_unknown_names_list_the_valid_ones(capsys):

@@ -11,7 +11,10 @@ the same data and seed, each run through a :class:`triaccel_jax.Controller`:
   (buckets up to ``--max-batch``, square-root learning-rate scaling).
 
 It prints a table (wall time, steps, memory by ``memory_report`` and by XLA's compiled analysis,
-test accuracy) and writes it with PNG plots and a JSON record to ``--output-dir``.
+test accuracy) and writes it with PNG plots and a JSON record to ``--output-dir``. Each run's
+memory is given twice, each labelled with its batch: at the largest batch the run trained at
+(what it really needed), and at the common batch ``--batch-size`` (the like-for-like comparison
+the "vs FP32" ratio is taken at).
 """
 
 from __future__ import annotations
@@ -59,18 +62,34 @@ class Data:
 
 @dataclasses.dataclass
 class RunResult:
+    """One run's figures.
+
+    ``run_batch`` is the largest batch the run trained at; ``common_batch`` the batch every run's
+    memory is also measured at (``--batch-size``). The ``*_mib`` figures are ``memory_report``'s
+    total and XLA's compiled figure of one step under the run's final policy at that batch.
+    """
+
     name: str
     seconds: float
     steps: int
     final_batch: int
-    memory_mib: float
-    compiled_mib: float | None
+    run_batch: int
+    run_batch_memory_mib: float
+    run_batch_compiled_mib: float | None
+    common_batch: int
+    common_batch_memory_mib: float
+    common_batch_compiled_mib: float | None
     accuracy: float
     history: list[dict[str, float]]
     epoch_accuracy: list[float]
     evals: list[dict[str, float]]
     events: list[dict[str, Any]]
     policies: list[dict[str, Any]]  # {"step": the first step it ran, "leaves": {path: dtype}}
+
+    @property
+    def memory_mib(self) -> float:
+        """``memory_report``'s total at the common batch, the figure runs are compared by."""
+        return self.common_batch_memory_mib
 
 
 # -- data and models ------------------------------------------------------------------------------
@@ -298,23 +317,25 @@ def train_run(run: str, data: Data, args: argparse.Namespace, progress: Any) -> 
             break
     seconds = time.perf_counter() - start
 
-    # Memory of one step at the reference batch under the run's final policy (DESIGN §7).
-    batch = {k: v[: args.batch_size] for k, v in data.train.items()}
-    policy = controller.policy
-
-    def step_fn(p, b):
-        return loss_fn(
-            p, b, policy=policy, rng=jax.random.key(0), model_state=controller.model_state
-        )[0]
-
-    report = memory.memory_report(controller.params, controller.opt_state, policy, step_fn, batch)
+    # Memory of one step under the run's final policy, at the largest batch the run trained at
+    # and at the common batch: a run that grew its batch needs more than the common figure says.
+    run_batch = max((h["batch"] for h in history), default=args.batch_size)
+    run_report = step_memory(loss_fn, controller, data, run_batch)
+    if run_batch == args.batch_size:
+        common = run_report
+    else:
+        common = step_memory(loss_fn, controller, data, args.batch_size)
     return RunResult(
         name=run,
         seconds=seconds,
         steps=controller.step_count,
         final_batch=controller.batch_size,
-        memory_mib=report.total / 2**20,
-        compiled_mib=None if report.compiled is None else report.compiled / 2**20,
+        run_batch=run_batch,
+        run_batch_memory_mib=run_report.total / 2**20,
+        run_batch_compiled_mib=_mib(run_report.compiled),
+        common_batch=args.batch_size,
+        common_batch_memory_mib=common.total / 2**20,
+        common_batch_compiled_mib=_mib(common.compiled),
         accuracy=epoch_accuracy[-1],
         history=history,
         epoch_accuracy=epoch_accuracy,
@@ -324,6 +345,31 @@ def train_run(run: str, data: Data, args: argparse.Namespace, progress: Any) -> 
     )
 
 
+def step_memory(
+    loss_fn: Callable[..., Any], controller: Any, data: Data, batch_size: int
+) -> memory.MemoryReport:
+    """``memory_report`` of one training step at ``batch_size`` under the controller's policy.
+
+    The batch is the first ``batch_size`` training samples (repeated if the set is smaller:
+    only shapes and dtypes matter).
+    """
+    size = len(data.train["label"])
+    index = np.arange(batch_size) % size
+    batch = {k: v[index] for k, v in data.train.items()}
+    policy = controller.policy
+
+    def step_fn(p, b):
+        return loss_fn(
+            p, b, policy=policy, rng=jax.random.key(0), model_state=controller.model_state
+        )[0]
+
+    return memory.memory_report(controller.params, controller.opt_state, policy, step_fn, batch)
+
+
+def _mib(value: int | None) -> float | None:
+    return None if value is None else value / 2**20
+
+
 def _jsonable(record: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(record, default=str))
 
@@ -331,20 +377,61 @@ def _jsonable(record: dict[str, Any]) -> dict[str, Any]:
 # -- report --------------------------------------------------------------------------------------
 
 
+RESULT_COLUMNS = (
+    "run",
+    "wall s",
+    "steps",
+    "final batch",
+    "trained at batch",
+    "memory_report MiB at trained batch",
+    "compiled MiB at trained batch",
+    "common batch",
+    "memory_report MiB at common batch",
+    "vs FP32 at common batch",
+    "compiled MiB at common batch",
+    "test accuracy",
+)
+
+
 def results_table(results: Sequence[RunResult]) -> str:
-    """The side-by-side table, in Markdown."""
+    """The side-by-side table, in Markdown.
+
+    Memory is given at two batches, each in its own labelled columns: the largest batch the run
+    trained at, and the common batch of all runs, where the "vs FP32" ratio is taken (the FP32
+    run's figure at the same batch), so that a run that grew its batch is not credited with the
+    memory of a smaller one.
+    """
     base = next((r for r in results if r.name == "fp32"), None)
     lines = [
-        "| run | wall s | steps | final batch | memory_report MiB | vs FP32 | compiled MiB | test accuracy |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| " + " | ".join(RESULT_COLUMNS) + " |",
+        "| --- |" + " ---: |" * (len(RESULT_COLUMNS) - 1),
     ]
+
+    def mib(value: float | None, digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
     for r in results:
-        ratio = f"{r.memory_mib / base.memory_mib:.3f}x" if base else "-"
-        compiled = "-" if r.compiled_mib is None else f"{r.compiled_mib:.1f}"
-        lines.append(
-            f"| {RUN_LABELS[r.name]} | {r.seconds:.1f} | {r.steps} | {r.final_batch} | "
-            f"{r.memory_mib:.2f} | {ratio} | {compiled} | {100 * r.accuracy:.2f}% |"
+        comparable = base is not None and base.common_batch == r.common_batch
+        ratio = (
+            f"{r.common_batch_memory_mib / base.common_batch_memory_mib:.3f}x"
+            if comparable
+            else "-"
         )
+        cells = (
+            RUN_LABELS[r.name],
+            f"{r.seconds:.1f}",
+            str(r.steps),
+            str(r.final_batch),
+            str(r.run_batch),
+            mib(r.run_batch_memory_mib, 2),
+            mib(r.run_batch_compiled_mib, 1),
+            str(r.common_batch),
+            mib(r.common_batch_memory_mib, 2),
+            ratio,
+            mib(r.common_batch_compiled_mib, 1),
+            f"{100 * r.accuracy:.2f}%",
+        )
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
