@@ -50,6 +50,8 @@ VARIANTS = (
     ),
     Variant(
         "fisher-every-step",
-        lambda lr, **kw: triaccel_jax.triaccel(lr, curvature_every=1, block_size=4, **kw),
+        lambda lr, **kw: triaccel_jax.triaccel(
+            lr, curvature_every=1, config=triaccel_jax.TriAccelConfig(block_size=4), **kw
+        ),
     ),
 )

@@ -45,12 +45,11 @@ def test_hutchinson_ema_within_five_percent_of_true_diagonal():
     loss_fn, true_diagonal = _quadratic_with_known_diagonal()
     # block_size=1 and rho=1 make the store lossless, so this measures estimator + EMA alone.
     tx = triaccel_jax.scale_by_triaccel(
-        estimator="hutchinson",
+        config=triaccel_jax.TriAccelConfig(
+            estimator="hutchinson", block_size=1, rho=1.0, num_samples=4
+        ),
         curvature_every=1,
         curvature_decay=0.995,
-        block_size=1,
-        rho=1.0,
-        num_samples=4,
         seed=11,
     )
     params = {"x": jnp.ones(true_diagonal.size)}

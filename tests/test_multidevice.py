@@ -26,7 +26,9 @@ SCRIPT = textwrap.dedent(
         return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
 
     def estimate(estimator, x, y):
-        tx = triaccel_jax.scale_by_triaccel(estimator=estimator, block_size=1, rho=1.0)
+        tx = triaccel_jax.scale_by_triaccel(
+            config=triaccel_jax.TriAccelConfig(estimator=estimator, block_size=1, rho=1.0)
+        )
 
         @jax.jit
         def run(params, x, y):

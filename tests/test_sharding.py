@@ -38,7 +38,9 @@ SCRIPT = textwrap.dedent(
     x = jax.random.normal(keys[2], (32, 64))
     y = jax.random.normal(keys[3], (32, 8))
     xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
-    tx = triaccel_jax.triaccel(1e-2, curvature_every=1, block_size=16, rho=0.05)
+    tx = triaccel_jax.triaccel(
+        1e-2, curvature_every=1, config=triaccel_jax.TriAccelConfig(block_size=16, rho=0.05)
+    )
 
     state = tx.init(sharded)
     moments = state[0]

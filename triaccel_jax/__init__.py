@@ -47,6 +47,7 @@ from triaccel_jax._src.sampler import ElasticSampler
 from triaccel_jax._src.signals import signals
 from triaccel_jax._src.transform import LeafSignals
 from triaccel_jax._src.transform import ScaleByTriAccelState
+from triaccel_jax._src.transform import TriAccelConfig
 from triaccel_jax._src.transform import scale_by_triaccel
 
 __version__ = "0.1.0"
@@ -73,6 +74,7 @@ __all__ = (
     "PrecisionPolicy",
     "ScaleByTriAccelState",
     "StepInfo",
+    "TriAccelConfig",
     "apply_updates",
     "apply_with_policy",
     "bucket_sizes",

@@ -20,18 +20,19 @@ def triaccel(
     eps: float = 1e-8,
     weight_decay: float = 1e-4,
     mask: Any = None,
-    estimator: str = "fisher",
+    config: transform.TriAccelConfig | None = None,
     curvature_every: int = 10,
     curvature_decay: float = 0.95,
-    block_size: int = 64,
-    rho: float = 0.01,
-    num_samples: int = 1,
     alpha: float = 0.5,
     min_scale: float = 0.5,
     max_scale: float = 2.0,
-    state_dtype: Any = None,
     seed: int = 0,
     axis_name: str | None = None,
+    estimator: str | None = None,
+    state_dtype: Any = None,
+    block_size: int | None = None,
+    rho: float | None = None,
+    num_samples: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The Tri-Accel optimizer: AdamW with a per-leaf, curvature-derived step-size scale.
 
@@ -48,26 +49,29 @@ def triaccel(
       weight_decay: decoupled weight-decay rate, >= 0.
       mask: which leaves get weight decay: a tree of bools or a callable of the params returning
         one, as in ``optax.adamw`` (None: all).
-      estimator: ``"fisher"`` (default, no extra argument) or ``"hutchinson"`` (pass
-        ``loss_fn=`` to ``update``).
+      config: a :class:`triaccel_jax.TriAccelConfig` with the options that are not numbers:
+        estimator (``"fisher"``, the default, needs no extra argument; ``"hutchinson"`` needs
+        ``loss_fn=`` in ``update``), curvature-store layout (``block_size``, ``rho``),
+        Hutchinson probes (``num_samples``) and moment dtype (``state_dtype``). None: defaults.
       curvature_every: steps between curvature estimates, >= 1.
       curvature_decay: EMA decay of the curvature estimates, in [0, 1).
-      block_size: elements per block of the compressed curvature (static), >= 1.
-      rho: fraction of curvature entries kept exactly per leaf (static), in (0, 1].
-      num_samples: Hutchinson probes per estimate (static), >= 1.
       alpha: exponent of the step-size scale, >= 0.
       min_scale: lower clip of the step-size scale, > 0.
       max_scale: upper clip of the step-size scale, >= min_scale.
-      state_dtype: moment dtype: None (float32), ``jnp.float32``, ``jnp.bfloat16``, or a
-        :class:`triaccel_jax.PrecisionPolicy` (each leaf's state dtype).
       seed: seed of the stochastic rounding and of the Hutchinson probes.
       axis_name: the ``shard_map``/``pmap`` axis over which replicas average their curvature
         estimates (see :func:`triaccel_jax.scale_by_triaccel`); None for one replica or ``jit``.
+      estimator: shorthand for ``config.estimator``.
+      state_dtype: shorthand for ``config.state_dtype``: None (float32), ``jnp.float32``,
+        ``jnp.bfloat16``, or a :class:`triaccel_jax.PrecisionPolicy` (each leaf's state dtype).
+      block_size: deprecated, use ``config``.
+      rho: deprecated, use ``config``.
+      num_samples: deprecated, use ``config``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. Works under ``optax.inject_hyperparams``
-      (shape-setting arguments ``block_size``, ``rho``, ``num_samples`` and a dtype
-      ``state_dtype`` go in ``static_args`` if you pass them).
+      without ``static_args``: every numeric argument is injectable (and may be changed in the
+      state between steps without recompiling), ``config`` is passed through untouched.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -88,20 +92,24 @@ def triaccel(
     """
     validation.check_learning_rate(learning_rate)
     validation.check_in_range("weight_decay", weight_decay, 0.0, float("inf"))
+    config = transform.resolve_config(
+        config,
+        estimator=estimator,
+        state_dtype=state_dtype,
+        block_size=block_size,
+        rho=rho,
+        num_samples=num_samples,
+    )
     direction = transform.scale_by_triaccel(
         b1,
         b2,
         eps,
-        estimator=estimator,
+        config=config,
         curvature_every=curvature_every,
         curvature_decay=curvature_decay,
-        block_size=block_size,
-        rho=rho,
-        num_samples=num_samples,
         alpha=alpha,
         min_scale=min_scale,
         max_scale=max_scale,
-        state_dtype=state_dtype,
         seed=seed,
         axis_name=axis_name,
     )

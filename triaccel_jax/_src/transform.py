@@ -17,6 +17,8 @@ The per-leaf scalars are kept in the state for :func:`triaccel_jax.signals`.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -105,9 +108,18 @@ def _state_dtype(path: str, param_dtype: Any, state_dtype: Any) -> jnp.dtype:
     return jnp.dtype(state_dtype)
 
 
-def _check_state_dtype(state_dtype: Any) -> None:
+def _normalized_state_dtype(state_dtype: Any) -> Any:
+    """None, a policy, or the name of an allowed moment dtype (hashable, and never callable)."""
     if state_dtype is None or isinstance(state_dtype, policy_lib.PrecisionPolicy):
-        return
+        return state_dtype
+    if isinstance(state_dtype, (jax.Array, np.ndarray, np.generic)):
+        # optax.inject_hyperparams takes a dtype type such as jnp.bfloat16 (callable) for a
+        # schedule and hands its value at step 0 to the factory.
+        raise ValueError(
+            f"`state_dtype` arrived as the number {state_dtype!r}: optax.inject_hyperparams takes "
+            "a dtype type such as jnp.bfloat16 for a schedule; pass "
+            "config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16) or the name 'bfloat16'"
+        )
     try:
         name = jnp.dtype(state_dtype).name
     except TypeError:
@@ -117,6 +129,97 @@ def _check_state_dtype(state_dtype: Any) -> None:
             f"`state_dtype` must be None or one of {STATE_DTYPES} (moments are never stored below "
             f"bfloat16), got {state_dtype!r}"
         )
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class TriAccelConfig:
+    """The options of :func:`triaccel_jax.triaccel` that are not numbers to tune.
+
+    They set the shapes of the optimizer state (the curvature store's layout), the estimator's
+    program, or the moments' dtype, so they must be known when the state is initialised. Kept in
+    one frozen, hashable object, they stay out of what ``optax.inject_hyperparams`` injects: it
+    turns every int and float argument into a traced array, and passes this object through, so
+    ``jax.jit(tx.init)`` works without ``static_args`` while every numeric hyperparameter stays
+    injectable.
+
+    Attributes:
+      estimator: ``"fisher"`` (squared gradient; needs no extra argument) or ``"hutchinson"``
+        (Hessian diagonal from HVPs; needs ``loss_fn=`` in ``update``).
+      block_size: elements per block of the compressed curvature store, >= 1.
+      rho: fraction of each leaf's curvature entries kept exactly, in (0, 1].
+      num_samples: Hutchinson probes per estimate, >= 1.
+      state_dtype: dtype of the moments: None (float32, or float64 for float64 params),
+        ``"float32"`` or ``"bfloat16"`` (a dtype is stored as its name; bfloat16 writes are
+        stochastically rounded), or a :class:`triaccel_jax.PrecisionPolicy` giving each leaf's.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import triaccel_jax
+      >>> config = triaccel_jax.TriAccelConfig(block_size=8, state_dtype=jnp.bfloat16)
+      >>> tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-3, config=config)
+      >>> state = jax.jit(tx.init)({"w": jnp.ones(16)})
+      >>> state.inner_state[0].curvature["w"].block_means.shape, config.state_dtype
+      ((2,), 'bfloat16')
+
+    References:
+      Tri-Accel, arXiv 2508.16905; optax.inject_hyperparams.
+    """
+
+    estimator: str = "fisher"
+    block_size: int = 64
+    rho: float = 0.01
+    num_samples: int = 1
+    state_dtype: Any = None
+
+    def __post_init__(self) -> None:
+        validation.check_choice("estimator", self.estimator, ESTIMATORS)
+        validation.check_integer("block_size", self.block_size, 1)
+        validation.check_in_range("rho", self.rho, 0.0, 1.0, low_inclusive=False)
+        validation.check_integer("num_samples", self.num_samples, 1)
+        # Plain Python values, so that equal configs hash equal (an array would not hash). A
+        # traced value only comes from the deprecated keywords under inject_hyperparams: the
+        # update reads the layout from the store's shapes and loops over traced probes, and
+        # init says what to do instead (see `scale_by_triaccel`).
+        for name, kind in (("block_size", int), ("rho", float), ("num_samples", int)):
+            value = getattr(self, name)
+            if not isinstance(value, jax.core.Tracer):
+                object.__setattr__(self, name, kind(np.asarray(value)))
+        object.__setattr__(self, "state_dtype", _normalized_state_dtype(self.state_dtype))
+
+
+_DEPRECATED_KEYWORDS = ("block_size", "rho", "num_samples")
+
+
+def resolve_config(config: TriAccelConfig | None, **keywords: Any) -> TriAccelConfig:
+    """The config that ``config`` and the factory's config keywords (None: not given) describe.
+
+    ``estimator`` and ``state_dtype`` are plain keywords as well (never numbers, so
+    ``inject_hyperparams`` leaves them alone); ``block_size``, ``rho`` and ``num_samples`` as
+    keywords are deprecated, because ``inject_hyperparams`` traces them.
+    """
+    if config is not None and not isinstance(config, TriAccelConfig):
+        raise TypeError(
+            f"`config` must be a triaccel_jax.TriAccelConfig, got {type(config).__name__}"
+        )
+    given = {name: value for name, value in keywords.items() if value is not None}
+    deprecated = [name for name in _DEPRECATED_KEYWORDS if name in given]
+    if deprecated:
+        listed = ", ".join(f"{name}=" for name in deprecated)
+        warnings.warn(
+            f"{listed} as keyword(s) of triaccel/scale_by_triaccel are deprecated: "
+            "optax.inject_hyperparams traces every number, and these set array shapes; pass "
+            f"config=triaccel_jax.TriAccelConfig({listed}...) instead",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    if config is None:
+        return TriAccelConfig(**given)
+    for name in given:
+        raise ValueError(
+            f"`{name}` given both as a keyword and in `config`: pass it in `config` only"
+        )
+    return config
 
 
 def _make_estimator(estimator: str, num_samples: int, seed: int):
@@ -135,52 +238,59 @@ def scale_by_triaccel(
     b2: float = 0.999,
     eps: float = 1e-8,
     *,
-    estimator: str = "fisher",
+    config: TriAccelConfig | None = None,
     curvature_every: int = 10,
     curvature_decay: float = 0.95,
-    block_size: int = 64,
-    rho: float = 0.01,
-    num_samples: int = 1,
     alpha: float = 0.5,
     min_scale: float = 0.5,
     max_scale: float = 2.0,
-    state_dtype: Any = None,
     seed: int = 0,
     axis_name: str | None = None,
+    estimator: str | None = None,
+    state_dtype: Any = None,
+    block_size: int | None = None,
+    rho: float | None = None,
+    num_samples: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Rescales updates by Adam's moments times a per-leaf curvature step-size scale.
 
     The direction part of :func:`triaccel_jax.triaccel` (no learning rate, no weight decay), under
-    optax's ``scale_by_*`` contract: chain it with ``optax.scale_by_learning_rate``.
+    optax's ``scale_by_*`` contract: chain it with ``optax.scale_by_learning_rate``. Every
+    numeric argument may be injected by ``optax.inject_hyperparams`` (``jax.jit(tx.init)`` needs
+    no ``static_args``); the options that set shapes live in ``config``.
 
     Args:
       b1: decay of the first moment, in [0, 1).
       b2: decay of the second moment, in [0, 1).
       eps: added to ``sqrt(v_hat)`` in the denominator, >= 0.
-      estimator: ``"fisher"`` (squared gradient; needs no extra argument) or ``"hutchinson"``
-        (Hessian diagonal from HVPs; needs ``loss_fn=`` in ``update``).
+      config: a :class:`triaccel_jax.TriAccelConfig`: estimator, curvature-store layout
+        (``block_size``, ``rho``), Hutchinson probes and moment dtype. None: its defaults.
       curvature_every: estimate curvature every this many steps (>= 1), starting at the first.
       curvature_decay: EMA decay of the curvature estimates, in [0, 1).
-      block_size: elements per block of the compressed curvature store (>= 1; static).
-      rho: fraction of each leaf's curvature entries kept exactly, in (0, 1] (static).
-      num_samples: Hutchinson probes per estimate (>= 1; static).
       alpha: exponent of the step-size scale (>= 0; 0 turns the scaling off).
       min_scale: lower clip of the step-size scale, > 0.
       max_scale: upper clip of the step-size scale, >= min_scale.
-      state_dtype: dtype of ``mu`` and ``nu``: None (float32, or float64 for float64 params),
-        ``jnp.float32`` or ``jnp.bfloat16`` (stochastically rounded writes), or a
-        :class:`triaccel_jax.PrecisionPolicy` giving each leaf's state dtype.
       seed: seed of the PRNG keys for stochastic rounding and Hutchinson probes.
       axis_name: under ``shard_map`` or ``pmap`` data parallelism, the mapped axis over which the
         curvature estimate is averaged (``lax.pmean``), so that every replica folds the same
         estimate and keeps the same state, as the gradients (averaged by the caller) do. None
         (default) for a single replica or a ``jit`` over sharded data, where the estimate is
         already the global one.
+      estimator: shorthand for ``config.estimator`` (``"fisher"`` or ``"hutchinson"``).
+      state_dtype: shorthand for ``config.state_dtype`` (under ``inject_hyperparams`` give a
+        dtype as its name, or in ``config``: a dtype type looks like a schedule there).
+      block_size: deprecated, use ``config``.
+      rho: deprecated, use ``config``.
+      num_samples: deprecated, use ``config``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. Its ``update`` takes the keyword-only extra
       argument ``loss_fn`` (used by the Hutchinson estimator, ignored otherwise) and ignores
       other extra arguments. The update has each gradient's dtype.
+
+    Raises:
+      ValueError: a hyperparameter is out of range, or an option is given both as a keyword
+        and in ``config``.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -198,21 +308,23 @@ def scale_by_triaccel(
     validation.check_in_range("b1", b1, 0.0, 1.0, high_inclusive=False)
     validation.check_in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
     validation.check_in_range("eps", eps, 0.0, float("inf"))
-    validation.check_choice("estimator", estimator, ESTIMATORS)
+    config = resolve_config(
+        config,
+        estimator=estimator,
+        state_dtype=state_dtype,
+        block_size=block_size,
+        rho=rho,
+        num_samples=num_samples,
+    )
     validation.check_in_range("curvature_every", curvature_every, 1.0, float("inf"))
     validation.check_in_range("curvature_decay", curvature_decay, 0.0, 1.0, high_inclusive=False)
-    # block_size and rho set the shapes of the curvature store, so init needs them concrete; the
-    # update reads the layout back from the store's shapes, so there they may be traced (as
-    # optax.inject_hyperparams makes every numeric argument).
-    validation.check_integer("block_size", block_size, 1)
-    validation.check_in_range("rho", rho, 0.0, 1.0, low_inclusive=False)
-    validation.check_integer("num_samples", num_samples, 1)
     validation.check_in_range("alpha", alpha, 0.0, float("inf"))
     validation.check_in_range("min_scale", min_scale, 0.0, float("inf"), low_inclusive=False)
     validation.check_in_range("max_scale", max_scale, 0.0, float("inf"), low_inclusive=False)
     validation.check_not_above("min_scale", min_scale, "max_scale", max_scale)
-    _check_state_dtype(state_dtype)
-    estimator_tx = _make_estimator(estimator, num_samples, seed)
+    estimator = config.estimator
+    state_dtype = config.state_dtype
+    estimator_tx = _make_estimator(estimator, config.num_samples, seed)
 
     def init_fn(params: Any) -> ScaleByTriAccelState:
         def zeros_or_skip(path, leaf):
@@ -226,8 +338,10 @@ def scale_by_triaccel(
             dtype = _state_dtype(tree_lib.path_string(path), leaf.dtype, state_dtype)
             return _placed(jnp.zeros(leaf.shape, dtype), leaf, same_shape=True)
 
-        static_block_size = validation.static_value("block_size", block_size, int)
-        static_rho = validation.static_value("rho", rho, float)
+        # The store's layout sets shapes, so it must be concrete here (the update reads it back
+        # from the store's shapes).
+        static_block_size = validation.static_value("block_size", config.block_size, int)
+        static_rho = validation.static_value("rho", config.rho, float)
 
         def store_or_skip(leaf):
             if not tree_lib.is_trainable(leaf):

@@ -91,8 +91,9 @@ def static_value(name: str, value: Any, kind: type) -> Any:
     if isinstance(value, jax.core.Tracer):
         raise ValueError(
             f"`{name}` sets array shapes when the state is initialised, so it must be concrete "
-            f"there; call `init` outside `jit`, or under optax.inject_hyperparams pass "
-            f"static_args=({name!r},)"
+            f"there: under optax.inject_hyperparams pass it in "
+            f"`config=triaccel_jax.TriAccelConfig({name}=...)`, which is never injected (or name "
+            f"it in static_args=({name!r},)), or call `init` outside `jit`"
         )
     return kind(np.asarray(value))
 

@@ -1,0 +1,141 @@
+"""triaccel under optax.inject_hyperparams: shape-setting options stay static, numbers are injected.
+
+``optax.inject_hyperparams`` turns every int or float argument into a traced array, so options
+that set array shapes (the curvature store's layout, the number of probes) live in one frozen
+:class:`triaccel_jax.TriAccelConfig`, which it passes through untouched.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import triaccel_jax
+
+PARAMS = {"w": jnp.linspace(-1.0, 1.0, 16).reshape(4, 4), "b": jnp.full(4, 0.5)}
+NUMERIC = {
+    "b1",
+    "b2",
+    "eps",
+    "curvature_every",
+    "curvature_decay",
+    "alpha",
+    "min_scale",
+    "max_scale",
+    "seed",
+}
+
+
+def _loss(p):
+    return jnp.sum(jnp.arange(1.0, 17.0).reshape(4, 4) * p["w"] ** 2) + jnp.sum(p["b"] ** 2)
+
+
+def test_the_snippet_from_the_issue_needs_no_static_args():
+    tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-3)
+    state = jax.jit(tx.init)(PARAMS)
+    assert set(state.hyperparams) == NUMERIC | {"learning_rate", "weight_decay"}
+    updates, state = jax.jit(tx.update)(jax.grad(_loss)(PARAMS), state, PARAMS)
+    assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+    # The defaults' layout: one block of 16 (block_size 64), ceil(0.01 * 16) = 1 outlier.
+    store = state.inner_state[0].curvature["w"]
+    assert store.block_means.shape == (1,) and store.outlier_values.shape == (1,)
+
+
+def test_scale_by_triaccel_under_inject_hyperparams_with_jitted_init():
+    tx = optax.inject_hyperparams(triaccel_jax.scale_by_triaccel)()
+    state = jax.jit(tx.init)(PARAMS)
+    assert set(state.hyperparams) == NUMERIC
+    updates, _ = jax.jit(tx.update)(jax.grad(_loss)(PARAMS), state, PARAMS)
+    assert updates["w"].shape == (4, 4)
+
+
+def test_config_sets_layout_estimator_and_state_dtype_under_jit():
+    config = triaccel_jax.TriAccelConfig(
+        estimator="hutchinson", block_size=8, rho=0.25, num_samples=2, state_dtype=jnp.bfloat16
+    )
+    tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=0.1, config=config)
+    state = jax.jit(tx.init)(PARAMS)
+    inner = state.inner_state[0]
+    assert inner.curvature["w"].block_means.shape == (2,)
+    assert inner.curvature["w"].outlier_values.shape == (4,)
+    assert inner.mu["w"].dtype == jnp.bfloat16
+    update = jax.jit(lambda g, s: tx.update(g, s, PARAMS, loss_fn=_loss))
+    _, state = update(jax.grad(_loss)(PARAMS), state)
+    # Hutchinson on a quadratic: the Hessian diagonal 2 * (1..16) exactly, whose mean is 17.
+    np.testing.assert_allclose(triaccel_jax.signals(state)["w"]["mean_curvature"], 17.0, rtol=1e-5)
+
+
+def test_changing_an_injected_hyperparameter_changes_the_update_without_retracing():
+    tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=0.1, weight_decay=0.0)
+    traces = []
+
+    @jax.jit
+    def update(grads, state):
+        traces.append(1)
+        return tx.update(grads, state, PARAMS)[0]
+
+    def with_value(state, name, value):
+        old = state.hyperparams[name]  # same dtype and weak type: the same compiled update
+        return state._replace(hyperparams={**state.hyperparams, name: jnp.full_like(old, value)})
+
+    grads = jax.grad(_loss)(PARAMS)
+    state = tx.init(PARAMS)
+    base = update(grads, state)
+    flat = update(grads, with_value(state, "alpha", 0.0))
+    wide = update(grads, with_value(state, "max_scale", 8.0))
+    assert len(traces) == 1
+    # alpha = 0 is plain AdamW: the first step is lr * sign(g); alpha = 0.5 scales it per leaf.
+    np.testing.assert_allclose(flat["w"], -0.1 * np.sign(grads["w"]), rtol=1e-5)
+    assert not np.allclose(base["w"], flat["w"])
+    assert not np.allclose(base["b"], wide["b"])  # "b" is flat: its scale was clipped at 2
+
+
+def test_config_is_frozen_hashable_and_checked():
+    config = triaccel_jax.TriAccelConfig(block_size=8, state_dtype="bfloat16")
+    assert hash(config) == hash(triaccel_jax.TriAccelConfig(block_size=8, state_dtype=jnp.bfloat16))
+    assert config.state_dtype == "bfloat16"
+    with pytest.raises(AttributeError):
+        config.block_size = 4
+    with pytest.raises(ValueError, match=r"block_size.*>= 1"):
+        triaccel_jax.TriAccelConfig(block_size=0)
+    with pytest.raises(ValueError, match="block_size"):
+        triaccel_jax.TriAccelConfig(block_size=2.5)
+    with pytest.raises(ValueError, match=r"rho.*\(0.0, 1.0\]"):
+        triaccel_jax.TriAccelConfig(rho=0.0)
+    with pytest.raises(ValueError, match="rho"):
+        triaccel_jax.TriAccelConfig(rho=1.5)
+    with pytest.raises(ValueError, match="num_samples"):
+        triaccel_jax.TriAccelConfig(num_samples=0)
+    with pytest.raises(ValueError, match=r"estimator.*fisher.*hutchinson"):
+        triaccel_jax.TriAccelConfig(estimator="newton")
+    with pytest.raises(ValueError, match=r"state_dtype.*bfloat16"):
+        triaccel_jax.TriAccelConfig(state_dtype=jnp.float16)
+    with pytest.raises(TypeError, match=r"config.*TriAccelConfig"):
+        triaccel_jax.triaccel(0.1, config={"block_size": 8})
+
+
+def test_old_keywords_still_work_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match=r"block_size.*TriAccelConfig"):
+        old = triaccel_jax.triaccel(0.1, block_size=8, rho=0.25)
+    new = triaccel_jax.triaccel(0.1, config=triaccel_jax.TriAccelConfig(block_size=8, rho=0.25))
+    old_state, new_state = old.init(PARAMS), new.init(PARAMS)
+    for a, b in zip(jax.tree.leaves(old_state), jax.tree.leaves(new_state), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+    # estimator= and state_dtype= are never numbers, so they remain plain keywords.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        triaccel_jax.triaccel(0.1, estimator="hutchinson", state_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"block_size.*both"):
+        triaccel_jax.triaccel(0.1, block_size=8, config=triaccel_jax.TriAccelConfig(block_size=16))
+
+
+def test_a_dtype_type_injected_as_a_schedule_is_explained():
+    # jnp.bfloat16 is callable, so inject_hyperparams takes it for a schedule of the step.
+    tx = optax.inject_hyperparams(triaccel_jax.triaccel)(0.1, state_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"state_dtype.*TriAccelConfig"):
+        tx.init(PARAMS)
