@@ -26,9 +26,46 @@ _LOSS_FN_HELP = (
     "`tx.update(grads, opt_state, params, loss_fn=lambda p: loss(p, batch))`, where the loss is a "
     "function of the same params tree (with Flax: `loss_fn=lambda p: loss_of(state.apply_fn, p, "
     "batch)`, passed through `triaccel_jax.flax.TrainState.apply_gradients(grads=g, "
-    "loss_fn=...)` or `nnx.Optimizer.update(model, grads, loss_fn=...)`); or use "
-    "estimator='fisher', which needs no extra argument"
+    "loss_fn=...)` or `nnx.Optimizer.update(model, grads, loss_fn=...)`; optax's names for the "
+    "same argument, `obj_fn=` (contrib.sophia) and `value_fn=` (the line searches), work too); "
+    "or use estimator='fisher', which needs no extra argument"
 )
+
+# optax names the loss of the params `obj_fn` (contrib.sophia) and `value_fn` (the line
+# searches): accepting all three lets one `update(..., value_fn=f)` feed every transform in a
+# chain.
+LOSS_FN_NAMES = ("loss_fn", "obj_fn", "value_fn")
+
+
+def resolve_loss_fn(
+    loss_fn: Callable[..., Any] | None = None,
+    *,
+    obj_fn: Callable[..., Any] | None = None,
+    value_fn: Callable[..., Any] | None = None,
+) -> Callable[..., Any] | None:
+    """The loss given under any of :data:`LOSS_FN_NAMES`, or None when none is given.
+
+    Raises:
+      TypeError: a given value is not callable.
+      ValueError: two names hold different functions (the estimator could not tell which loss
+        to differentiate).
+    """
+    given = {
+        name: fn
+        for name, fn in zip(LOSS_FN_NAMES, (loss_fn, obj_fn, value_fn), strict=True)
+        if fn is not None
+    }
+    for name, fn in given.items():
+        validation.check_callable(name, fn)
+    names = list(given)
+    for name in names[1:]:
+        if given[name] is not given[names[0]]:
+            raise ValueError(
+                f"`{names[0]}` and `{name}` are different functions, but they are two names "
+                "(optax's) of one extra argument, the loss of the params: pass the loss once, "
+                "or the same function under each name"
+            )
+    return given[names[0]] if names else None
 
 
 def fisher_diagonal() -> optax.GradientTransformationExtraArgs:
@@ -112,7 +149,8 @@ def hutchinson_diagonal(
     Returns:
       A transform whose ``update(updates, state, params, *, loss_fn)`` returns the float32
       diagonal estimate. ``loss_fn(params) -> scalar`` is a keyword-only extra argument; it is
-      required, and ``params`` must be the tree ``loss_fn`` takes.
+      required (under optax's other names for it, ``obj_fn`` or ``value_fn``, too), and
+      ``params`` must be the tree ``loss_fn`` takes.
 
     Example:
       >>> import jax.numpy as jnp
@@ -130,10 +168,19 @@ def hutchinson_diagonal(
         del params
         return HutchinsonDiagonalState(key=jax.random.key_data(jax.random.key(seed)))
 
-    def update_fn(updates, state, params=None, *, loss_fn: Callable[..., Any] | None = None, **_):
+    def update_fn(
+        updates,
+        state,
+        params=None,
+        *,
+        loss_fn: Callable[..., Any] | None = None,
+        obj_fn: Callable[..., Any] | None = None,
+        value_fn: Callable[..., Any] | None = None,
+        **_,
+    ):
+        loss_fn = resolve_loss_fn(loss_fn, obj_fn=obj_fn, value_fn=value_fn)
         if loss_fn is None:
             raise ValueError(_LOSS_FN_HELP)
-        validation.check_callable("loss_fn", loss_fn)
         if params is None:
             raise ValueError(
                 "estimator='hutchinson' needs `params` in `tx.update(grads, state, params)`"

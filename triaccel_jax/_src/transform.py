@@ -285,8 +285,9 @@ def scale_by_triaccel(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. Its ``update`` takes the keyword-only extra
-      argument ``loss_fn`` (used by the Hutchinson estimator, ignored otherwise) and ignores
-      other extra arguments. The update has each gradient's dtype.
+      argument ``loss_fn`` (used by the Hutchinson estimator, ignored otherwise; optax's names
+      ``obj_fn`` and ``value_fn`` for the same function are accepted too) and ignores other
+      extra arguments. The update has each gradient's dtype.
 
     Raises:
       ValueError: a hyperparameter is out of range, or an option is given both as a keyword
@@ -379,11 +380,16 @@ def scale_by_triaccel(
         params: Any = None,
         *,
         loss_fn: Callable[..., Any] | None = None,
+        obj_fn: Callable[..., Any] | None = None,
+        value_fn: Callable[..., Any] | None = None,
         **extra_args: Any,
     ) -> tuple[Any, ScaleByTriAccelState]:
         del extra_args  # optax's contract: ignore extra arguments meant for other transforms
-        if estimator == "hutchinson" and loss_fn is None:
-            raise ValueError(curvature_lib._LOSS_FN_HELP)
+        if estimator == "hutchinson":
+            # Checked here, outside lax.cond, so that a missing loss is reported on every step.
+            loss_fn = curvature_lib.resolve_loss_fn(loss_fn, obj_fn=obj_fn, value_fn=value_fn)
+            if loss_fn is None:
+                raise ValueError(curvature_lib._LOSS_FN_HELP)
         grads, treedef = jax.tree.flatten(updates)
         try:
             mu = treedef.flatten_up_to(state.mu)
