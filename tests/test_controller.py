@@ -72,13 +72,13 @@ class FaultyController(Controller):
     def _compiled_step(self, micro, num_micro):
         compiled = super()._compiled_step(micro, num_micro)
 
-        def run(params, opt_state, model_state, batch, step, factor):
+        def run(params, opt_state, model_state, batch, *scalars):
             if self.faults.get(self.step_count, 0) > 0:
                 self.faults[self.step_count] -= 1
                 raise jax.errors.JaxRuntimeError(
                     f"RESOURCE_EXHAUSTED: injected at step {self.step_count}, micro-batch {micro}"
                 )
-            out = compiled(params, opt_state, model_state, batch, step, factor)
+            out = compiled(params, opt_state, model_state, batch, *scalars)
             self.seen.append(np.asarray(batch["id"]).reshape(-1))
             return out
 
@@ -228,6 +228,7 @@ def test_keep_global_batch_makes_an_oom_retry_the_same_update():
 
 def test_accumulated_micro_batches_give_the_big_batch_gradient():
     from triaccel_jax._src import train_step
+    from triaccel_jax._src.loss_scaling import LossScaling
 
     data = make_data(64)
     params = make_params()
@@ -238,8 +239,9 @@ def test_accumulated_micro_batches_give_the_big_batch_gradient():
     four = train_step.make_train_step(normalized, tx, policy=None, num_micro=4, seed=0)
     as_one = jax.tree.map(lambda x: x.reshape(1, 64, *x.shape[1:]), data)
     as_four = jax.tree.map(lambda x: x.reshape(4, 16, *x.shape[1:]), data)
-    a = jax.jit(one)(*args, as_one, 0, 1.0)
-    b = jax.jit(four)(*args, as_four, 0, 1.0)
+    scale = LossScaling().init()
+    a = jax.jit(one)(*args, as_one, 0, 1.0, scale)
+    b = jax.jit(four)(*args, as_four, 0, 1.0, scale)
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(a.metrics["loss"], b.metrics["loss"], rtol=1e-5)

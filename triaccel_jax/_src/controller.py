@@ -8,6 +8,7 @@ policy) and logs every decision as an :class:`triaccel_jax.Event`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -27,6 +28,7 @@ from triaccel_jax._src import agreement
 from triaccel_jax._src import buckets as buckets_lib
 from triaccel_jax._src import events as events_lib
 from triaccel_jax._src import hyperparams
+from triaccel_jax._src import loss_scaling as loss_scaling_lib
 from triaccel_jax._src import memory_probe
 from triaccel_jax._src import planner
 from triaccel_jax._src import policy as policy_lib
@@ -125,7 +127,11 @@ class Controller:
       the update is the big batch's (to float rounding); at ``min_batch`` it raises
       :class:`triaccel_jax.OutOfMemoryError`;
     * every ``replan_every`` steps re-plans the precision policy from
-      :func:`triaccel_jax.signals` and converts the optimizer state when the policy changes.
+      :func:`triaccel_jax.signals` and converts the optimizer state when the policy changes;
+    * while the policy computes any leaf in fp16 or fp8, scales the loss dynamically: the
+      optimizer (and its curvature estimator) gets the gradients unscaled in float32, and a step
+      with a non-finite gradient changes nothing, backs the scale off and reports
+      ``metrics["skipped"] == 1`` (the scale is kept across steps, policies and checkpoints).
 
     Args:
       loss_fn: ``loss_fn(params, batch, *, policy, rng)`` returning the mean loss over ``batch``
@@ -166,6 +172,10 @@ class Controller:
       policy: the starting precision policy (default all fp32 when re-planning).
       planner_options: keyword arguments of :func:`triaccel_jax.plan_precision` (e.g.
         ``budget``, ``allowed``, ``patience``).
+      loss_scaling: keyword arguments of the dynamic loss scale (``initial_scale``,
+        ``growth_interval``, ``growth_factor``, ``backoff_factor``, ``min_scale``,
+        ``max_scale``, as for :func:`triaccel_jax.dynamic_loss_scale`), used while the policy
+        computes a leaf in fp16 or fp8.
       mesh: a ``jax.sharding.Mesh`` for data parallelism: batches are sharded over
         ``data_axis``, whose size every bucket is a multiple of; params and states not already
         on the mesh are replicated.
@@ -175,6 +185,8 @@ class Controller:
 
     Attributes:
       params, opt_state, model_state: the training state after the last step.
+      loss_scale: the dynamic loss scale's state (``scale``, ``good_steps``,
+        ``skipped_steps``), updated only by steps that scale the loss.
       policy: the precision policy in force (None when precision is not planned).
       buckets: the allowed micro-batch sizes.
       sampler: the :class:`triaccel_jax.ElasticSampler` the batches come from.
@@ -238,6 +250,7 @@ class Controller:
         replan_every: int | None = None,
         policy: policy_lib.PrecisionPolicy | None = None,
         planner_options: Mapping[str, Any] | None = None,
+        loss_scaling: Mapping[str, Any] | None = None,
         mesh: jax.sharding.Mesh | None = None,
         data_axis: str = "data",
         seed: int = 0,
@@ -304,6 +317,8 @@ class Controller:
         self.opt_state = self._place(tx.init(self.params) if opt_state is None else opt_state)
         self.model_state = self._place(model_state)
         self._has_model_state = model_state is not None
+        self._loss_scaling = loss_scaling_lib.LossScaling(**dict(loss_scaling or {}))
+        self.loss_scale = self._place(self._loss_scaling.init())
         self._loss = train_step.normalize_loss_fn(
             loss_fn, has_aux=has_aux, has_model_state=self._has_model_state
         )
@@ -366,7 +381,8 @@ class Controller:
           loss_fn: as for :class:`Controller`; with a state that has ``batch_stats`` (e.g.
             :class:`triaccel_jax.flax.TrainState`), the loss gets them as ``model_state=``.
           state: a ``flax.training.train_state.TrainState`` or
-            :class:`triaccel_jax.flax.TrainState` (whose ``policy`` becomes the starting policy).
+            :class:`triaccel_jax.flax.TrainState` (whose ``policy`` becomes the starting policy,
+            and whose loss scale and its rule the controller continues with).
           data: as for :class:`Controller`.
           **kwargs: the other arguments of :class:`Controller`.
 
@@ -401,6 +417,8 @@ class Controller:
         if "params" in kwargs or "opt_state" in kwargs or "model_state" in kwargs:
             raise TypeError("from_train_state takes params, opt_state and batch_stats from `state`")
         kwargs.setdefault("policy", getattr(state, "policy", None))
+        if isinstance(getattr(state, "loss_scaling", None), loss_scaling_lib.LossScaling):
+            kwargs.setdefault("loss_scaling", dataclasses.asdict(state.loss_scaling))
         controller = cls(
             loss_fn,
             state.params,
@@ -410,6 +428,8 @@ class Controller:
             model_state=getattr(state, "batch_stats", None),
             **kwargs,
         )
+        if getattr(state, "loss_scale", None) is not None:
+            controller.loss_scale = controller._place(state.loss_scale)
         controller._train_state = (state, controller.step_count)
         return controller
 
@@ -435,6 +455,8 @@ class Controller:
         }
         if getattr(template, "batch_stats", None) is not None:
             changes["batch_stats"] = self.model_state
+        if getattr(template, "loss_scale", None) is not None:
+            changes["loss_scale"] = self.loss_scale
         state = template.replace(**changes)
         if hasattr(state, "with_policy"):  # triaccel_jax.flax.TrainState: rebuild the copy
             state = state.with_policy(self.policy)
@@ -543,6 +565,7 @@ class Controller:
             "limit_bytes": self._limit,
             "last_loss": self._last_loss,
             "lr_factor": self._lr_factor,
+            "loss_scale": {k: np.asarray(v).item() for k, v in self.loss_scale._asdict().items()},
             "policy": None if self.policy is None else json.loads(self.policy.to_json()),
             "sampler": self.sampler.state_dict(),
         }
@@ -586,6 +609,14 @@ class Controller:
         }
         self._limit = state["limit_bytes"]
         self._last_loss = state["last_loss"]
+        if state.get("loss_scale") is not None:  # absent from states saved before it existed
+            self.loss_scale = self._place(
+                loss_scaling_lib.LossScaleState(
+                    jnp.float32(state["loss_scale"]["scale"]),
+                    jnp.int32(state["loss_scale"]["good_steps"]),
+                    jnp.int32(state["loss_scale"]["skipped_steps"]),
+                )
+            )
         if state["policy"] is not None:
             self.policy = policy_lib.PrecisionPolicy.from_json(json.dumps(state["policy"]))
             self.policy.check_matches(self.params)
@@ -716,8 +747,14 @@ class Controller:
         if key in self._compiled:
             return self._compiled[key]
         start = time.perf_counter()
+        scaling = self._loss_scaling if loss_scaling_lib.needs_loss_scaling(self.policy) else None
         step = train_step.make_train_step(
-            self._loss, self.tx, policy=self.policy, num_micro=num_micro, seed=self._seed
+            self._loss,
+            self.tx,
+            policy=self.policy,
+            num_micro=num_micro,
+            seed=self._seed,
+            loss_scaling=scaling,
         )
         batch = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(
@@ -727,7 +764,8 @@ class Controller:
         )
         args = jax.tree.map(_abstract, (self.params, self.opt_state, self.model_state))
         scalars = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32)
-        compiled = jax.jit(step).lower(*args, batch, *scalars).compile()
+        scale = jax.tree.map(_abstract, self.loss_scale)
+        compiled = jax.jit(step).lower(*args, batch, *scalars, scale).compile()
         self._compiled[key] = compiled
         peak = memory_probe.compiled_peak_bytes(compiled)
         if peak is not None and num_micro == self._num_micro(micro):
@@ -763,6 +801,7 @@ class Controller:
                     batch,
                     np.int32(self.step_count),
                     np.float32(1.0 if self._base_lr is not None else self._lr_factor),
+                    self.loss_scale,
                 )
                 metrics = {k: float(v) for k, v in jax.device_get(out.metrics).items()}
             except jax.errors.JaxRuntimeError as error:
@@ -774,10 +813,11 @@ class Controller:
                 continue
             # Replacing the state frees the previous step's buffers, as in any training loop,
             # so it is timed as part of the step, not as the controller's own work.
-            self.params, self.opt_state, self.model_state = (
+            self.params, self.opt_state, self.model_state, self.loss_scale = (
                 out.params,
                 out.opt_state,
                 out.model_state,
+                out.loss_scale,
             )
             self.timings["step"] += time.perf_counter() - start
             return metrics

@@ -12,7 +12,9 @@ compiled program) and the compute copy of the params that the policy asks for, a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -20,7 +22,9 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 from flax.training import train_state
+from jax import lax
 
+from triaccel_jax._src import loss_scaling as loss_scaling_lib
 from triaccel_jax._src import policy as policy_lib
 from triaccel_jax._src import precision
 from triaccel_jax._src import transform
@@ -52,6 +56,11 @@ class TrainState(train_state.TrainState):
     * ``batch_stats``: BatchNorm's running statistics (None for models without them).
     * :meth:`with_policy` switches policy: the optimizer state's moments are converted
       (:func:`triaccel_jax.convert_state`) and the compute copy rebuilt.
+    * Dynamic loss scaling while the policy computes any leaf in fp16 or fp8: take gradients
+      with :meth:`value_and_grad` (or of :meth:`scale_loss` of the loss); ``apply_gradients``
+      divides them by the scale in float32, and a step with a non-finite gradient changes
+      neither the params nor the optimizer state, backs the scale off and is counted in
+      ``loss_scale.skipped_steps``.
 
     Flax's ``OVERWRITE_WITH_GRADIENT`` collection (fp8 training through Flax's own fp8 ops) is
     not supported here.
@@ -62,6 +71,9 @@ class TrainState(train_state.TrainState):
         own dtypes).
       compute_params: the compute copy, or None when it would equal ``params``.
       extra_arg_names: extra-argument names accepted besides ``KNOWN_EXTRA_ARGS`` (static).
+      loss_scale: the dynamic loss scale's state (``scale``, ``good_steps``,
+        ``skipped_steps``); it changes only while the policy scales the loss.
+      loss_scaling: the scale's rule (static).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -83,6 +95,10 @@ class TrainState(train_state.TrainState):
     policy: policy_lib.PrecisionPolicy | None = struct.field(pytree_node=False, default=None)
     compute_params: Any = None
     extra_arg_names: tuple[str, ...] = struct.field(pytree_node=False, default=())
+    loss_scale: Any = None
+    loss_scaling: loss_scaling_lib.LossScaling = struct.field(
+        pytree_node=False, default=loss_scaling_lib.LossScaling()
+    )
 
     @classmethod
     def create(
@@ -94,6 +110,7 @@ class TrainState(train_state.TrainState):
         policy: policy_lib.PrecisionPolicy | None = None,
         batch_stats: Any = None,
         extra_arg_names: Iterable[str] = (),
+        loss_scaling: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> TrainState:
         """A state at step 0 with ``tx.init(params)`` and the policy's compute copy.
@@ -106,6 +123,9 @@ class TrainState(train_state.TrainState):
           batch_stats: BatchNorm statistics, if the model has them.
           extra_arg_names: names of extra arguments some transform in ``tx`` takes besides
             the known ``loss_fn``, ``value_fn``, ``obj_fn``, ``value`` and ``grad``.
+          loss_scaling: keyword arguments of the dynamic loss scale (``initial_scale``,
+            ``growth_interval``, ``growth_factor``, ``backoff_factor``, ``min_scale``,
+            ``max_scale``), used while the policy computes a leaf in fp16 or fp8.
           **kwargs: other fields of a subclass.
 
         Returns:
@@ -126,6 +146,7 @@ class TrainState(train_state.TrainState):
                     f"`extra_arg_names` holds {name!r}, a field of the state: apply_gradients "
                     "replaces fields, so it cannot also be an extra argument"
                 )
+        rule = loss_scaling_lib.LossScaling(**dict(loss_scaling or {}))
         if policy is not None:
             policy_lib.check_policy(policy, params)
         opt_state = tx.init(params)
@@ -141,6 +162,8 @@ class TrainState(train_state.TrainState):
             policy=policy,
             compute_params=_compute_copy(params, policy),
             extra_arg_names=extra_arg_names,
+            loss_scale=rule.init(),
+            loss_scaling=rule,
             **kwargs,
         )
 
@@ -149,12 +172,48 @@ class TrainState(train_state.TrainState):
         """The params the forward pass should see: the compute copy, or the params themselves."""
         return self.params if self.compute_params is None else self.compute_params
 
+    @property
+    def scales_loss(self) -> bool:
+        """Whether the policy computes any leaf in fp16 or fp8, so the loss is scaled."""
+        return self.loss_scale is not None and loss_scaling_lib.needs_loss_scaling(self.policy)
+
+    def scale_loss(self, loss: jax.Array) -> jax.Array:
+        """``loss`` times the current loss scale (unchanged when the loss is not scaled).
+
+        Gradients of the scaled loss go to :meth:`apply_gradients`, which unscales them.
+        """
+        return loss * self.loss_scale.scale if self.scales_loss else loss
+
+    def value_and_grad(
+        self, loss_fn: Callable[[Any], Any], *, has_aux: bool = False
+    ) -> tuple[Any, Any]:
+        """The loss at :attr:`forward_params` and the gradients for :meth:`apply_gradients`.
+
+        Args:
+          loss_fn: ``params -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+          has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+        Returns:
+          ``(loss, grads)`` or ``((loss, aux), grads)``: the loss unscaled, the gradients of
+          the scaled loss (:meth:`scale_loss`) with respect to the compute copy.
+        """
+
+        def scaled(params):
+            out = loss_fn(params)
+            loss, aux = out if has_aux else (out, None)
+            return self.scale_loss(loss), (loss, aux)
+
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(self.forward_params)
+        return ((loss, aux) if has_aux else loss), grads
+
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
         """One optimizer step.
 
         Args:
           grads: gradients shaped like ``params`` (with respect to the params or to the compute
-            copy; they are cast to each master's dtype first).
+            copy; they are cast to each master's dtype first). While the loss is scaled
+            (:attr:`scales_loss`), gradients of :meth:`scale_loss` of the loss: they are divided
+            by the scale in float32 here.
           **kwargs: fields of the state to replace (e.g. ``batch_stats=``), and optax extra
             arguments for ``tx.update`` (``loss_fn=``, ``value_fn=``, ``obj_fn=``, ``value=``,
             ``grad=`` and the names declared at :meth:`create`).
@@ -185,15 +244,39 @@ class TrainState(train_state.TrainState):
                 "`grads` must have the structure of `params`: got "
                 f"{jax.tree.structure(grads)}, params are {jax.tree.structure(self.params)}"
             )
-        grads = jax.tree.map(_to_master_dtype, grads, self.params)
         tx = optax.with_extra_args_support(self.tx)
-        updates, opt_state = tx.update(grads, self.opt_state, self.params, **extra)
-        params = optax.apply_updates(self.params, updates)
+
+        def update(operand):
+            params, opt_state, grads = operand
+            updates, opt_state = tx.update(grads, opt_state, params, **extra)
+            return optax.apply_updates(params, updates), opt_state
+
+        if not self.scales_loss:
+            grads = jax.tree.map(_to_master_dtype, grads, self.params)
+            params, opt_state = update((self.params, self.opt_state, grads))
+            loss_scale = self.loss_scale
+        else:
+            grads = loss_scaling_lib.unscale(grads, self.loss_scale.scale)  # float32
+            finite = loss_scaling_lib.all_finite(loss_scaling_lib.leaf_finite(grads))
+            # An overflowing step changes nothing (replaced fields such as batch statistics
+            # included); the optimizer sees float32 gradients, as from fp32 masters.
+            params, opt_state = lax.cond(
+                finite,
+                update,
+                lambda operand: operand[:2],
+                (self.params, self.opt_state, grads),
+            )
+            loss_scale = self.loss_scaling.update(self.loss_scale, finite)
+            replaced = {
+                name: _keep_unless(finite, value, getattr(self, name))
+                for name, value in replaced.items()
+            }
         return self.replace(
             step=self.step + 1,
             params=params,
             opt_state=opt_state,
             compute_params=_compute_copy(params, self.policy),
+            loss_scale=loss_scale,
             **replaced,
         )
 
@@ -228,6 +311,17 @@ def _convert_if_triaccel(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> 
     if any(isinstance(n, transform.ScaleByTriAccelState) for n in found):
         return precision.convert_state(opt_state, policy)
     return opt_state
+
+
+def _keep_unless(finite: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where the step was finite, else ``old`` (when both are alike arrays)."""
+    new_leaves, old_leaves = jax.tree.leaves(new), jax.tree.leaves(old)
+    same = jax.tree.structure(new) == jax.tree.structure(old) and all(
+        jnp.shape(a) == jnp.shape(b) for a, b in zip(new_leaves, old_leaves, strict=True)
+    )
+    if not same:
+        return new
+    return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
 
 
 def _to_master_dtype(grad: Any, param: Any) -> Any:

@@ -10,6 +10,12 @@ The loss function is called as ``loss_fn(params, batch, *, policy, rng)`` (plus
 loss, or ``(loss, aux)`` with ``has_aux=True`` where ``aux`` is a dict of scalar metrics; with a
 model state, ``aux["model_state"]`` is the updated model state. Micro-batches run in order, each
 seeing the model state the previous one left (as in any gradient accumulation).
+
+When the precision policy computes a leaf in fp16 or fp8, the step scales the loss
+(Micikevicius et al., 2018, "Mixed Precision Training"): it differentiates ``loss * scale``,
+divides each micro-batch's gradients by the scale in float32, hands the optimizer (and so the
+curvature estimator) those unscaled gradients, and where any is non-finite skips the update,
+keeps the state, and backs the scale off, with the rule of :class:`LossScaling`.
 """
 
 from __future__ import annotations
@@ -21,16 +27,25 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
+
+from triaccel_jax._src import loss_scaling as loss_scaling_lib
 
 MODEL_STATE = "model_state"
 
 
 class StepOutput(NamedTuple):
-    """What one compiled step returns."""
+    """What one compiled step returns.
+
+    ``metrics`` holds the mean ``loss`` and the loss function's metrics, plus ``skipped`` (1.0
+    when loss scaling found a non-finite gradient and the step changed nothing, else 0.0) and
+    ``loss_scale`` (the scale the loss was multiplied by; 1.0 without loss scaling).
+    """
 
     params: Any
     opt_state: Any
     model_state: Any
+    loss_scale: loss_scaling_lib.LossScaleState
     metrics: dict[str, jax.Array]
 
 
@@ -86,59 +101,91 @@ def make_train_step(
     policy: Any,
     num_micro: int,
     seed: int,
+    loss_scaling: loss_scaling_lib.LossScaling | None = None,
 ) -> Callable[..., StepOutput]:
-    """The step ``(params, opt_state, model_state, batch, step, lr_factor) -> StepOutput``.
+    """The step ``(params, opt_state, model_state, batch, step, lr_factor, loss_scale)``.
 
     Args:
       loss_fn: a loss normalised by :func:`normalize_loss_fn`.
       tx: the optimizer. Extra-args transforms also get ``loss_fn=`` (a loss of the params on
-        the first micro-batch), which Hutchinson's estimator needs and others ignore.
+        the first micro-batch, unscaled), which Hutchinson's estimator needs and others ignore.
       policy: the precision policy (static), passed to the loss function.
       num_micro: micro-batches per step; ``batch`` leaves have a leading axis of that size.
       seed: the loss's ``rng`` is ``fold_in(key(seed), step)``, then folded with the
         micro-batch index; made inside the step, so it needs no device placement.
+      loss_scaling: the dynamic loss scale's rule; None: the loss is not scaled, nothing is
+        skipped and the ``loss_scale`` state passes through unchanged.
 
     Returns:
-      The pure step function, to be jitted. ``lr_factor`` multiplies the update only when the
-      controller scales the learning rate without an injected hyperparameter (it is 1 otherwise).
+      The pure step function, to be jitted, returning a :class:`StepOutput`. ``lr_factor``
+      multiplies the update only when the controller scales the learning rate without an
+      injected hyperparameter (it is 1 otherwise); ``loss_scale`` is a
+      :class:`LossScaleState`.
     """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     takes_extra = isinstance(tx, optax.GradientTransformationExtraArgs)
 
-    def one(params, model_state, micro_batch, rng):
-        (loss, (metrics, model_state)), grads = grad_fn(
-            params, model_state, micro_batch, policy, rng
+    def scaled_loss(params, model_state, micro_batch, rng, scale):
+        loss, (metrics, model_state) = loss_fn(params, model_state, micro_batch, policy, rng)
+        return loss * scale, (loss, metrics, model_state)
+
+    grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+
+    def one(params, model_state, micro_batch, rng, scale):
+        (_, (loss, metrics, model_state)), grads = grad_fn(
+            params, model_state, micro_batch, rng, scale
         )
+        if loss_scaling is not None:  # float32, so that unscaling underflows nothing
+            grads = loss_scaling_lib.unscale(grads, scale)
         return grads, model_state, {"loss": loss, **metrics}
 
-    def controller_step(params, opt_state, model_state, batch, step, lr_factor):
+    def controller_step(params, opt_state, model_state, batch, step, lr_factor, loss_scale):
         rng = jax.random.fold_in(jax.random.key(seed), step)
+        scale = loss_scale.scale if loss_scaling is not None else jnp.float32(1.0)
         first = jax.tree.map(lambda x: x[0], batch)
         if num_micro == 1:
-            grads, model_state, metrics = one(params, model_state, first, rng)
+            grads, new_model_state, metrics = one(params, model_state, first, rng, scale)
         else:
 
             def body(carry, xs):
                 total, state = carry
                 micro_batch, index = xs
                 grads, state, metrics = one(
-                    params, state, micro_batch, jax.random.fold_in(rng, index)
+                    params, state, micro_batch, jax.random.fold_in(rng, index), scale
                 )
                 return (jax.tree.map(jnp.add, total, grads), state), metrics
 
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            (total, model_state), metrics = jax.lax.scan(
+            zeros = jax.eval_shape(
+                lambda: one(params, model_state, first, rng, scale)[0]
+            )  # the gradients' dtypes: float32 when unscaled
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+            (total, new_model_state), metrics = jax.lax.scan(
                 body, (zeros, model_state), (batch, jnp.arange(num_micro))
             )
             grads = jax.tree.map(lambda g: (g / num_micro).astype(g.dtype), total)
             metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
-        extra = {}
-        if takes_extra:
-            extra["loss_fn"] = lambda p: loss_fn(p, model_state, first, policy, rng)[0]
-        updates, opt_state = tx.update(grads, opt_state, params, **extra)
-        updates = jax.tree.map(lambda u: _scaled(u, lr_factor), updates)
-        params = optax.apply_updates(params, updates)
-        return StepOutput(params, opt_state, model_state, metrics)
+
+        def apply(operand):
+            params, opt_state, _ = operand
+            extra = {}
+            if takes_extra:
+                extra["loss_fn"] = lambda p: loss_fn(p, new_model_state, first, policy, rng)[0]
+            updates, opt_state = tx.update(grads, opt_state, params, **extra)
+            updates = jax.tree.map(lambda u: _scaled(u, lr_factor), updates)
+            return optax.apply_updates(params, updates), opt_state, new_model_state
+
+        if loss_scaling is None:
+            params, opt_state, model_state = apply((params, opt_state, model_state))
+            skipped = jnp.float32(0.0)
+        else:
+            finite = loss_scaling_lib.all_finite(loss_scaling_lib.leaf_finite(grads))
+            # A step with an overflow changes nothing: params, optimizer and model state kept.
+            params, opt_state, model_state = lax.cond(
+                finite, apply, lambda operand: operand, (params, opt_state, model_state)
+            )
+            loss_scale = loss_scaling.update(loss_scale, finite)
+            skipped = 1.0 - finite.astype(jnp.float32)
+        metrics = {**metrics, "skipped": skipped, "loss_scale": scale}
+        return StepOutput(params, opt_state, model_state, loss_scale, metrics)
 
     return controller_step
 
