@@ -58,7 +58,9 @@ class StepInfo(NamedTuple):
         smaller than ``batch_size``, ``batch_size // micro_batch`` micro-batches were
         accumulated.
       loss: the step's mean loss.
-      metrics: the step's mean metrics (``loss`` included), as Python floats.
+      metrics: the step's mean metrics (``loss`` included), as Python floats, with
+        ``skipped`` (1.0 when loss scaling found a non-finite gradient and the step changed
+        nothing) and ``loss_scale`` (the scale the loss was multiplied by, 1.0 unscaled).
       peak_bytes: the current bucket's peak bytes as last measured or compiled, or None.
       limit_bytes: the memory limit at the last check, or None.
       events: the events logged during this step.
