@@ -239,3 +239,21 @@ def test_a_train_state_round_trip_carries_the_loss_scale_and_its_rule():
     assert float(back.loss_scale.scale) == 2.0**10 * 0.5**skipped
     again = Controller.from_train_state(tiny_loss, back, make_data(), **options)
     assert float(again.loss_scale.scale) == float(back.loss_scale.scale)
+
+
+def test_a_wrapped_optimizer_under_a_scaling_policy_is_rejected():
+    params = make_params()
+    controller = Controller(
+        tiny_loss,
+        params,
+        triaccel_jax.dynamic_loss_scale(triaccel_jax.triaccel(1e-2)),
+        make_data(),
+        min_batch=BATCH,
+        max_batch=BATCH,
+        probe=FakeMemoryProbe(BIG),
+        policy=PrecisionPolicy.uniform(params),  # fp32: the wrapper alone scales
+    )
+    controller.step()
+    controller.set_policy(fp16(params))
+    with pytest.raises(ValueError, match="unscale the gradients a second time"):
+        controller.step()

@@ -750,6 +750,12 @@ class Controller:
             return self._compiled[key]
         start = time.perf_counter()
         scaling = self._loss_scaling if loss_scaling_lib.needs_loss_scaling(self.policy) else None
+        if scaling is not None and loss_scaling_lib.holds_loss_scale(self.opt_state):
+            raise ValueError(
+                f"policy {self._policy_signature()} computes in fp16/fp8, so the controller scales "
+                "the loss itself; an optimizer wrapped in dynamic_loss_scale would unscale the "
+                "gradients a second time: pass the inner optimizer"
+            )
         step = train_step.make_train_step(
             self._loss,
             self.tx,

@@ -259,6 +259,15 @@ def dynamic_loss_scale(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def holds_loss_scale(opt_state: Any) -> bool:
+    """Whether ``opt_state`` holds a :func:`dynamic_loss_scale` state anywhere."""
+
+    def is_scale_state(node):
+        return isinstance(node, DynamicLossScaleState)
+
+    return any(is_scale_state(n) for n in jax.tree.leaves(opt_state, is_leaf=is_scale_state))
+
+
 def loss_scale(opt_state: Any) -> jax.Array:
     """The current loss scale in an optimizer state holding a :func:`dynamic_loss_scale` state.
 
