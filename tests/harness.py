@@ -1,7 +1,8 @@
 """The shared optimizer harness: every triaccel variant joins ``VARIANTS`` with one line.
 
-A variant is a name, a factory ``learning_rate -> GradientTransformationExtraArgs`` and whether
-it needs the loss as the extra argument ``loss_fn``. ``tests/test_harness.py`` runs every check on
+A variant is a name, a factory ``learning_rate -> GradientTransformationExtraArgs``, whether it
+needs the loss as an extra argument, and under which of optax's names for it (``loss_fn``,
+``obj_fn``, ``value_fn``) the harness passes it. ``tests/test_harness.py`` runs every check on
 every variant, in the spirit of optax's common optimizer tests.
 """
 
@@ -22,10 +23,11 @@ class Variant:
     name: str
     make: Callable[..., optax.GradientTransformationExtraArgs]
     needs_loss: bool = False
+    loss_name: str = "loss_fn"
 
     def extra_args(self, loss_fn: Callable[[Any], Any]) -> dict[str, Any]:
         """The extra arguments of ``update`` for a loss of the params the transform sees."""
-        return {"loss_fn": loss_fn} if self.needs_loss else {}
+        return {self.loss_name: loss_fn} if self.needs_loss else {}
 
     def __str__(self) -> str:
         return self.name
@@ -53,5 +55,21 @@ VARIANTS = (
         lambda lr, **kw: triaccel_jax.triaccel(
             lr, curvature_every=1, config=triaccel_jax.TriAccelConfig(block_size=4), **kw
         ),
+    ),
+    Variant(
+        "hutchinson-value_fn",
+        lambda lr, **kw: triaccel_jax.triaccel(
+            lr, config=triaccel_jax.TriAccelConfig(estimator="hutchinson", num_samples=2), **kw
+        ),
+        needs_loss=True,
+        loss_name="value_fn",
+    ),
+    Variant(
+        "injected",
+        # Every numeric hyperparameter injected (so traced inside jit), the layout in the config;
+        # float32 hyperparameters, as b2 = 0.999 rounds to 1 in the bfloat16 of bf16 params.
+        lambda lr, **kw: optax.inject_hyperparams(
+            triaccel_jax.triaccel, hyperparam_dtype=jnp.float32
+        )(lr, config=triaccel_jax.TriAccelConfig(block_size=16, rho=0.1), **kw),
     ),
 )

@@ -139,3 +139,14 @@ def test_a_dtype_type_injected_as_a_schedule_is_explained():
     tx = optax.inject_hyperparams(triaccel_jax.triaccel)(0.1, state_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match=r"state_dtype.*TriAccelConfig"):
         tx.init(PARAMS)
+
+
+def test_hyperparameters_rounded_to_bfloat16_params_are_explained():
+    # inject_hyperparams keeps hyperparameters in the params' dtype: b2 = 0.999 becomes 1.0.
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), PARAMS)
+    tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-3)
+    with pytest.raises(ValueError, match=r"b2.*hyperparam_dtype=jnp.float32"):
+        tx.init(params)
+    tx = optax.inject_hyperparams(triaccel_jax.triaccel, hyperparam_dtype=jnp.float32)(1e-3)
+    updates, _ = tx.update(params, tx.init(params), params)
+    assert updates["w"].dtype == jnp.bfloat16  # float32 hyperparameters do not promote updates

@@ -119,7 +119,27 @@ def triaccel(
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )
-    return optax.chain(direction, _masked_to_trainable(step))
+    return _in_gradient_dtype(optax.chain(direction, _masked_to_trainable(step)))
+
+
+def _in_gradient_dtype(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``inner`` with each update cast back to its gradient's dtype.
+
+    A learning rate or weight decay held as a float32 array (as ``optax.inject_hyperparams``
+    holds them) would otherwise promote bfloat16 updates to float32, a second copy of the
+    gradients at twice their size.
+    """
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        out, state = inner.update(updates, state, params, **extra_args)
+        out = jax.tree.map(
+            lambda u, g: u.astype(g.dtype) if hasattr(u, "astype") and hasattr(g, "dtype") else u,
+            out,
+            updates,
+        )
+        return out, state
+
+    return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def _masked_to_trainable(inner: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -48,7 +49,16 @@ def check_in_range(
     if not math.isfinite(number) or not (above and below):
         left = "[" if low_inclusive else "("
         right = "]" if high_inclusive else ")"
-        raise ValueError(f"`{name}` must be in {left}{low}, {high}{right}, got {value!r}")
+        hint = ""
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+            # optax.inject_hyperparams stores hyperparameters in the params' dtype by default,
+            # where b2 = 0.999 rounds to 1 in bfloat16.
+            hint = (
+                f" ({name} was rounded to {dtype}: under optax.inject_hyperparams with "
+                "low-precision params pass hyperparam_dtype=jnp.float32)"
+            )
+        raise ValueError(f"`{name}` must be in {left}{low}, {high}{right}, got {value!r}{hint}")
 
 
 def check_not_above(low_name: str, low: Any, high_name: str, high: Any) -> None:
