@@ -112,3 +112,32 @@ def test_non_finite_estimates_are_dropped_per_leaf(injections):
             )
             np.testing.assert_allclose(signals.step_scale, expected, rtol=1e-5)
             assert bool(jnp.all(jnp.isfinite(updates[name]))), (name, step, poison)
+
+
+def test_an_estimate_whose_ema_overflows_is_dropped_too():
+    # Finite entries near float32's maximum overflow the block sums (an overflowing HVP): the EMA
+    # would hold inf for good, so the estimate is dropped like a non-finite one.
+    state = TX.init(PARAMS)
+    clean = {name: jnp.asarray(_clean(name, 0)) for name in SHAPES}
+    _, state = _step(state, clean)
+    before = state.curvature["a"]
+    huge = {**clean, "a": jnp.full(SHAPES["a"], 3e38, jnp.float32)}
+    updates, state = _step(state, huge)
+    for old, new in zip(
+        jax.tree.leaves(before), jax.tree.leaves(state.curvature["a"]), strict=True
+    ):
+        np.testing.assert_array_equal(old, new)
+    assert int(state.leaf_signals["a"].dropped_estimates) == 1
+    assert int(state.leaf_signals["b"].dropped_estimates) == 0
+    assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
+def test_every_leaf_dropped_on_the_first_step_leaves_steps_unscaled():
+    poisoned = {name: jnp.full(shape, jnp.nan) for name, shape in SHAPES.items()}
+    updates, state = _step(TX.init(PARAMS), poisoned)
+    for name in SHAPES:
+        signals = state.leaf_signals[name]
+        assert float(signals.step_scale) == 1.0 and int(signals.dropped_estimates) == 1
+        assert float(signals.mean_curvature) == 0.0
+        # Adam's first step is sign(g), unscaled.
+        np.testing.assert_allclose(updates[name], np.sign(GRADS[name]), rtol=1e-6)
