@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from triaccel_jax._src import dtypes
+from triaccel_jax._src import loss_scaling
 from triaccel_jax._src import memory_probe
 from triaccel_jax._src import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
@@ -32,7 +33,7 @@ COMPONENTS = ("params", "compute_copies", "gradients", "optimizer_state", "resid
 _LABELS = {
     "params": "params (masters, as stored)",
     "compute_copies": "compute copies",
-    "gradients": "gradients (masters' dtype)",
+    "gradients": "gradients (as the optimizer gets them)",
     "optimizer_state": "optimizer state",
     "residuals": "residuals saved for backward",
 }
@@ -70,9 +71,10 @@ class MemoryReport:
       params: the parameters as stored (the masters), all array leaves.
       compute_copies: the low-precision copies the forward and backward passes see; 0 for a leaf
         computed in its master's dtype.
-      gradients: one gradient per trainable leaf, in its master's dtype: the gradient with
-        respect to a master has the master's dtype (fp32 for fp32 masters, whatever the compute
-        dtype), and that is what the optimizer receives.
+      gradients: one gradient per trainable leaf, as the training step hands it to the
+        optimizer: in its master's dtype (fp32 for fp32 masters, whatever the compute dtype), or
+        in float32 for every leaf while the policy scales the loss (a leaf in fp16 or fp8), since
+        the gradients are unscaled in float32.
       optimizer_state: all array leaves of the optimizer state.
       residuals: arrays saved for backward by ``step_fn`` (``None``: not measured), not counting
         the params and compute copies, which ``params`` and ``compute_copies`` already hold.
@@ -291,7 +293,9 @@ def memory_report(
     ``n * itemsize(c)`` when ``c != m`` (else 0), the gradient ``n * itemsize(m)``: the step
     differentiates the loss with respect to the masters, so the gradient the optimizer receives
     has the master's dtype (the compute copy's cotangent, in ``c``, is a transient of the
-    backward pass, which the compiled figure sees). An fp8 leaf's ``c`` is bf16, the dtype its
+    backward pass, which the compiled figure sees); while the policy computes any leaf in fp16
+    or fp8, the loss is scaled and every gradient is unscaled in float32 (as the
+    :class:`triaccel_jax.Controller` and ``triaccel_jax.flax.TrainState`` do), so ``4 * n``. An fp8 leaf's ``c`` is bf16, the dtype its
     compute copy is carried in (:func:`compute_copy_dtype`). Integer and other non-trainable
     leaves count in ``params`` only.
 
@@ -335,15 +339,15 @@ def memory_report(
       >>> report.params, report.compute_copies, report.gradients
       (263168, 131072, 263168)
       >>> print(report)
-      component                              bytes         MiB   share
-      ----------------------------------------------------------------
-      params (masters, as stored)          263,168       0.251   22.2%
-      compute copies                       131,072       0.125   11.1%
-      gradients (masters' dtype)           263,168       0.251   22.2%
-      optimizer state                      526,340       0.502   44.5%
-      residuals saved for backward    not measured
-      ----------------------------------------------------------------
-      total                              1,183,748       1.129  100.0%
+      component                                        bytes         MiB   share
+      --------------------------------------------------------------------------
+      params (masters, as stored)                    263,168       0.251   22.2%
+      compute copies                                 131,072       0.125   11.1%
+      gradients (as the optimizer gets them)         263,168       0.251   22.2%
+      optimizer state                                526,340       0.502   44.5%
+      residuals saved for backward              not measured
+      --------------------------------------------------------------------------
+      total                                        1,183,748       1.129  100.0%
 
     References:
       DESIGN §7 "Measuring memory honestly"; JAX, "Autodiff cookbook" and
@@ -362,6 +366,8 @@ def memory_report(
     else:
         by_path = {}
 
+    # Unscaling divides in float32, so the optimizer gets float32 gradients for every leaf.
+    scaled = loss_scaling.needs_loss_scaling(policy)
     params_bytes = compute_bytes = grad_bytes = 0
     kept = []  # per leaf: the dtypes in which params + compute_copies already count it
     for key_path, leaf in with_paths:
@@ -372,7 +378,7 @@ def memory_report(
         if not tree_lib.is_trainable(leaf):
             continue
         size = math.prod(leaf.shape)
-        grad_bytes += size * master.itemsize
+        grad_bytes += size * (4 if scaled else master.itemsize)
         if compute != master:
             compute_bytes += size * compute.itemsize
 
