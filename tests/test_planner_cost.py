@@ -36,7 +36,8 @@ def _concentrated_and_spread():
 
 def _trained_signals(params, curvature):
     """Signals of a real triaccel state whose (Fisher) curvature EMA holds ``curvature``."""
-    tx = triaccel_jax.scale_by_triaccel(curvature_every=1, block_size=64, rho=0.01)
+    config = triaccel_jax.TriAccelConfig(block_size=64, rho=0.01)
+    tx = triaccel_jax.scale_by_triaccel(config=config, curvature_every=1)
     state = tx.init(params)
     grads = jax.tree.map(lambda h: jnp.sqrt(jnp.asarray(h)), curvature)  # Fisher: h = g**2
     _, state = tx.update(grads, state, params)
@@ -90,7 +91,8 @@ def test_weighted_sum_is_that_of_the_expanded_store(shape, block_size, rho):
 
 def test_signals_hold_the_bias_corrected_store():
     params = {"w": jnp.ones((16, 8))}
-    tx = triaccel_jax.scale_by_triaccel(curvature_every=1, curvature_decay=0.9, block_size=16)
+    config = triaccel_jax.TriAccelConfig(block_size=16)
+    tx = triaccel_jax.scale_by_triaccel(config=config, curvature_every=1, curvature_decay=0.9)
     state = tx.init(params)
     g = jnp.arange(128.0).reshape(16, 8) / 64
     for _ in range(2):
