@@ -25,6 +25,8 @@ from triaccel_jax._src.events import event_records
 from triaccel_jax._src.flax_precision import apply_with_policy
 from triaccel_jax._src.flax_precision import precision_interceptor
 from triaccel_jax._src.loss_scaling import DynamicLossScaleState
+from triaccel_jax._src.loss_scaling import LossScaleState
+from triaccel_jax._src.loss_scaling import LossScaling
 from triaccel_jax._src.loss_scaling import dynamic_loss_scale
 from triaccel_jax._src.loss_scaling import loss_scale
 from triaccel_jax._src.memory import MemoryReport
@@ -67,6 +69,8 @@ __all__ = (
     "HutchinsonDiagonalState",
     "LeafPrecision",
     "LeafSignals",
+    "LossScaleState",
+    "LossScaling",
     "MemoryProbe",
     "MemoryReading",
     "MemoryReport",

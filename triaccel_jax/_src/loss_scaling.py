@@ -40,6 +40,12 @@ class LossScaleState(NamedTuple):
       scale: float32 loss scale to multiply the loss by before differentiating.
       good_steps: int32 consecutive finite steps since the scale last changed.
       skipped_steps: int32 total steps skipped for non-finite gradients (saturating).
+
+    Example:
+      >>> from triaccel_jax import LossScaling
+      >>> state = LossScaling().init()
+      >>> float(state.scale), int(state.good_steps), int(state.skipped_steps)
+      (32768.0, 0, 0)
     """
 
     scale: jax.Array
@@ -58,6 +64,25 @@ class LossScaling:
       backoff_factor: multiplier on overflow, in (0, 1].
       min_scale: the scale never backs off below this, > 0.
       max_scale: the scale never grows above this, >= min_scale.
+
+    The controller (``Controller(..., loss_scaling=...)``) and
+    :class:`triaccel_jax.flax.TrainState` apply it while the precision policy computes any leaf
+    in fp16 or fp8; :func:`dynamic_loss_scale` applies it as an optax wrapper.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from triaccel_jax import LossScaling
+      >>> rule = LossScaling(initial_scale=8.0, growth_interval=2)
+      >>> state = rule.update(rule.init(), jnp.asarray(False))  # an overflow: back off, skip
+      >>> float(state.scale), int(state.skipped_steps)
+      (4.0, 1)
+      >>> for _ in range(2):  # two finite steps in a row: grow
+      ...     state = rule.update(state, jnp.asarray(True))
+      >>> float(state.scale)
+      8.0
+
+    References:
+      Micikevicius et al., 2018, "Mixed Precision Training".
     """
 
     initial_scale: float = 2.0**15
