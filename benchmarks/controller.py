@@ -39,6 +39,7 @@ import numpy as np
 import optax
 
 import triaccel_jax
+import triaccel_jax.flax
 from triaccel_jax.data import FASHION_MNIST_DIR
 from triaccel_jax.data import load_digits
 from triaccel_jax.data import load_fashion_mnist
@@ -74,7 +75,7 @@ MODEL = SmallCNN(num_classes=10)
 def loss_fn(params, batch, *, policy, rng):
     del rng
     if policy is not None:
-        logits = triaccel_jax.apply_with_policy(
+        logits = triaccel_jax.flax.apply_with_policy(
             MODEL,
             {"params": triaccel_jax.cast_params(params, policy)},
             batch["image"],
@@ -116,7 +117,7 @@ def measure_overhead(data, args) -> dict[str, float]:
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
-    sampler = triaccel_jax.ElasticSampler(len(data["label"]), seed=1)
+    sampler = triaccel_jax.controller.ElasticSampler(len(data["label"]), seed=1)
 
     def plain_batch():
         idx = sampler.take(batch)

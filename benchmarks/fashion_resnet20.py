@@ -1,6 +1,6 @@
 """Tri-Accel against FP32 AdamW: ResNet-20 on Fashion-MNIST, several seeds (issue 5's targets).
 
-For each seed, the main job's ``fp32`` and ``triaccel`` runs (``triaccel_jax._src.main_job``:
+For each seed, the main job's ``fp32`` and ``triaccel`` runs (``triaccel_jax.cli._main_job``:
 the same model, data order, epochs and evaluation) train ResNet-20 on the real Fashion-MNIST
 (60,000 / 10,000 images), with the test accuracy measured every ``--eval-every`` steps. It
 prints, per seed and as mean and spread over seeds:
@@ -29,7 +29,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from triaccel_jax._src import main_job
+from triaccel_jax.cli import _main_job as main_job
 
 
 def steps_to_reach(evals, accuracy):

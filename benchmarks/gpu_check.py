@@ -394,6 +394,7 @@ def memory_child(config: str, batch_size: int, dry_run: bool) -> None:
     import optax
 
     import triaccel_jax
+    import triaccel_jax.flax
     from triaccel_jax.models import ResNet20
 
     compute_dtype, state_dtype = {
@@ -420,7 +421,7 @@ def memory_child(config: str, batch_size: int, dry_run: bool) -> None:
                 logits, updates = model.apply(variables, x, **kwargs)
             else:
                 variables["params"] = triaccel_jax.cast_params(params, policy)
-                logits, updates = triaccel_jax.apply_with_policy(
+                logits, updates = triaccel_jax.flax.apply_with_policy(
                     model, variables, x, policy=policy, **kwargs
                 )
             loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
@@ -448,7 +449,7 @@ def memory_child(config: str, batch_size: int, dry_run: bool) -> None:
         policy = triaccel_jax.plan_precision(
             triaccel_jax.signals(opt_state), params, budget=1e-3, loss=float(warm_loss)
         )
-        opt_state = triaccel_jax.convert_state(opt_state, policy)
+        opt_state = triaccel_jax.transforms.convert_state(opt_state, policy)
     step = make_step(policy, donate=True)
 
     compiled = step.lower(params, batch_stats, opt_state, x, y).compile()

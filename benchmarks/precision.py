@@ -31,6 +31,7 @@ import numpy as np
 import optax
 
 import triaccel_jax
+import triaccel_jax.flax
 from triaccel_jax.data import FASHION_MNIST_DIR
 from triaccel_jax.data import load_digits
 from triaccel_jax.data import load_fashion_mnist
@@ -75,7 +76,7 @@ class Run:
             out = self.model.apply(variables, images, **kwargs)
         else:
             compute = {**variables, "params": triaccel_jax.cast_params(params, policy)}
-            out = triaccel_jax.apply_with_policy(
+            out = triaccel_jax.flax.apply_with_policy(
                 self.model, compute, images, policy=policy, **kwargs
             )
         logits, updates = out if isinstance(out, tuple) else (out, {})
@@ -124,7 +125,7 @@ def train_steps(run, tx, data, steps, batch_size, seed, *, planned, replan_every
                 triaccel_jax.signals(state), params, policy, budget=budget, loss=float(losses[-1])
             )
             if new != policy:
-                state, switches = triaccel_jax.convert_state(state, new), switches + 1
+                state, switches = triaccel_jax.transforms.convert_state(state, new), switches + 1
             policy = new
         key = policy if planned else None
         if key not in compiled:
@@ -185,7 +186,7 @@ def measure_memory(name, make_model, data, args):
     policy = triaccel_jax.plan_precision(
         triaccel_jax.signals(state), params, budget=args.budget, loss=losses[-1]
     )
-    state = triaccel_jax.convert_state(state, policy)
+    state = triaccel_jax.transforms.convert_state(state, policy)
     planned_loss = lambda p, b: run.loss_fn(policy)(p, b)[0]
     planned = triaccel_jax.memory_report(params, state, policy, planned_loss, batch)
     masters = triaccel_jax.master_params(params, policy, "policy")

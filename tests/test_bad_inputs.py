@@ -692,7 +692,7 @@ CASES = [
         "event-records-of-ints",
         lambda _: T.event_records([1, 2]),
         TypeError,
-        "takes triaccel_jax.Event objects, got int",
+        "takes triaccel_jax.controller.Event objects, got int",
     ),
     Case(
         "device-probe-devices-an-int",

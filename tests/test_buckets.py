@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from triaccel_jax import bucket_sizes
-from triaccel_jax import decide_bucket
-from triaccel_jax import predict_peak
+from triaccel_jax.controller import bucket_sizes
+from triaccel_jax.controller import decide_bucket
+from triaccel_jax.controller import predict_peak
 
 BUCKETS = (16, 32, 64, 128, 256)
 

@@ -227,8 +227,8 @@ def test_keep_global_batch_makes_an_oom_retry_the_same_update():
 
 
 def test_accumulated_micro_batches_give_the_big_batch_gradient():
-    from triaccel_jax._src import train_step
-    from triaccel_jax._src.loss_scaling import LossScaling
+    from triaccel_jax.controller import _train_step as train_step
+    from triaccel_jax.transforms._loss_scaling import LossScaling
 
     data = make_data(64)
     params = make_params()

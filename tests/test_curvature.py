@@ -12,7 +12,7 @@ import triaccel_jax
 
 
 def test_fisher_is_squared_gradient_and_skips_non_float():
-    tx = triaccel_jax.fisher_diagonal()
+    tx = triaccel_jax.transforms.fisher_diagonal()
     grads = {"w": jnp.array([1.0, -3.0], jnp.bfloat16), "step": jnp.array(4), "none": None}
     diag, _ = tx.update(grads, tx.init(grads))
     assert diag["w"].dtype == jnp.float32
@@ -31,7 +31,7 @@ def _quadratic_with_known_diagonal(n=32, seed=0):
 
 
 def test_hutchinson_single_estimate_is_exact_for_diagonal_hessian():
-    tx = triaccel_jax.hutchinson_diagonal(num_samples=1, seed=3)
+    tx = triaccel_jax.transforms.hutchinson_diagonal(num_samples=1, seed=3)
     params = {"x": jnp.ones(5)}
     scales = jnp.arange(1.0, 6.0)
     diag, state = tx.update(
@@ -59,12 +59,12 @@ def test_hutchinson_ema_within_five_percent_of_true_diagonal():
         state = step(state)
     correction = 1 - 0.995 ** int(state.curvature_count)
     store = state.curvature["x"]
-    estimate = triaccel_jax.expand_diagonal(store, (true_diagonal.size,)) / correction
+    estimate = triaccel_jax.transforms.expand_diagonal(store, (true_diagonal.size,)) / correction
     np.testing.assert_allclose(estimate, true_diagonal, rtol=0.05)
 
 
 def test_hutchinson_handles_integer_and_none_leaves():
-    tx = triaccel_jax.hutchinson_diagonal()
+    tx = triaccel_jax.transforms.hutchinson_diagonal()
     params = {"x": jnp.ones(3), "count": jnp.array(2, jnp.int32), "skip": None}
 
     def loss_fn(p):
@@ -77,7 +77,7 @@ def test_hutchinson_handles_integer_and_none_leaves():
 
 
 def test_hutchinson_needs_loss_fn_with_helpful_message():
-    tx = triaccel_jax.hutchinson_diagonal()
+    tx = triaccel_jax.transforms.hutchinson_diagonal()
     params = {"x": jnp.ones(3)}
     with pytest.raises(ValueError, match=r"loss_fn=.*apply_gradients"):
         tx.update(params, tx.init(params), params)
@@ -85,9 +85,12 @@ def test_hutchinson_needs_loss_fn_with_helpful_message():
 
 def test_hutchinson_num_samples_must_be_positive():
     with pytest.raises(ValueError, match="num_samples"):
-        triaccel_jax.hutchinson_diagonal(num_samples=0)
+        triaccel_jax.transforms.hutchinson_diagonal(num_samples=0)
 
 
 def test_estimators_are_gradient_transformations():
-    for tx in (triaccel_jax.fisher_diagonal(), triaccel_jax.hutchinson_diagonal()):
+    for tx in (
+        triaccel_jax.transforms.fisher_diagonal(),
+        triaccel_jax.transforms.hutchinson_diagonal(),
+    ):
         assert isinstance(tx, optax.GradientTransformationExtraArgs)

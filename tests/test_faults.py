@@ -69,7 +69,7 @@ POISONS = {"+inf": np.inf, "-inf": -np.inf, "nan": np.nan}
 INITIAL_SCALE, GROWTH_INTERVAL = 2.0**8, 3
 # Powers of two: multiplying a gradient by the scale and dividing it back is exact, so a run's
 # clean steps do not depend on how the poisoned ones moved the scale.
-GUARDED = triaccel_jax.dynamic_loss_scale(
+GUARDED = triaccel_jax.transforms.dynamic_loss_scale(
     triaccel_jax.triaccel(0.05), initial_scale=INITIAL_SCALE, growth_interval=GROWTH_INTERVAL
 )
 
@@ -98,7 +98,7 @@ def guarded_step(params, state, batch, masks, values):
     The poison goes into the scaled gradient, where an overflow would appear. Every run, clean
     or poisoned, calls this one compiled function.
     """
-    scale = triaccel_jax.loss_scale(state)
+    scale = triaccel_jax.transforms.loss_scale(state)
     grads = jax.grad(lambda p: guarded_loss(p, batch) * scale)(params)
     grads = jax.tree.map(lambda g, m, v: jnp.where(m, v, g), grads, masks, values)
     updates, state = GUARDED.update(grads, state, params)
@@ -213,7 +213,7 @@ def test_a_controller_skips_the_steps_of_poisoned_samples_and_finishes():
     # The controller does not multiply the loss by the scale, so the scale stays 1: the wrapper
     # only guards. Re-planning every step (a budget of 0 keeps the policy, so no re-compile)
     # gives the planner the loss of every skipped step.
-    tx = triaccel_jax.dynamic_loss_scale(
+    tx = triaccel_jax.transforms.dynamic_loss_scale(
         triaccel_jax.triaccel(1e-2), initial_scale=1.0, max_scale=1.0
     )
     controller = make_controller(

@@ -216,7 +216,7 @@ def test_controller_trains_a_train_state_with_batch_stats():
 
     def loss_fn(params, batch, *, policy, rng, model_state):
         compute = triaccel_jax.cast_params(params, policy)
-        out, updates = triaccel_jax.apply_with_policy(
+        out, updates = triaccel_jax.flax.apply_with_policy(
             model,
             {"params": compute, "batch_stats": model_state},
             batch["x"],

@@ -19,8 +19,8 @@ from jax.extend import core as jex_core
 from jax_versions import exact_residuals
 
 import triaccel_jax
-from triaccel_jax._src.flax_precision import apply_with_policy
-from triaccel_jax._src.flax_precision import precision_interceptor
+from triaccel_jax.flax._precision import apply_with_policy
+from triaccel_jax.flax._precision import precision_interceptor
 
 BF16, F32 = "bfloat16", "float32"
 

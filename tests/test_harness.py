@@ -86,10 +86,11 @@ def test_state_types_stable_through_cond(variant):
         assert_trees_equal_types(state, new_state)
         state = new_state
     count = jax.tree.leaves(
-        state, is_leaf=lambda x: isinstance(x, triaccel_jax.ScaleByTriAccelState)
+        state, is_leaf=lambda x: isinstance(x, triaccel_jax.transforms.ScaleByTriAccelState)
     )
     assert any(
-        isinstance(s, triaccel_jax.ScaleByTriAccelState) and int(s.count) == 2 for s in count
+        isinstance(s, triaccel_jax.transforms.ScaleByTriAccelState) and int(s.count) == 2
+        for s in count
     )
 
 

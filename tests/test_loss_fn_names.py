@@ -40,7 +40,7 @@ def test_other_names_of_the_loss_feed_the_hutchinson_estimator(name):
 
 @pytest.mark.parametrize("name", ["obj_fn", "value_fn"])
 def test_hutchinson_diagonal_takes_the_other_names(name):
-    tx = triaccel_jax.hutchinson_diagonal()
+    tx = triaccel_jax.transforms.hutchinson_diagonal()
     diagonal, _ = tx.update(PARAMS, tx.init(PARAMS), PARAMS, **{name: loss})
     np.testing.assert_allclose(diagonal["w"], 2 * CURVATURE, rtol=1e-6)
 
@@ -68,7 +68,7 @@ def test_the_same_function_under_two_names_is_fine_two_different_ones_are_not():
     with pytest.raises(ValueError, match=r"loss_fn.*value_fn.*different"):
         tx.update(PARAMS, state, PARAMS, loss_fn=loss, value_fn=lambda p: 2 * loss(p))
     with pytest.raises(ValueError, match=r"obj_fn.*value_fn.*different"):
-        estimator = triaccel_jax.hutchinson_diagonal()
+        estimator = triaccel_jax.transforms.hutchinson_diagonal()
         estimator.update(
             PARAMS, estimator.init(PARAMS), PARAMS, obj_fn=loss, value_fn=lambda p: loss(p)
         )

@@ -23,7 +23,7 @@ def make_problem():
 
 def test_injected_nonfinite_steps_are_skipped_and_state_stays_finite():
     params, loss = make_problem()
-    tx = triaccel_jax.dynamic_loss_scale(
+    tx = triaccel_jax.transforms.dynamic_loss_scale(
         triaccel_jax.triaccel(0.05, state_dtype=jnp.bfloat16),
         initial_scale=2.0**10,
         growth_interval=3,
@@ -33,7 +33,7 @@ def test_injected_nonfinite_steps_are_skipped_and_state_stays_finite():
 
     @jax.jit
     def step(params, state, poison):
-        scale = triaccel_jax.loss_scale(state)
+        scale = triaccel_jax.transforms.loss_scale(state)
         grads = jax.grad(lambda p: loss(p) * scale, allow_int=True)(params)
         grads = {**grads, "step": jnp.zeros((), jnp.int32)}
         grads["w"] = grads["w"].at[1].add(poison)
@@ -68,7 +68,7 @@ def test_injected_nonfinite_steps_are_skipped_and_state_stays_finite():
 
 
 def test_scale_respects_bounds():
-    tx = triaccel_jax.dynamic_loss_scale(
+    tx = triaccel_jax.transforms.dynamic_loss_scale(
         optax.sgd(0.1), initial_scale=4.0, min_scale=2.0, max_scale=8.0, growth_interval=1
     )
     params = {"w": jnp.ones(2)}
@@ -82,7 +82,7 @@ def test_scale_respects_bounds():
 
 
 def test_gradients_are_unscaled_before_the_inner_update():
-    tx = triaccel_jax.dynamic_loss_scale(optax.sgd(1.0), initial_scale=64.0)
+    tx = triaccel_jax.transforms.dynamic_loss_scale(optax.sgd(1.0), initial_scale=64.0)
     params = {"w": jnp.ones(2)}
     updates, _ = tx.update({"w": jnp.full(2, 64.0 * 0.25)}, tx.init(params), params)
     np.testing.assert_allclose(updates["w"], -0.25)
@@ -91,7 +91,9 @@ def test_gradients_are_unscaled_before_the_inner_update():
 def test_forwards_extra_arguments():
     params = {"w": jnp.ones(3)}
     loss_fn = lambda p: jnp.sum(2.0 * p["w"] ** 2)
-    tx = triaccel_jax.dynamic_loss_scale(triaccel_jax.triaccel(0.1, estimator="hutchinson"))
+    tx = triaccel_jax.transforms.dynamic_loss_scale(
+        triaccel_jax.triaccel(0.1, estimator="hutchinson")
+    )
     _, state = tx.update(jax.grad(loss_fn)(params), tx.init(params), params, loss_fn=loss_fn)
     assert triaccel_jax.signals(state)["w"]["mean_curvature"] == pytest.approx(4.0)
 
@@ -108,19 +110,19 @@ def test_forwards_extra_arguments():
 )
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
-        triaccel_jax.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
+        triaccel_jax.transforms.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
 
 
 def test_loss_scale_needs_exactly_one_state():
     with pytest.raises(ValueError, match="found 0"):
-        triaccel_jax.loss_scale(optax.sgd(0.1).init({"w": jnp.ones(1)}))
+        triaccel_jax.transforms.loss_scale(optax.sgd(0.1).init({"w": jnp.ones(1)}))
 
 
 def test_unscaled_gradients_stay_in_float32_and_do_not_underflow():
     # A float16 gradient of 1e-8 scaled by 2**15 is 3.3e-4, which float16 holds; divided by the
     # scale in float16 it would underflow to 0 (float16's smallest subnormal is 6e-8).
     scale = 2.0**15
-    tx = triaccel_jax.dynamic_loss_scale(optax.sgd(1.0), initial_scale=scale)
+    tx = triaccel_jax.transforms.dynamic_loss_scale(optax.sgd(1.0), initial_scale=scale)
     params = {"w": jnp.ones(2, jnp.float16)}
     scaled = {"w": (jnp.array([1e-8, -3e-8], jnp.float32) * scale).astype(jnp.float16)}
     updates, _ = tx.update(scaled, tx.init(params), params)

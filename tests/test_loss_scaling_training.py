@@ -16,7 +16,7 @@ import triaccel_jax
 from triaccel_jax import Controller
 from triaccel_jax import FakeMemoryProbe
 from triaccel_jax import PrecisionPolicy
-from triaccel_jax._src.sampler import ElasticSampler
+from triaccel_jax.controller._sampler import ElasticSampler
 
 BATCH, STEPS = 32, 30
 # The loss is small, so that its gradients sit below float16's normal range: the cotangent of
@@ -246,7 +246,7 @@ def test_a_wrapped_optimizer_under_a_scaling_policy_is_rejected():
     controller = Controller(
         tiny_loss,
         params,
-        triaccel_jax.dynamic_loss_scale(triaccel_jax.triaccel(1e-2)),
+        triaccel_jax.transforms.dynamic_loss_scale(triaccel_jax.triaccel(1e-2)),
         make_data(),
         min_batch=BATCH,
         max_batch=BATCH,

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from triaccel_jax._src import main_job
+from triaccel_jax.cli import _main_job as main_job
 
 TINY = ["--dataset", "digits", "--epochs", "2", "--max-steps", "6", "--batch-size", "32"]
 TINY += ["--max-batch", "64", "--check-every", "2", "--replan-every", "3", "--no-progress"]

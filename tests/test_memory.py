@@ -13,10 +13,10 @@ import pytest
 from jax_versions import exact_residuals
 
 import triaccel_jax
-from triaccel_jax._src.flax_precision import apply_with_policy
-from triaccel_jax._src.memory import MemoryReport
-from triaccel_jax._src.memory import compute_copy_dtype
-from triaccel_jax._src.memory import memory_report
+from triaccel_jax.flax._precision import apply_with_policy
+from triaccel_jax.precision._memory import MemoryReport
+from triaccel_jax.precision._memory import compute_copy_dtype
+from triaccel_jax.precision._memory import memory_report
 
 F32, BF16 = 4, 2  # bytes per element
 

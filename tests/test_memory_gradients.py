@@ -52,7 +52,7 @@ def test_gradient_bytes_equal_those_the_compiled_step_hands_the_optimizer(comput
     )
 
     def loss_of(p, inputs):
-        logits = triaccel_jax.apply_with_policy(model, {"params": p}, inputs, policy=policy)
+        logits = triaccel_jax.flax.apply_with_policy(model, {"params": p}, inputs, policy=policy)
         return jnp.mean(jnp.square(logits.astype(jnp.float32)))
 
     @jax.jit

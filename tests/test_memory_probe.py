@@ -9,9 +9,9 @@ import pytest
 from triaccel_jax import BudgetMemoryProbe
 from triaccel_jax import DeviceMemoryProbe
 from triaccel_jax import FakeMemoryProbe
-from triaccel_jax import MemoryReading
-from triaccel_jax import compiled_peak_bytes
-from triaccel_jax import default_memory_probe
+from triaccel_jax.controller import MemoryReading
+from triaccel_jax.controller import compiled_peak_bytes
+from triaccel_jax.controller import default_memory_probe
 
 
 class _Device:

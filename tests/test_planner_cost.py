@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import triaccel_jax
-from triaccel_jax._src import compression
-from triaccel_jax._src import dtypes
-from triaccel_jax._src import planner
+from triaccel_jax.precision import _dtypes as dtypes
+from triaccel_jax.precision import _planner as planner
+from triaccel_jax.transforms import _compression as compression
 
 U2_6 = dtypes.FORMATS["bf16"].unit_roundoff ** 2 / 6
 SHAPE = (64, 64)

@@ -7,9 +7,9 @@ import pickle
 import jax.numpy as jnp
 import pytest
 
-from triaccel_jax._src import dtypes
-from triaccel_jax._src.policy import LeafPrecision
-from triaccel_jax._src.policy import PrecisionPolicy
+from triaccel_jax.precision import _dtypes as dtypes
+from triaccel_jax.precision._policy import LeafPrecision
+from triaccel_jax.precision._policy import PrecisionPolicy
 
 PARAMS = {
     "encoder": {"kernel": jnp.ones((16, 16)), "bias": jnp.zeros(16)},

@@ -115,7 +115,7 @@ def test_convert_state_recasts_moments_and_keeps_everything_else():
     grads = jax.tree.map(lambda p: jnp.cos(p.astype(jnp.float32)), PARAMS)
     for _ in range(3):
         _, state = tx.update(grads, state, PARAMS)
-    converted = triaccel_jax.convert_state(state, POLICY)
+    converted = triaccel_jax.transforms.convert_state(state, POLICY)
     before, after = state[1][0], converted[1][0]
     assert after.mu["conv"].dtype == jnp.bfloat16 and after.mu["dense"]["bias"].dtype == jnp.float32
     # Moments within the new dtype's rounding (half a bf16 ulp, relative), nothing else touched.
@@ -135,6 +135,6 @@ def test_convert_state_recasts_moments_and_keeps_everything_else():
     _, resumed = jax.jit(policy_tx.update)(grads, converted, PARAMS)
     assert resumed[1][0].mu["conv"].dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="no entry for leaf"):
-        triaccel_jax.convert_state(
+        triaccel_jax.transforms.convert_state(
             state, triaccel_jax.PrecisionPolicy.uniform({"conv": PARAMS["conv"]})
         )

@@ -299,14 +299,14 @@ def test_triaccel_jit_agrees_with_eager(example, name):
             assert_close(jitted[field], eager[field], field)
 
 
-def comparable(state: triaccel_jax.ScaleByTriAccelState, scale: float) -> dict[str, Any]:
+def comparable(state: triaccel_jax.transforms.ScaleByTriAccelState, scale: float) -> dict[str, Any]:
     """What jit and eager must agree on, scaled to about 1.
 
     The curvature store's outlier indices may differ where magnitudes tie to rounding, and the
     noise-to-signal ratio where ``m_hat`` cancels to about 0: neither is compared.
     """
     signals = jax.tree.leaves(
-        state.leaf_signals, is_leaf=lambda x: isinstance(x, triaccel_jax.LeafSignals)
+        state.leaf_signals, is_leaf=lambda x: isinstance(x, triaccel_jax.transforms.LeafSignals)
     )
     return {
         "count": state.count,

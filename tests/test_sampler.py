@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from triaccel_jax import ElasticSampler
+from triaccel_jax.controller import ElasticSampler
 
 
 def test_changing_batch_sizes_neither_drop_nor_repeat_samples():
@@ -46,8 +46,14 @@ def test_state_round_trip_through_json_continues_the_same_stream():
     ("state", "message"),
     [
         ("nonsense", "not a sampler state"),
-        ({"format": "triaccel_jax.ElasticSampler", "num_examples": 99, "seed": 7}, "num_examples"),
-        ({"format": "triaccel_jax.ElasticSampler", "num_examples": 100, "seed": 8}, "seed"),
+        (
+            {"format": "triaccel_jax.controller.ElasticSampler", "num_examples": 99, "seed": 7},
+            "num_examples",
+        ),
+        (
+            {"format": "triaccel_jax.controller.ElasticSampler", "num_examples": 100, "seed": 8},
+            "seed",
+        ),
     ],
 )
 def test_load_rejects_a_foreign_state(state, message):

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import triaccel_jax
-from triaccel_jax._src import transform
+from triaccel_jax.transforms import _scale_by_triaccel as transform
 
 PARAMS = {"encoder": {"layers": [{"kernel": jnp.ones((3, 2))}, {"kernel": jnp.ones((2, 2))}]}}
 GRADS = jax.tree.map(lambda p: p * 0.5, PARAMS)
@@ -47,7 +47,7 @@ def test_signals_found_in_wrapped_states(make):
         kind = int if name == "dropped_estimates" else float
         assert type(record[name]) is kind, (name, record[name])
     store = record["curvature_store"]
-    assert isinstance(store, triaccel_jax.CompressedDiagonal)
+    assert isinstance(store, triaccel_jax.transforms.CompressedDiagonal)
     # One estimate of g**2 = 0.25 everywhere, bias-corrected: the store holds 0.25.
     np.testing.assert_allclose(store.block_means, 0.25, rtol=1e-5)
     np.testing.assert_allclose(store.outlier_values, 0.25, rtol=1e-5)

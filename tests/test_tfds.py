@@ -168,7 +168,7 @@ def test_arguments_and_missing_packages(tmp_path, monkeypatch):
 
 
 def test_main_job_trains_on_cifar_through_tfds(tfds, tmp_path, monkeypatch, capsys):
-    from triaccel_jax._src import main_job
+    from triaccel_jax.cli import _main_job as main_job
 
     path, _ = _write_archive(tmp_path / "tfds", "cifar10", n_train=64, n_test=16)
     _accept_checksum(monkeypatch, "cifar10", path)

@@ -1,106 +1,123 @@
 """triaccel_jax: curvature-aware, precision-adaptive, memory-elastic optimisation for JAX.
 
-An implementation of Tri-Accel (arXiv 2508.16905) as optax transforms.
+An implementation of Tri-Accel (arXiv 2508.16905) as optax transforms, a precision planner and a
+host-side controller. One subpackage per stage of the data path::
+
+    triaccel_jax.transforms   the optimizer: moments, curvature store, signals, loss scaling
+    triaccel_jax.precision    dtypes, PrecisionPolicy, the planner, casts, memory_report
+    triaccel_jax.controller   Controller and its parts: buckets, probes, sampler, events
+    triaccel_jax.flax         TrainState and the Linen precision interceptor (imports Flax)
+    triaccel_jax.checkpoint   Checkpointer (orbax)
+    triaccel_jax.data         Fashion-MNIST, digits, CIFAR; augmentation
+    triaccel_jax.models       SmallCNN, ResNet-20/18, EfficientNet-B0
+    triaccel_jax.kernels      cast and fused-update kernels (Triton) beside their references
+    triaccel_jax.cli          the main job, ``python -m triaccel_jax``
+
+The names most code needs are re-exported here; the design is in ``docs/design.md``.
 """
 
-from triaccel_jax._src.alias import triaccel
-from triaccel_jax._src.buckets import BucketDecision
-from triaccel_jax._src.buckets import bucket_sizes
-from triaccel_jax._src.buckets import decide_bucket
-from triaccel_jax._src.buckets import predict_peak
-from triaccel_jax._src.checkpoint import Checkpointer
-from triaccel_jax._src.checkpoint import CheckpointError
-from triaccel_jax._src.compression import CompressedDiagonal
-from triaccel_jax._src.compression import compress_diagonal
-from triaccel_jax._src.compression import expand_diagonal
-from triaccel_jax._src.controller import Controller
-from triaccel_jax._src.controller import OutOfMemoryError
-from triaccel_jax._src.controller import StepInfo
-from triaccel_jax._src.controller import is_out_of_memory
-from triaccel_jax._src.curvature import HutchinsonDiagonalState
-from triaccel_jax._src.curvature import fisher_diagonal
-from triaccel_jax._src.curvature import hutchinson_diagonal
-from triaccel_jax._src.events import Event
-from triaccel_jax._src.events import event_records
-from triaccel_jax._src.flax_precision import apply_with_policy
-from triaccel_jax._src.flax_precision import precision_interceptor
-from triaccel_jax._src.loss_scaling import DynamicLossScaleState
-from triaccel_jax._src.loss_scaling import LossScaleState
-from triaccel_jax._src.loss_scaling import LossScaling
-from triaccel_jax._src.loss_scaling import dynamic_loss_scale
-from triaccel_jax._src.loss_scaling import loss_scale
-from triaccel_jax._src.memory import MemoryReport
-from triaccel_jax._src.memory import memory_report
-from triaccel_jax._src.memory_probe import BudgetMemoryProbe
-from triaccel_jax._src.memory_probe import DeviceMemoryProbe
-from triaccel_jax._src.memory_probe import FakeMemoryProbe
-from triaccel_jax._src.memory_probe import MemoryProbe
-from triaccel_jax._src.memory_probe import MemoryReading
-from triaccel_jax._src.memory_probe import compiled_peak_bytes
-from triaccel_jax._src.memory_probe import default_memory_probe
-from triaccel_jax._src.planner import plan_precision
-from triaccel_jax._src.policy import LeafPrecision
-from triaccel_jax._src.policy import PrecisionPolicy
-from triaccel_jax._src.precision import apply_updates
-from triaccel_jax._src.precision import cast_params
-from triaccel_jax._src.precision import convert_state
-from triaccel_jax._src.precision import master_params
-from triaccel_jax._src.sampler import ElasticSampler
-from triaccel_jax._src.signals import signals
-from triaccel_jax._src.transform import LeafSignals
-from triaccel_jax._src.transform import ScaleByTriAccelState
-from triaccel_jax._src.transform import TriAccelConfig
-from triaccel_jax._src.transform import scale_by_triaccel
+import importlib as _importlib
+import warnings as _warnings
+
+from triaccel_jax.checkpoint import Checkpointer
+from triaccel_jax.checkpoint import CheckpointError
+from triaccel_jax.controller import BudgetMemoryProbe
+from triaccel_jax.controller import Controller
+from triaccel_jax.controller import DeviceMemoryProbe
+from triaccel_jax.controller import FakeMemoryProbe
+from triaccel_jax.controller import OutOfMemoryError
+from triaccel_jax.controller import StepInfo
+from triaccel_jax.precision import LeafPrecision
+from triaccel_jax.precision import MemoryReport
+from triaccel_jax.precision import PrecisionPolicy
+from triaccel_jax.precision import apply_updates
+from triaccel_jax.precision import cast_params
+from triaccel_jax.precision import master_params
+from triaccel_jax.precision import memory_report
+from triaccel_jax.precision import plan_precision
+from triaccel_jax.transforms import TriAccelConfig
+from triaccel_jax.transforms import scale_by_triaccel
+from triaccel_jax.transforms import signals
+from triaccel_jax.transforms import triaccel
 
 __version__ = "0.1.0"
 
 __all__ = (
-    "BucketDecision",
     "BudgetMemoryProbe",
     "CheckpointError",
     "Checkpointer",
-    "CompressedDiagonal",
     "Controller",
     "DeviceMemoryProbe",
-    "DynamicLossScaleState",
-    "ElasticSampler",
-    "Event",
     "FakeMemoryProbe",
-    "HutchinsonDiagonalState",
     "LeafPrecision",
-    "LeafSignals",
-    "LossScaleState",
-    "LossScaling",
-    "MemoryProbe",
-    "MemoryReading",
     "MemoryReport",
     "OutOfMemoryError",
     "PrecisionPolicy",
-    "ScaleByTriAccelState",
     "StepInfo",
     "TriAccelConfig",
     "apply_updates",
-    "apply_with_policy",
-    "bucket_sizes",
     "cast_params",
-    "compiled_peak_bytes",
-    "compress_diagonal",
-    "convert_state",
-    "decide_bucket",
-    "default_memory_probe",
-    "dynamic_loss_scale",
-    "event_records",
-    "expand_diagonal",
-    "fisher_diagonal",
-    "hutchinson_diagonal",
-    "is_out_of_memory",
-    "loss_scale",
     "master_params",
     "memory_report",
     "plan_precision",
-    "precision_interceptor",
-    "predict_peak",
     "scale_by_triaccel",
     "signals",
     "triaccel",
 )
+
+# Names that lived at the top level until 0.1.0 and moved to their stage's subpackage. They stay
+# importable from here for one release, with a DeprecationWarning naming the new home.
+_MOVED = {
+    **dict.fromkeys(
+        (
+            "BucketDecision",
+            "ElasticSampler",
+            "Event",
+            "MemoryProbe",
+            "MemoryReading",
+            "bucket_sizes",
+            "compiled_peak_bytes",
+            "decide_bucket",
+            "default_memory_probe",
+            "event_records",
+            "is_out_of_memory",
+            "predict_peak",
+        ),
+        "triaccel_jax.controller",
+    ),
+    **dict.fromkeys(
+        (
+            "CompressedDiagonal",
+            "DynamicLossScaleState",
+            "HutchinsonDiagonalState",
+            "LeafSignals",
+            "ScaleByTriAccelState",
+            "compress_diagonal",
+            "convert_state",
+            "dynamic_loss_scale",
+            "expand_diagonal",
+            "fisher_diagonal",
+            "hutchinson_diagonal",
+            "loss_scale",
+        ),
+        "triaccel_jax.transforms",
+    ),
+    **dict.fromkeys(("apply_with_policy", "precision_interceptor"), "triaccel_jax.flax"),
+}
+
+
+def __getattr__(name: str):
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module 'triaccel_jax' has no attribute {name!r}")
+    _warnings.warn(
+        f"triaccel_jax.{name} moved to {module}.{name}; the top-level name will be removed in "
+        "the next release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(_importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MOVED})

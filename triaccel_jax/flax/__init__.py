@@ -1,10 +1,18 @@
-"""Flax integration: a ``TrainState`` that forwards optax extra arguments and holds a policy.
+"""Flax integration: a train state and a Linen interceptor that apply a precision policy.
+
+* :class:`TrainState`: Flax's train state that forwards optax extra arguments (and refuses a
+  keyword that is neither a field nor an extra argument), keeps the policy's compute copy, and
+  scales the loss while the policy computes a leaf in fp16 or fp8;
+* :func:`apply_with_policy` runs a Linen module on master params under a policy (it casts the
+  params and each layer's inputs), :func:`precision_interceptor` is the interceptor behind it.
 
 ``nnx.Optimizer(model, triaccel_jax.triaccel(...), wrt=nnx.Param)`` needs nothing from here: it
 forwards keyword arguments of ``update`` to ``tx.update`` already, and
-:func:`triaccel_jax.signals` reads its ``opt_state``.
+:func:`triaccel_jax.signals` reads its ``opt_state``. Importing this package imports Flax.
 """
 
-from triaccel_jax._src.train_state import TrainState
+from triaccel_jax.flax._precision import apply_with_policy
+from triaccel_jax.flax._precision import precision_interceptor
+from triaccel_jax.flax._train_state import TrainState
 
-__all__ = ("TrainState",)
+__all__ = ("TrainState", "apply_with_policy", "precision_interceptor")

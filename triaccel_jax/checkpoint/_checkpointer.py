@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from triaccel_jax._src import policy as policy_lib
+from triaccel_jax.precision import _policy as policy_lib
 
 META_FORMAT = "triaccel_jax.checkpoint"
 META_VERSION = 1

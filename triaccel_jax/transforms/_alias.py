@@ -7,9 +7,9 @@ from typing import Any
 import jax
 import optax
 
-from triaccel_jax._src import transform
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
+from triaccel_jax.transforms import _scale_by_triaccel as transform
 
 
 def triaccel(

@@ -30,7 +30,7 @@ def _smooth(values: np.ndarray, window: int) -> np.ndarray:
 
 def write_plots(results: Sequence[Any], output: pathlib.Path) -> list[pathlib.Path]:
     """Writes ``curves.png``, ``batch_memory.png`` and ``precision_map.png``; returns the paths."""
-    from triaccel_jax._src.main_job import RUN_LABELS
+    from triaccel_jax.cli._main_job import RUN_LABELS
 
     plt = _pyplot()
     written = []

@@ -1,6 +1,6 @@
 """The compressed curvature EMA update on a sharded leaf, without gathering the leaf (DESIGN §3).
 
-:func:`triaccel_jax._src.compression.update_compressed_ema` is the reference: it flattens the
+:func:`triaccel_jax.transforms._compression.update_compressed_ema` is the reference: it flattens the
 leaf, cuts it into blocks and takes a top-``k`` over all of it. On a leaf sharded over a mesh
 (FSDP-style), XLA's partitioner can do neither locally: it all-gathers the whole leaf onto every
 device for the reshape and for ``TopK``, whose sort dimension it does not partition.
@@ -36,7 +36,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from triaccel_jax._src import compression
+from triaccel_jax.transforms import _compression as compression
 
 
 def update_compressed_ema(

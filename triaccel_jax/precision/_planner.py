@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triaccel_jax._src import compression
-from triaccel_jax._src import dtypes
-from triaccel_jax._src import policy as policy_lib
+from triaccel_jax.precision import _dtypes as dtypes
+from triaccel_jax.precision import _policy as policy_lib
+from triaccel_jax.transforms import _compression as compression
 
 # Beyond this, gradient noise no longer discounts rounding noise: a leaf whose moments say "all
 # noise" (m_hat ~ 0 late in training) must not be made free to round arbitrarily coarsely.
@@ -53,7 +53,7 @@ def weighted_curvature_sum(store: compression.CompressedDiagonal, leaf: jax.Arra
     diagonal: each block mean times its block's ``sum w**2`` (for a conv kernel stored per
     (in, out) channel pair, the pair's sum over spatial positions), plus, for each top-k entry,
     its exact value minus its block mean times its ``w**2``. The store's outlier indices are
-    distinct, as :func:`triaccel_jax.compress_diagonal` and the optimizer's updates make them.
+    distinct, as :func:`triaccel_jax.transforms.compress_diagonal` and the optimizer's updates make them.
 
     Args:
       store: a leaf's compressed curvature (e.g. ``signals(opt_state)[path]["curvature_store"]``,
@@ -66,7 +66,7 @@ def weighted_curvature_sum(store: compression.CompressedDiagonal, leaf: jax.Arra
     Example:
       >>> import jax.numpy as jnp
       >>> from triaccel_jax import compress_diagonal
-      >>> from triaccel_jax._src.planner import weighted_curvature_sum
+      >>> from triaccel_jax.precision._planner import weighted_curvature_sum
       >>> store = compress_diagonal(jnp.array([1.0, 3.0, 0.0, 8.0]), block_size=2, rho=0.25)
       >>> float(weighted_curvature_sum(store, jnp.array([1.0, 1.0, 2.0, 0.5])))  # 2+2+4*4+8/4
       22.0

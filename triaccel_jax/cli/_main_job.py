@@ -37,13 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from triaccel_jax._src import alias
-from triaccel_jax._src import controller as controller_lib
-from triaccel_jax._src import flax_precision
-from triaccel_jax._src import memory
-from triaccel_jax._src import memory_probe
-from triaccel_jax._src import policy as policy_lib
-from triaccel_jax._src import precision
+from triaccel_jax.controller import _controller as controller_lib
+from triaccel_jax.controller import _memory_probe as memory_probe
+from triaccel_jax.flax import _precision as flax_precision
+from triaccel_jax.precision import _casting as precision
+from triaccel_jax.precision import _memory as memory
+from triaccel_jax.precision import _policy as policy_lib
+from triaccel_jax.transforms import _alias as alias
 
 MODELS = ("auto", "small_cnn", "resnet20", "resnet18", "efficientnet_b0")
 DATASETS = ("auto", "fashion_mnist", "digits", "cifar10", "cifar100")
@@ -551,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = results_table(results)
     print("\n" + table)
 
-    from triaccel_jax._src import plots
+    from triaccel_jax.cli import _plots as plots
 
     written = plots.write_plots(results, output)
     (output / "results.md").write_text(table + "\n")

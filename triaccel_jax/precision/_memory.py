@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from triaccel_jax._src import dtypes
-from triaccel_jax._src import loss_scaling
-from triaccel_jax._src import memory_probe
-from triaccel_jax._src import policy as policy_lib
+from triaccel_jax._src import arrays
 from triaccel_jax._src import tree as tree_lib
+from triaccel_jax.controller import _memory_probe as memory_probe
+from triaccel_jax.precision import _dtypes as dtypes
+from triaccel_jax.precision import _policy as policy_lib
+from triaccel_jax.transforms import _loss_scaling as loss_scaling
 
 COMPONENTS = ("params", "compute_copies", "gradients", "optimizer_state", "residuals")
 
@@ -53,10 +54,10 @@ def compute_copy_dtype(name: str) -> jnp.dtype:
 
     fp8 copies are carried in bfloat16 (their values are fp8 times a per-leaf scale, since XLA has
     no general unscaled fp8 matmul; see :func:`triaccel_jax.cast_params`), so they occupy and
-    compute as bf16 (the rule is :func:`triaccel_jax._src.dtypes.carrier_dtype`).
+    compute as bf16 (the rule is :func:`triaccel_jax.precision._dtypes.carrier_dtype`).
 
     Example:
-      >>> from triaccel_jax._src.memory import compute_copy_dtype
+      >>> from triaccel_jax.precision._memory import compute_copy_dtype
       >>> compute_copy_dtype("fp16"), compute_copy_dtype("fp8_e4m3")
       (dtype('float16'), dtype(bfloat16))
     """
@@ -82,7 +83,7 @@ class MemoryReport:
         argument + output - alias bytes; ``None``: not measured). Not part of :attr:`total`.
 
     Example:
-      >>> from triaccel_jax._src.memory import MemoryReport
+      >>> from triaccel_jax.precision._memory import MemoryReport
       >>> report = MemoryReport(params=400, compute_copies=200, gradients=200, optimizer_state=800)
       >>> report.total
       1600
@@ -142,25 +143,6 @@ class MemoryReport:
 
     def __str__(self) -> str:
         return self.table()
-
-
-def _nbytes(leaf: Any) -> int:
-    """Bytes of an array or ``ShapeDtypeStruct``; 0 for anything without a shape and a dtype."""
-    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-    if shape is None or dtype is None:
-        return 0
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        # Typed PRNG keys have no numpy itemsize; what they occupy is their key data.
-        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
-        return math.prod(data.shape) * data.dtype.itemsize
-    return math.prod(shape) * jnp.dtype(dtype).itemsize
-
-
-def _abstract(tree: Any) -> Any:
-    """``ShapeDtypeStruct`` for every array leaf, so that tracing allocates nothing."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x, tree
-    )
 
 
 class _Origin(NamedTuple):
@@ -228,7 +210,7 @@ def _residual_bytes(
     ``kept[i]`` is ``(master dtype, compute dtype, shape)`` of param leaf ``i``; see
     :func:`_already_counted` for which residuals ``params`` / ``compute_copies`` already hold.
     """
-    params_abs, batch_abs = _abstract(params), _abstract(batch)
+    params_abs, batch_abs = arrays.abstract_tree(params), arrays.abstract_tree(batch)
 
     def saved(p: Any, b: Any) -> Any:
         _, vjp_fn = jax.vjp(lambda q: step_fn(q, b), p)
@@ -250,7 +232,7 @@ def _residual_bytes(
             continue
         seen.add(atom)
         if not _already_counted(atom, _origin_of(atom, env), kept):
-            total += _nbytes(atom.aval)
+            total += arrays.nbytes(atom.aval)
     return total
 
 
@@ -272,7 +254,9 @@ def _already_counted(var: Any, origin: _Origin, kept: list[tuple[Any, Any, Any]]
 def _compiled_bytes(step_fn: Callable[[Any, Any], Any], params: Any, batch: Any) -> int | None:
     """XLA's temp + argument + output - alias bytes of ``jit(value_and_grad(step_fn))``."""
     grad_fn = jax.value_and_grad(step_fn, allow_int=True)
-    compiled = jax.jit(grad_fn).lower(_abstract(params), _abstract(batch)).compile()
+    compiled = (
+        jax.jit(grad_fn).lower(arrays.abstract_tree(params), arrays.abstract_tree(batch)).compile()
+    )
     return memory_probe.compiled_peak_bytes(compiled)
 
 
@@ -309,7 +293,7 @@ def memory_report(
     batch included when the backward pass needs it (``x`` of ``x @ w``, at the dtype it is
     saved in, e.g. bf16 after the Flax interceptor cast it). ``step_fn`` receives ``params`` as
     given, so it should compute the way training does (e.g. through
-    :func:`triaccel_jax.apply_with_policy`); the policy does not change ``step_fn``.
+    :func:`triaccel_jax.flax.apply_with_policy`); the policy does not change ``step_fn``.
 
     Args:
       params: the parameter tree as stored (the masters).
@@ -371,7 +355,7 @@ def memory_report(
     params_bytes = compute_bytes = grad_bytes = 0
     kept = []  # per leaf: the dtypes in which params + compute_copies already count it
     for key_path, leaf in with_paths:
-        params_bytes += _nbytes(leaf)
+        params_bytes += arrays.nbytes(leaf)
         master = jnp.dtype(leaf.dtype) if hasattr(leaf, "dtype") else None
         compute = by_path.get(tree_lib.path_string(key_path), master)
         kept.append((master, compute, tuple(getattr(leaf, "shape", ()))))
@@ -382,7 +366,7 @@ def memory_report(
         if compute != master:
             compute_bytes += size * compute.itemsize
 
-    state_bytes = sum(_nbytes(leaf) for leaf in jax.tree_util.tree_leaves(opt_state))
+    state_bytes = sum(arrays.nbytes(leaf) for leaf in jax.tree_util.tree_leaves(opt_state))
 
     residual_bytes = compiled_bytes = None
     if step_fn is not None:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from triaccel_jax._src import loss_scaling as loss_scaling_lib
+from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
 
 MODEL_STATE = "model_state"
 

@@ -1,9 +1,9 @@
 """``Controller``: the host-side loop that adapts batch size and precision (DESIGN §5).
 
 Plain Python around pure jitted functions. Each decision is a pure function of measured figures
-(:func:`triaccel_jax.decide_bucket`, :func:`triaccel_jax.plan_precision`); the controller reads
+(:func:`triaccel_jax.controller.decide_bucket`, :func:`triaccel_jax.plan_precision`); the controller reads
 the figures, takes the decisions, compiles one step per (micro-batch, micro-batches per step,
-policy) and logs every decision as an :class:`triaccel_jax.Event`.
+policy) and logs every decision as an :class:`triaccel_jax.controller.Event`.
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from triaccel_jax._src import agreement
-from triaccel_jax._src import buckets as buckets_lib
-from triaccel_jax._src import events as events_lib
-from triaccel_jax._src import hyperparams
-from triaccel_jax._src import loss_scaling as loss_scaling_lib
-from triaccel_jax._src import memory_probe
-from triaccel_jax._src import planner
-from triaccel_jax._src import policy as policy_lib
-from triaccel_jax._src import precision
-from triaccel_jax._src import sampler as sampler_lib
-from triaccel_jax._src import signals as signals_lib
-from triaccel_jax._src import train_step
 from triaccel_jax._src import validation
+from triaccel_jax.controller import _agreement as agreement
+from triaccel_jax.controller import _buckets as buckets_lib
+from triaccel_jax.controller import _events as events_lib
+from triaccel_jax.controller import _hyperparams as hyperparams
+from triaccel_jax.controller import _memory_probe as memory_probe
+from triaccel_jax.controller import _sampler as sampler_lib
+from triaccel_jax.controller import _train_step as train_step
+from triaccel_jax.precision import _planner as planner
+from triaccel_jax.precision import _policy as policy_lib
+from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
+from triaccel_jax.transforms import _signals as signals_lib
+from triaccel_jax.transforms import _state_conversion as state_conversion
 
 STATE_FORMAT = "triaccel_jax.Controller"
 STATE_VERSION = 1
@@ -120,10 +120,10 @@ class Controller:
 
     The controller owns the batch bucket, the precision policy, the compile cache and the event
     log. Each :meth:`step` it draws exactly ``batch_size`` samples from an
-    :class:`triaccel_jax.ElasticSampler`, runs the step compiled for (micro-batch, policy), and
+    :class:`triaccel_jax.controller.ElasticSampler`, runs the step compiled for (micro-batch, policy), and
 
     * every ``check_every`` steps reads the memory probe and grows or shrinks the batch bucket
-      (:func:`triaccel_jax.decide_bucket`);
+      (:func:`triaccel_jax.controller.decide_bucket`);
     * on ``RESOURCE_EXHAUSTED`` marks the bucket as a ceiling and re-runs the *same samples* as
       accumulated micro-batches of the next smaller bucket, so no sample is lost or repeated and
       the update is the big batch's (to float rounding); at ``min_batch`` it raises
@@ -165,7 +165,7 @@ class Controller:
         samples and only the micro-batch (the bucket) follows memory.
       global_batch: the fixed batch with ``keep_global_batch`` (default ``max_batch``); a
         multiple of every bucket.
-      probe: the memory probe; default :func:`triaccel_jax.default_memory_probe`.
+      probe: the memory probe; default :func:`triaccel_jax.controller.default_memory_probe`.
       target: grow only to buckets predicted under this fraction of the limit, in (0, 1).
       high_water: shrink when the peak passes this fraction of the limit, in [target, 1].
       patience: consecutive checks a bucket change must be indicated at, >= 1.
@@ -176,7 +176,7 @@ class Controller:
         ``budget``, ``allowed``, ``patience``).
       loss_scaling: keyword arguments of the dynamic loss scale (``initial_scale``,
         ``growth_interval``, ``growth_factor``, ``backoff_factor``, ``min_scale``,
-        ``max_scale``, as for :func:`triaccel_jax.dynamic_loss_scale`), used while the policy
+        ``max_scale``, as for :func:`triaccel_jax.transforms.dynamic_loss_scale`), used while the policy
         computes a leaf in fp16 or fp8.
       mesh: a ``jax.sharding.Mesh`` for data parallelism: batches are sharded over
         ``data_axis``, whose size every bucket is a multiple of; params and states not already
@@ -191,8 +191,8 @@ class Controller:
         ``skipped_steps``), updated only by steps that scale the loss.
       policy: the precision policy in force (None when precision is not planned).
       buckets: the allowed micro-batch sizes.
-      sampler: the :class:`triaccel_jax.ElasticSampler` the batches come from.
-      events: the :class:`triaccel_jax.Event` log.
+      sampler: the :class:`triaccel_jax.controller.ElasticSampler` the batches come from.
+      events: the :class:`triaccel_jax.controller.Event` log.
       step_count: steps completed.
       timings: seconds spent running compiled steps (``"step"``, waiting for the device
         included), compiling (``"compile"``), gathering batches (``"data"``) and in the
@@ -335,7 +335,7 @@ class Controller:
         if policy is not None:
             policy_lib.check_policy(policy, self.params)
             if replan_every is not None:  # the moments' dtypes follow the planned policy
-                self.opt_state = self._place(precision.convert_state(self.opt_state, policy))
+                self.opt_state = self._place(state_conversion.convert_state(self.opt_state, policy))
         self.policy = policy
 
         # The learning rate is scaled in the injected state when the optimizer holds it as a
@@ -531,7 +531,7 @@ class Controller:
         if policy is not None:
             policy_lib.check_policy(policy, self.params)
             if self._replan_every is not None:
-                self.opt_state = self._place(precision.convert_state(self.opt_state, policy))
+                self.opt_state = self._place(state_conversion.convert_state(self.opt_state, policy))
         if policy != self.policy:
             self._measured = {}  # measured peaks were for the old policy
         self.policy = policy
@@ -709,7 +709,7 @@ class Controller:
                 leaves_by_dtype=counts,
                 loss=self._last_loss,
             )
-            self.opt_state = self._place(precision.convert_state(self.opt_state, new))
+            self.opt_state = self._place(state_conversion.convert_state(self.opt_state, new))
             self._measured = {}  # measured peaks were for the old policy
         self.policy = new
 

@@ -83,8 +83,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triaccel_jax._src import memory
 from triaccel_jax._src import tree as tree_lib
+from triaccel_jax.precision import _memory as memory
 
 MIXED = ("widest", "largest")
 # A module that owns only vectors (a norm's scale and bias, a standalone bias) computes in the dtype

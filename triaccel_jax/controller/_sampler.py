@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-STATE_FORMAT = "triaccel_jax.ElasticSampler"
+STATE_FORMAT = "triaccel_jax.controller.ElasticSampler"
 
 
 def _check_count(name: str, value: Any, minimum: int) -> int:

@@ -30,14 +30,14 @@ import numpy as np
 import optax
 from jax import lax
 
-from triaccel_jax._src import compression
-from triaccel_jax._src import compression_sharded
-from triaccel_jax._src import curvature as curvature_lib
-from triaccel_jax._src import dtypes
-from triaccel_jax._src import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
 from triaccel_jax.kernels import cast as cast_kernel
+from triaccel_jax.precision import _dtypes as dtypes
+from triaccel_jax.precision import _policy as policy_lib
+from triaccel_jax.transforms import _compression as compression
+from triaccel_jax.transforms import _compression_sharded as compression_sharded
+from triaccel_jax.transforms import _curvature as curvature_lib
 
 ESTIMATORS = ("fisher", "hutchinson")
 STATE_DTYPES = ("float32", "bfloat16")
@@ -81,7 +81,7 @@ class ScaleByTriAccelState(NamedTuple):
         ``curvature_count - dropped_estimates`` of them (see :class:`LeafSignals`).
       mu: first moments, in the state dtype.
       nu: second moments, in the state dtype.
-      curvature: the curvature EMA per leaf, a :class:`triaccel_jax.CompressedDiagonal`.
+      curvature: the curvature EMA per leaf, a :class:`triaccel_jax.transforms.CompressedDiagonal`.
       leaf_signals: :class:`LeafSignals` per leaf.
       estimator_state: the curvature estimator's state.
       rounding_key: uint32 PRNG key data for the stochastic rounding of the moments.

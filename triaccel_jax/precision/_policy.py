@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import jax
 
-from triaccel_jax._src import dtypes
 from triaccel_jax._src import tree as tree_lib
+from triaccel_jax.precision import _dtypes as dtypes
 
 JSON_FORMAT = "triaccel_jax.PrecisionPolicy"
 JSON_VERSION = 1

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triaccel_jax._src import compression
-from triaccel_jax._src import transform
 from triaccel_jax._src import tree as tree_lib
+from triaccel_jax.transforms import _compression as compression
+from triaccel_jax.transforms import _scale_by_triaccel as transform
 
 SIGNAL_NAMES = transform.LeafSignals._fields
 
@@ -43,7 +43,7 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
       on: every field of the state's per-leaf signals (Python floats, and ints for counters
       such as ``dropped_estimates``; traced scalars when called inside ``jit``), the moments'
       dtype, and the leaf's bias-corrected curvature EMA as a
-      :class:`triaccel_jax.CompressedDiagonal` (NumPy arrays; traced inside ``jit``), which
+      :class:`triaccel_jax.transforms.CompressedDiagonal` (NumPy arrays; traced inside ``jit``), which
       :func:`triaccel_jax.plan_precision` uses to weigh each weight by its own curvature.
 
     Raises:

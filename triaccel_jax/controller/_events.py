@@ -47,7 +47,7 @@ def event_records(events: Iterable[Event]) -> list[dict[str, Any]]:
     for event in events:
         if not isinstance(event, Event):
             raise TypeError(
-                f"event_records takes triaccel_jax.Event objects, got {type(event).__name__}"
+                f"event_records takes triaccel_jax.controller.Event objects, got {type(event).__name__}"
             )
         records.append(event.as_record())
     return records

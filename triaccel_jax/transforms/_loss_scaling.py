@@ -212,11 +212,17 @@ def dynamic_loss_scale(
     Example:
       >>> import jax.numpy as jnp
       >>> import triaccel_jax
-      >>> tx = triaccel_jax.dynamic_loss_scale(triaccel_jax.triaccel(0.1), initial_scale=8.0)
+      >>> tx = triaccel_jax.transforms.dynamic_loss_scale(
+      ...     triaccel_jax.triaccel(0.1), initial_scale=8.0
+      ... )
       >>> params = {"w": jnp.ones(2)}
       >>> state = tx.init(params)
       >>> updates, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
-      >>> float(triaccel_jax.loss_scale(state)), int(state.skipped_steps), updates["w"].tolist()
+      >>> (
+      ...     float(triaccel_jax.transforms.loss_scale(state)),
+      ...     int(state.skipped_steps),
+      ...     updates["w"].tolist(),
+      ... )
       (4.0, 1, [-0.0, -0.0])
 
     References:
@@ -299,8 +305,10 @@ def loss_scale(opt_state: Any) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp, optax
       >>> import triaccel_jax
-      >>> tx = optax.chain(optax.clip(1.0), triaccel_jax.dynamic_loss_scale(optax.sgd(0.1)))
-      >>> float(triaccel_jax.loss_scale(tx.init({"w": jnp.ones(2)})))
+      >>> tx = optax.chain(
+      ...     optax.clip(1.0), triaccel_jax.transforms.dynamic_loss_scale(optax.sgd(0.1))
+      ... )
+      >>> float(triaccel_jax.transforms.loss_scale(tx.init({"w": jnp.ones(2)})))
       32768.0
     """
 

@@ -24,11 +24,12 @@ from flax import struct
 from flax.training import train_state
 from jax import lax
 
-from triaccel_jax._src import loss_scaling as loss_scaling_lib
-from triaccel_jax._src import policy as policy_lib
-from triaccel_jax._src import precision
-from triaccel_jax._src import transform
 from triaccel_jax._src import tree as tree_lib
+from triaccel_jax.precision import _casting as precision
+from triaccel_jax.precision import _policy as policy_lib
+from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
+from triaccel_jax.transforms import _scale_by_triaccel as transform
+from triaccel_jax.transforms import _state_conversion as state_conversion
 
 # The extra arguments optax's transforms and triaccel's take: the loss (triaccel's and optax's
 # linesearch ``loss_fn``/``value_fn``, optax.contrib.sophia's ``obj_fn``), its value and gradient
@@ -55,7 +56,7 @@ class TrainState(train_state.TrainState):
       update is computed in the masters' precision.
     * ``batch_stats``: BatchNorm's running statistics (None for models without them).
     * :meth:`with_policy` switches policy: the optimizer state's moments are converted
-      (:func:`triaccel_jax.convert_state`) and the compute copy rebuilt.
+      (:func:`triaccel_jax.transforms.convert_state`) and the compute copy rebuilt.
     * Dynamic loss scaling while the policy computes any leaf in fp16 or fp8: take gradients
       with :meth:`value_and_grad` (or of :meth:`scale_loss` of the loss); ``apply_gradients``
       divides them by the scale in float32, and a step with a non-finite gradient changes
@@ -309,7 +310,7 @@ def _convert_if_triaccel(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> 
         opt_state, is_leaf=lambda n: isinstance(n, transform.ScaleByTriAccelState)
     )
     if any(isinstance(n, transform.ScaleByTriAccelState) for n in found):
-        return precision.convert_state(opt_state, policy)
+        return state_conversion.convert_state(opt_state, policy)
     return opt_state
 
 

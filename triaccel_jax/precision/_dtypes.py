@@ -47,7 +47,7 @@ def carrier_name(name: str) -> str:
     """The format whose dtype holds the values of format ``name`` (``"bf16"`` for fp8).
 
     Example:
-      >>> from triaccel_jax._src.dtypes import carrier_name
+      >>> from triaccel_jax.precision._dtypes import carrier_name
       >>> carrier_name("fp16"), carrier_name("fp8_e4m3")
       ('fp16', 'bf16')
     """
@@ -58,7 +58,7 @@ def carrier_dtype(name: str) -> jnp.dtype:
     """The dtype an array rounded to format ``name`` is stored in (bfloat16 for fp8).
 
     Example:
-      >>> from triaccel_jax._src.dtypes import carrier_dtype
+      >>> from triaccel_jax.precision._dtypes import carrier_dtype
       >>> carrier_dtype("fp16"), carrier_dtype("fp8_e4m3")
       (dtype('float16'), dtype(bfloat16))
     """

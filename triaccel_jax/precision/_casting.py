@@ -15,11 +15,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from triaccel_jax._src import dtypes
-from triaccel_jax._src import policy as policy_lib
-from triaccel_jax._src import transform
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.kernels import cast as cast_kernel
+from triaccel_jax.precision import _dtypes as dtypes
+from triaccel_jax.precision import _policy as policy_lib
 
 MASTER_DTYPES = ("fp32", "policy")
 
@@ -166,49 +165,3 @@ def apply_updates(params: Any, updates: Any, *, key: jax.Array | None = None) ->
         else:
             out.append(total.astype(param.dtype))
     return jax.tree.unflatten(treedef, out)
-
-
-def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
-    """Converts an optimizer state to a new policy's state dtypes; nothing else changes.
-
-    Every :func:`triaccel_jax.scale_by_triaccel` state inside ``opt_state`` has its moments
-    re-cast (round to nearest) to the policy's state dtype of each leaf; counters, curvature,
-    signals and keys are kept as they are. Use it when the controller switches policy mid-run.
-
-    Args:
-      opt_state: the optimizer state (any optax wrapping).
-      policy: the new policy; it must have an entry for every leaf the states hold.
-
-    Returns:
-      The converted state, same tree structure.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> import triaccel_jax
-      >>> params = {"w": jnp.ones(3)}
-      >>> state = triaccel_jax.triaccel(0.1).init(params)
-      >>> policy = triaccel_jax.PrecisionPolicy.uniform(params, "bf16", "bf16")
-      >>> triaccel_jax.convert_state(state, policy)[0].mu["w"].dtype
-      dtype(bfloat16)
-    """
-
-    policy_lib.check_policy(policy)
-
-    def is_triaccel(node):
-        return isinstance(node, transform.ScaleByTriAccelState)
-
-    def recast(path, moment):
-        name = tree_lib.path_string(path)
-        if name not in policy:
-            raise ValueError(f"the new policy has no entry for leaf {name!r}")
-        return moment.astype(dtypes.FORMATS[policy.state(name)].dtype)
-
-    def convert(node):
-        if not is_triaccel(node):
-            return node
-        return node._replace(
-            mu=jax.tree_util.tree_map_with_path(recast, node.mu),
-            nu=jax.tree_util.tree_map_with_path(recast, node.nu),
-        )
-
-    return jax.tree.map(convert, opt_state, is_leaf=is_triaccel)

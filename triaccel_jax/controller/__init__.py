@@ -1,0 +1,56 @@
+"""The control stage: the host-side loop that adapts batch size and precision while training.
+
+:class:`Controller` orchestrates; each of its decisions is a pure function of measured figures,
+exported here so it can be tested and reused without a device:
+
+* batch buckets: :func:`bucket_sizes`, :func:`decide_bucket`, :func:`predict_peak`;
+* memory: the probes (:class:`DeviceMemoryProbe`, :class:`BudgetMemoryProbe`,
+  :class:`FakeMemoryProbe`, the :class:`MemoryProbe` protocol) and
+  :func:`compiled_peak_bytes`;
+* the data: :class:`ElasticSampler` serves any batch size without dropping or repeating a
+  sample;
+* the log: :class:`Event` and :func:`event_records`; :class:`StepInfo` for progress callbacks;
+* out-of-memory handling: :func:`is_out_of_memory`, :class:`OutOfMemoryError`.
+
+See ``docs/design.md`` (section 5).
+"""
+
+from triaccel_jax.controller._buckets import BucketDecision
+from triaccel_jax.controller._buckets import bucket_sizes
+from triaccel_jax.controller._buckets import decide_bucket
+from triaccel_jax.controller._buckets import predict_peak
+from triaccel_jax.controller._controller import Controller
+from triaccel_jax.controller._controller import OutOfMemoryError
+from triaccel_jax.controller._controller import StepInfo
+from triaccel_jax.controller._controller import is_out_of_memory
+from triaccel_jax.controller._events import Event
+from triaccel_jax.controller._events import event_records
+from triaccel_jax.controller._memory_probe import BudgetMemoryProbe
+from triaccel_jax.controller._memory_probe import DeviceMemoryProbe
+from triaccel_jax.controller._memory_probe import FakeMemoryProbe
+from triaccel_jax.controller._memory_probe import MemoryProbe
+from triaccel_jax.controller._memory_probe import MemoryReading
+from triaccel_jax.controller._memory_probe import compiled_peak_bytes
+from triaccel_jax.controller._memory_probe import default_memory_probe
+from triaccel_jax.controller._sampler import ElasticSampler
+
+__all__ = (
+    "BucketDecision",
+    "BudgetMemoryProbe",
+    "Controller",
+    "DeviceMemoryProbe",
+    "ElasticSampler",
+    "Event",
+    "FakeMemoryProbe",
+    "MemoryProbe",
+    "MemoryReading",
+    "OutOfMemoryError",
+    "StepInfo",
+    "bucket_sizes",
+    "compiled_peak_bytes",
+    "decide_bucket",
+    "default_memory_probe",
+    "event_records",
+    "is_out_of_memory",
+    "predict_peak",
+)

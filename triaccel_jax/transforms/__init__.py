@@ -1,0 +1,56 @@
+"""The optimizer stage: gradients in, updates and per-leaf signals out.
+
+Everything here is an optax transform or reads one's state (optax's ``transforms/`` is the
+model):
+
+* :func:`triaccel` (the optimizer) and :func:`scale_by_triaccel` (its direction, Adam moments
+  times a per-leaf curvature step scale), configured by :class:`TriAccelConfig`;
+* the curvature estimators :func:`fisher_diagonal` and :func:`hutchinson_diagonal`;
+* the compressed curvature store (:class:`CompressedDiagonal`, :func:`compress_diagonal`,
+  :func:`expand_diagonal`), updated without gathering sharded leaves;
+* :func:`signals`, the per-leaf curvature, noise and step-size figures of any state holding a
+  triaccel state, and :func:`convert_state`, which recasts the moments for a precision policy;
+* dynamic loss scaling (:class:`LossScaling`, :func:`dynamic_loss_scale`).
+
+The algorithm is described in the repository's ``docs/design.md`` (sections 3.1 to 3.5, 3.8).
+"""
+
+from triaccel_jax.transforms._alias import triaccel
+from triaccel_jax.transforms._compression import CompressedDiagonal
+from triaccel_jax.transforms._compression import compress_diagonal
+from triaccel_jax.transforms._compression import expand_diagonal
+from triaccel_jax.transforms._curvature import HutchinsonDiagonalState
+from triaccel_jax.transforms._curvature import fisher_diagonal
+from triaccel_jax.transforms._curvature import hutchinson_diagonal
+from triaccel_jax.transforms._loss_scaling import DynamicLossScaleState
+from triaccel_jax.transforms._loss_scaling import LossScaleState
+from triaccel_jax.transforms._loss_scaling import LossScaling
+from triaccel_jax.transforms._loss_scaling import dynamic_loss_scale
+from triaccel_jax.transforms._loss_scaling import loss_scale
+from triaccel_jax.transforms._scale_by_triaccel import LeafSignals
+from triaccel_jax.transforms._scale_by_triaccel import ScaleByTriAccelState
+from triaccel_jax.transforms._scale_by_triaccel import TriAccelConfig
+from triaccel_jax.transforms._scale_by_triaccel import scale_by_triaccel
+from triaccel_jax.transforms._signals import signals
+from triaccel_jax.transforms._state_conversion import convert_state
+
+__all__ = (
+    "CompressedDiagonal",
+    "DynamicLossScaleState",
+    "HutchinsonDiagonalState",
+    "LeafSignals",
+    "LossScaleState",
+    "LossScaling",
+    "ScaleByTriAccelState",
+    "TriAccelConfig",
+    "compress_diagonal",
+    "convert_state",
+    "dynamic_loss_scale",
+    "expand_diagonal",
+    "fisher_diagonal",
+    "hutchinson_diagonal",
+    "loss_scale",
+    "scale_by_triaccel",
+    "signals",
+    "triaccel",
+)
