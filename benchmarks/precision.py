@@ -2,7 +2,7 @@
 
 Two measurements, each side by side in one run (issue 3's targets):
 
-1. **Memory** (``memory_report``, DESIGN §7: exact bytes from dtypes, residuals from the jaxpr at
+1. **Memory** (``memory_report``, docs/design.md §7: exact bytes from dtypes, residuals from the jaxpr at
    their real dtypes, device independent) of one training step of the small CNN and ResNet-20 on
    Fashion-MNIST-shaped batches: FP32 AdamW against the policy the planner chooses after a short
    warm-up on real data (fp32 masters; and with ``master_dtype="policy"``). Target <= 0.70x.

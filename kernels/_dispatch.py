@@ -1,7 +1,7 @@
 """Choosing a kernel's implementation at trace time: ``"auto" | "reference" | "triton"``.
 
 ``"auto"`` picks the Triton kernel when the default JAX backend is a CUDA GPU and ``jax_triton``
-imports, and the pure-JAX reference everywhere else (DESIGN §4). The check runs when a function is
+imports, and the pure-JAX reference everywhere else (docs/design.md §4). The check runs when a function is
 traced, never at import time, so ``import triaccel_jax`` never imports triton or jax_triton; and
 on a CPU backend it does not even try to import them.
 """

@@ -1,8 +1,8 @@
 """One leaf's AdamW-style update in one pass: new moments, new master, and its compute copy.
 
-What :func:`triaccel_jax.triaccel` does to one leaf (DESIGN §3), written as one elementwise
+What :func:`triaccel_jax.triaccel` does to one leaf (docs/design.md §3), written as one elementwise
 function of the gradient, the two moments and the master weights, so that a GPU kernel can read
-each of them once and write the four results once (DESIGN §4: the fused update's win is fewer trips
+each of them once and write the four results once (docs/design.md §4: the fused update's win is fewer trips
 to memory). For the step number ``t = count``:
 
 * ``m = b1 * m + (1 - b1) * g`` and ``v = b2 * v + (1 - b2) * g**2`` in float32, stored in the

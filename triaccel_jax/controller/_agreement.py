@@ -1,4 +1,4 @@
-"""Figures agreed across processes, so every host takes the same decision (DESIGN §5).
+"""Figures agreed across processes, so every host takes the same decision (docs/design.md §5).
 
 Each process reads its own memory probe; a decision taken from local figures could differ
 between hosts, which would then run different shapes and deadlock in the first collective. So

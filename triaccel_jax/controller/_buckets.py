@@ -1,4 +1,4 @@
-"""Batch buckets and the decision to grow or shrink: pure functions of measured figures (DESIGN §5).
+"""Batch buckets and the decision to grow or shrink: pure functions of measured figures (docs/design.md §5).
 
 The controller calls :func:`decide_bucket` with what it knows (the peak bytes of every bucket it
 has run or compiled, the limit, its hysteresis counters) and does what the returned

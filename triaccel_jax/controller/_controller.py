@@ -1,4 +1,4 @@
-"""``Controller``: the host-side loop that adapts batch size and precision (DESIGN §5).
+"""``Controller``: the host-side loop that adapts batch size and precision (docs/design.md §5).
 
 Plain Python around pure jitted functions. Each decision is a pure function of measured figures
 (:func:`triaccel_jax.controller.decide_bucket`, :func:`triaccel_jax.plan_precision`); the controller reads
@@ -221,7 +221,7 @@ class Controller:
       (64, True)
 
     References:
-      DESIGN §5; Lightning's batch-size finder; Qiao et al., 2021, "Pollux"; Li et al., 2021,
+      docs/design.md §5; Lightning's batch-size finder; Qiao et al., 2021, "Pollux"; Li et al., 2021,
       "EasyScale" (a constant global batch keeps the optimisation unchanged).
     """
 

@@ -1,4 +1,4 @@
-"""The controller's event log: one record per decision (DESIGN §5), for timelines and audits."""
+"""The controller's event log: one record per decision (docs/design.md §5), for timelines and audits."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Reading and writing a hyperparameter held by ``optax.inject_hyperparams`` in an optimizer state.
 
 The controller scales the learning rate by writing it into the injected state, which changes an
-array, not the compiled program (DESIGN §5). That only works for a *constant* hyperparameter:
+array, not the compiled program (docs/design.md §5). That only works for a *constant* hyperparameter:
 one that a schedule drives is recomputed from the schedule at every update, so writing it would
 be silently undone; :func:`find_hyperparam` reports that case.
 """

@@ -1,4 +1,4 @@
-"""Memory probes: what the controller knows about free accelerator memory (DESIGN §5).
+"""Memory probes: what the controller knows about free accelerator memory (docs/design.md §5).
 
 One small interface, :class:`MemoryProbe`: ``read(batch_size=...)`` returns a
 :class:`MemoryReading` with the peak bytes used since the previous reading (None when the probe

@@ -1,4 +1,4 @@
-"""``ElasticSampler``: batches of any size from a deterministic per-epoch permutation (DESIGN §6).
+"""``ElasticSampler``: batches of any size from a deterministic per-epoch permutation (docs/design.md §6).
 
 A change of batch size between two draws neither drops nor repeats a sample: the sampler keeps a
 cursor into the epoch's permutation, and a draw that runs past the end of an epoch takes the rest

@@ -3,7 +3,7 @@
 The controller builds the step from the user's loss function rather than taking a finished step,
 because only then can it split a batch that ran out of memory into micro-batches whose averaged
 gradient is the big batch's gradient (the mean of equal-sized micro-batch means is the batch
-mean), so the update is the one the big batch would have produced (DESIGN §5).
+mean), so the update is the one the big batch would have produced (docs/design.md §5).
 
 The loss function is called as ``loss_fn(params, batch, *, policy, rng)`` (plus
 ``model_state=`` when the controller holds one, e.g. BatchNorm statistics) and returns the mean

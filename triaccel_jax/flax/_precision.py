@@ -1,4 +1,4 @@
-"""Flax: compute each module really in its parameters' policy dtype (DESIGN §3 (c)).
+"""Flax: compute each module really in its parameters' policy dtype (docs/design.md §3 (c)).
 
 Casting a parameter to bf16 is not enough for a layer to compute in bf16: ``nn.Dense`` promotes
 its input, kernel and bias to a common dtype, so an fp32 activation pulls a bf16 kernel back to

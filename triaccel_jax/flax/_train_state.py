@@ -4,7 +4,7 @@ Flax's ``flax.training.train_state.TrainState.apply_gradients(grads=..., **kwarg
 keyword as a field to replace and calls ``tx.update`` without extra arguments, so a Hutchinson
 estimator cannot get its ``loss_fn`` through it. This subclass forwards the known extra-argument
 names (and those declared at ``create``) to ``tx.update`` and rejects any other keyword that is
-not a field (DESIGN §6), holds the precision policy (static: it is part of the
+not a field (docs/design.md §6), holds the precision policy (static: it is part of the
 compiled program) and the compute copy of the params that the policy asks for, and a
 ``batch_stats`` field for BatchNorm.
 """

@@ -1,6 +1,6 @@
 """Applying a precision policy: compute copies, masters, updates and optimizer-state conversion.
 
-What a leaf's precision governs (DESIGN §3): (a) the *compute copy* the forward and backward
+What a leaf's precision governs (docs/design.md §3): (a) the *compute copy* the forward and backward
 passes see, cast by the cast kernel; (b) the dtype of its optimizer moments; (c) with the Flax
 interceptor, the dtype of the module's inputs. Masters stay fp32 by default; ``master_dtype=
 "policy"`` keeps each master in its compute dtype (bf16/fp16, never fp8) and writes updates with

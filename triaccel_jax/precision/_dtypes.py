@@ -1,6 +1,6 @@
 """The floating-point formats a precision policy may choose, by short name.
 
-Unit roundoffs are ``u = eps / 2`` (DESIGN §3): fp32 2^-24, bf16 2^-8, fp16 2^-11, fp8-e4m3 2^-4.
+Unit roundoffs are ``u = eps / 2`` (docs/design.md §3): fp32 2^-24, bf16 2^-8, fp16 2^-11, fp8-e4m3 2^-4.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``memory_report``: training memory by component, from the pytrees' real dtypes (DESIGN §7).
+"""``memory_report``: training memory by component, from the pytrees' real dtypes (docs/design.md §7).
 
 XLA on CPU computes bf16 convolutions in fp32, so a CPU's compiled temp bytes do not show what a
 precision policy saves. The figures here are device-independent instead:
@@ -334,7 +334,7 @@ def memory_report(
       total                                        1,183,748       1.129  100.0%
 
     References:
-      DESIGN §7 "Measuring memory honestly"; JAX, "Autodiff cookbook" and
+      docs/design.md §7 "Measuring memory honestly"; JAX, "Autodiff cookbook" and
       ``jax.ad_checkpoint.print_saved_residuals`` for what ``jax.vjp`` saves.
     """
     if (step_fn is None) != (batch is None):

@@ -1,4 +1,4 @@
-"""``plan_precision``: choose each leaf's precision from curvature and gradient noise (DESIGN §3).
+"""``plan_precision``: choose each leaf's precision from curvature and gradient noise (docs/design.md §3).
 
 The predicted loss increase of running leaf ``l`` in format ``d`` is the curvature-weighted rounding
 noise (HAWQ-V3, Yao et al., 2021; Q-PACE-style weighting by the actual quantisation error):
@@ -220,7 +220,7 @@ def plan_precision(
       ('bf16', 'fp32')
 
     References:
-      Yao et al., 2021, "HAWQ-V3: Dyadic Neural Network Quantization"; DESIGN §3.
+      Yao et al., 2021, "HAWQ-V3: Dyadic Neural Network Quantization"; docs/design.md §3.
     """
     if not isinstance(signals, Mapping):
         raise TypeError(

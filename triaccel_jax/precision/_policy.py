@@ -1,4 +1,4 @@
-"""``PrecisionPolicy``: an immutable per-leaf map of compute dtype and state dtype (DESIGN §3).
+"""``PrecisionPolicy``: an immutable per-leaf map of compute dtype and state dtype (docs/design.md §3).
 
 A leaf's *compute* dtype is the dtype of the copy of the parameter that the forward and backward
 passes see (and, with the Flax interceptor, of the module's inputs); its *state* dtype is the dtype

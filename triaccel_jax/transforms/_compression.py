@@ -1,4 +1,4 @@
-"""Compressed storage of a diagonal curvature estimate (DESIGN §3).
+"""Compressed storage of a diagonal curvature estimate (docs/design.md §3).
 
 A full diagonal would cost one more parameter-sized buffer per leaf. Instead a leaf's diagonal
 ``h`` is stored as

@@ -1,4 +1,4 @@
-"""The compressed curvature EMA update on a sharded leaf, without gathering the leaf (DESIGN §3).
+"""The compressed curvature EMA update on a sharded leaf, without gathering the leaf (docs/design.md §3).
 
 :func:`triaccel_jax.transforms._compression.update_compressed_ema` is the reference: it flattens the
 leaf, cuts it into blocks and takes a top-``k`` over all of it. On a leaf sharded over a mesh

@@ -1,4 +1,4 @@
-"""Diagonal curvature estimators, as optax transforms (DESIGN §3).
+"""Diagonal curvature estimators, as optax transforms (docs/design.md §3).
 
 Each estimator maps the gradients it receives to a diagonal curvature estimate with the same tree
 structure (float32 on trainable leaves; other leaves pass through), in the shape of optax's own

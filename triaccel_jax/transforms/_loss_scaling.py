@@ -1,4 +1,4 @@
-"""Dynamic loss scaling with per-leaf finite checks, as an optax wrapper (DESIGN §3).
+"""Dynamic loss scaling with per-leaf finite checks, as an optax wrapper (docs/design.md §3).
 
 fp16 and fp8 have narrow exponent ranges: small gradients underflow unless the loss is multiplied
 by a large scale before differentiation (Micikevicius et al., 2018, "Mixed Precision Training").

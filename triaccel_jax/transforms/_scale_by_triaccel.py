@@ -1,7 +1,7 @@
 """``scale_by_triaccel``: Adam moments scaled per leaf by a curvature-derived step size.
 
 Tri-Accel (arXiv 2508.16905) steers each layer's step size with a cheap second-order signal. Here
-that is, per leaf ``l`` (DESIGN §3):
+that is, per leaf ``l`` (docs/design.md §3):
 
 * the direction ``m_hat / (sqrt(v_hat) + eps)`` of Adam (Kingma & Ba, 2015), with the moments
   stored in the state dtype (bfloat16 writes are stochastically rounded);
