@@ -178,13 +178,13 @@ CASES = [
     ),
     Case(
         "hutchinson-num-samples-zero",
-        lambda _: T.hutchinson_diagonal(0),
+        lambda _: triaccel_jax.transforms.hutchinson_diagonal(0),
         ValueError,
         "`num_samples` must be an integer >= 1",
     ),
     Case(
         "dynamic-loss-scale-zero",
-        lambda _: T.dynamic_loss_scale(optax.sgd(0.1), initial_scale=0.0),
+        lambda _: triaccel_jax.transforms.dynamic_loss_scale(optax.sgd(0.1), initial_scale=0.0),
         ValueError,
         "initial_scale",
     ),
@@ -227,8 +227,8 @@ CASES = [
     ),
     Case(
         "hutchinson-without-params",
-        lambda _: T.hutchinson_diagonal().update(
-            PARAMS, T.hutchinson_diagonal().init(PARAMS), loss_fn=jnp.sum
+        lambda _: triaccel_jax.transforms.hutchinson_diagonal().update(
+            PARAMS, triaccel_jax.transforms.hutchinson_diagonal().init(PARAMS), loss_fn=jnp.sum
         ),
         ValueError,
         "needs `params`",
@@ -241,19 +241,19 @@ CASES = [
     ),
     Case(
         "loss-scale-of-an-adam-state",
-        lambda _: T.loss_scale(optax.adam(1e-3).init(PARAMS)),
+        lambda _: triaccel_jax.transforms.loss_scale(optax.adam(1e-3).init(PARAMS)),
         ValueError,
         "one dynamic_loss_scale state.*found 0",
     ),
     Case(
         "compress-diagonal-block-size-zero",
-        lambda _: T.compress_diagonal(jnp.ones(4), block_size=0, rho=0.5),
+        lambda _: triaccel_jax.transforms.compress_diagonal(jnp.ones(4), block_size=0, rho=0.5),
         ValueError,
         "`block_size` must be an integer >= 1",
     ),
     Case(
         "compress-diagonal-rho-zero",
-        lambda _: T.compress_diagonal(jnp.ones(4), block_size=2, rho=0.0),
+        lambda _: triaccel_jax.transforms.compress_diagonal(jnp.ones(4), block_size=2, rho=0.0),
         ValueError,
         r"`rho` must be in \(0.0, 1.0\]",
     ),
@@ -406,13 +406,15 @@ CASES = [
     ),
     Case(
         "convert-state-policy-for-other-params",
-        lambda _: T.convert_state(T.triaccel(0.1).init(PARAMS), policy(OTHER)),
+        lambda _: triaccel_jax.transforms.convert_state(
+            T.triaccel(0.1).init(PARAMS), policy(OTHER)
+        ),
         ValueError,
         "new policy has no entry for leaf 'b'",
     ),
     Case(
         "convert-state-policy-none",
-        lambda _: T.convert_state(T.triaccel(0.1).init(PARAMS), None),
+        lambda _: triaccel_jax.transforms.convert_state(T.triaccel(0.1).init(PARAMS), None),
         TypeError,
         "`policy` must be a PrecisionPolicy, got NoneType",
     ),
@@ -478,37 +480,54 @@ CASES = [
         "`loss` must be a finite number",
     ),
     # batch buckets
-    Case("buckets-zero", lambda _: T.bucket_sizes(0, 8), ValueError, "`min_batch`.*got 0"),
+    Case(
+        "buckets-zero",
+        lambda _: triaccel_jax.controller.bucket_sizes(0, 8),
+        ValueError,
+        "`min_batch`.*got 0",
+    ),
     Case(
         "buckets-reversed",
-        lambda _: T.bucket_sizes(16, 8),
+        lambda _: triaccel_jax.controller.bucket_sizes(16, 8),
         ValueError,
         r"`min_batch` \(16\) must be <= `max_batch` \(8\)",
     ),
     Case(
         "buckets-none-in-range",
-        lambda _: T.bucket_sizes(3, 3, 2),
+        lambda _: triaccel_jax.controller.bucket_sizes(3, 3, 2),
         ValueError,
         r"no batch size of the form 2 \* 2\*\*k lies in \[3, 3\]",
     ),
     # the sampler
-    Case("sampler-no-examples", lambda _: T.ElasticSampler(0), ValueError, "`num_examples`"),
-    Case("sampler-negative-seed", lambda _: T.ElasticSampler(10, seed=-1), ValueError, "`seed`"),
+    Case(
+        "sampler-no-examples",
+        lambda _: triaccel_jax.controller.ElasticSampler(0),
+        ValueError,
+        "`num_examples`",
+    ),
+    Case(
+        "sampler-negative-seed",
+        lambda _: triaccel_jax.controller.ElasticSampler(10, seed=-1),
+        ValueError,
+        "`seed`",
+    ),
     Case(
         "sampler-fractional-batch",
-        lambda _: T.ElasticSampler(10).take(2.5),
+        lambda _: triaccel_jax.controller.ElasticSampler(10).take(2.5),
         ValueError,
         "`batch_size` must be an integer >= 1, got 2.5",
     ),
     Case(
         "sampler-foreign-state",
-        lambda _: T.ElasticSampler(10).load_state_dict({"format": "pickle"}),
+        lambda _: triaccel_jax.controller.ElasticSampler(10).load_state_dict({"format": "pickle"}),
         ValueError,
         "not a sampler state",
     ),
     Case(
         "sampler-state-of-another-seed",
-        lambda _: T.ElasticSampler(10).load_state_dict(T.ElasticSampler(10, seed=3).state_dict()),
+        lambda _: triaccel_jax.controller.ElasticSampler(10).load_state_dict(
+            triaccel_jax.controller.ElasticSampler(10, seed=3).state_dict()
+        ),
         ValueError,
         "saved with seed=3, this sampler has seed=0",
     ),
@@ -654,13 +673,13 @@ CASES = [
     # Flax and memory reports
     Case(
         "apply-with-policy-without-params",
-        lambda _: T.apply_with_policy(None, {"batch_stats": {}}, policy=policy()),
+        lambda _: triaccel_jax.flax.apply_with_policy(None, {"batch_stats": {}}, policy=policy()),
         ValueError,
         "`variables` has no 'params' collection",
     ),
     Case(
         "precision-interceptor-mixed",
-        lambda _: T.precision_interceptor(policy(), mixed="median"),
+        lambda _: triaccel_jax.flax.precision_interceptor(policy(), mixed="median"),
         ValueError,
         "`mixed` must be one of",
     ),
@@ -684,13 +703,13 @@ CASES = [
     ),
     Case(
         "compiled-peak-bytes-of-a-function",
-        lambda _: T.compiled_peak_bytes(jax.jit(lambda x: x)),
+        lambda _: triaccel_jax.controller.compiled_peak_bytes(jax.jit(lambda x: x)),
         TypeError,
         "`compiled` must be a compiled executable",
     ),
     Case(
         "event-records-of-ints",
-        lambda _: T.event_records([1, 2]),
+        lambda _: triaccel_jax.controller.event_records([1, 2]),
         TypeError,
         "takes triaccel_jax.controller.Event objects, got int",
     ),
@@ -708,14 +727,17 @@ CASES = [
     ),
     Case(
         "decide-bucket-current-not-a-bucket",
-        lambda _: T.decide_bucket(48, (16, 32, 64), {}, 1000),
+        lambda _: triaccel_jax.controller.decide_bucket(48, (16, 32, 64), {}, 1000),
         ValueError,
         "`current` bucket 48 is not one of `buckets`",
     ),
     Case(
         "expand-diagonal-store-of-another-shape",
-        lambda _: T.expand_diagonal(
-            T.compress_diagonal(jnp.ones((3, 3, 2, 4)), block_size=4, rho=0.1), (3, 3, 4, 2)
+        lambda _: triaccel_jax.transforms.expand_diagonal(
+            triaccel_jax.transforms.compress_diagonal(
+                jnp.ones((3, 3, 2, 4)), block_size=4, rho=0.1
+            ),
+            (3, 3, 4, 2),
         ),
         ValueError,
         r"is not one of a leaf of shape \(3, 3, 4, 2\)",

@@ -38,7 +38,7 @@ def bucket_sizes(min_batch: int, max_batch: int, multiple: int = 1) -> tuple[int
       ValueError: bad sizes, or no bucket in the range.
 
     Example:
-      >>> from triaccel_jax import bucket_sizes
+      >>> from triaccel_jax.controller import bucket_sizes
       >>> bucket_sizes(16, 256)
       (16, 32, 64, 128, 256)
       >>> bucket_sizes(10, 100, multiple=8)
@@ -75,7 +75,7 @@ def predict_peak(batch: int, peaks: Mapping[int, int], fixed_bytes: int = 0) -> 
       The bytes, or None when no peak is known.
 
     Example:
-      >>> from triaccel_jax import predict_peak
+      >>> from triaccel_jax.controller import predict_peak
       >>> predict_peak(64, {16: 300, 32: 500})  # 100 + 12.5 per sample
       900
     """
@@ -138,7 +138,7 @@ def decide_bucket(
       The :class:`BucketDecision`.
 
     Example:
-      >>> from triaccel_jax import decide_bucket
+      >>> from triaccel_jax.controller import decide_bucket
       >>> decision = decide_bucket(16, (16, 32, 64, 128), {16: 200, 32: 300}, 1000, patience=1)
       >>> decision.bucket, decision.kind  # 64 predicted at 500 bytes, 128 at 900 > 850
       (64, 'grow')

@@ -83,7 +83,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
     Example:
       >>> import jax
-      >>> from triaccel_jax import is_out_of_memory
+      >>> from triaccel_jax.controller import is_out_of_memory
       >>> is_out_of_memory(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: 2.0GiB"))
       True
       >>> is_out_of_memory(ValueError("RESOURCE_EXHAUSTED"))  # only XLA's runtime errors

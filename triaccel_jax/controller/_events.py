@@ -39,7 +39,7 @@ def event_records(events: Iterable[Event]) -> list[dict[str, Any]]:
     """Events as flat dicts, ready for ``pandas.DataFrame(event_records(events))``.
 
     Example:
-      >>> from triaccel_jax import Event, event_records
+      >>> from triaccel_jax.controller import Event, event_records
       >>> event_records([Event(3, "grow", 16, 32, "fits", {"limit_bytes": 1000})])
       [{'step': 3, 'kind': 'grow', 'old': 16, 'new': 32, 'reason': 'fits', 'figure_limit_bytes': 1000}]
     """

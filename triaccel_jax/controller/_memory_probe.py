@@ -60,7 +60,7 @@ def compiled_peak_bytes(compiled: Any) -> int | None:
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from triaccel_jax import compiled_peak_bytes
+      >>> from triaccel_jax.controller import compiled_peak_bytes
       >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(1024)).compile()
       >>> compiled_peak_bytes(compiled) >= 2 * 4096
       True
@@ -243,7 +243,7 @@ def default_memory_probe() -> MemoryProbe:
     """:class:`DeviceMemoryProbe` where devices report a limit, else :class:`BudgetMemoryProbe`.
 
     Example:
-      >>> from triaccel_jax import default_memory_probe
+      >>> from triaccel_jax.controller import default_memory_probe
       >>> type(default_memory_probe()).__name__  # on CPU, half the available RAM
       'BudgetMemoryProbe'
     """

@@ -31,7 +31,7 @@ class ElasticSampler:
       shuffle: False serves ``0, 1, ..., num_examples - 1`` in order every epoch.
 
     Example:
-      >>> from triaccel_jax import ElasticSampler
+      >>> from triaccel_jax.controller import ElasticSampler
       >>> sampler = ElasticSampler(10, seed=0)
       >>> first = sampler.take(4)
       >>> rest = sampler.take(6)  # another batch size: no sample dropped or repeated

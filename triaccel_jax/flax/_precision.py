@@ -220,7 +220,8 @@ def precision_interceptor(
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
-      >>> from triaccel_jax import PrecisionPolicy, precision_interceptor
+      >>> from triaccel_jax import PrecisionPolicy
+      >>> from triaccel_jax.flax import precision_interceptor
       >>> model = nn.Dense(4)
       >>> variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
       >>> policy = PrecisionPolicy.uniform(variables, "bf16")
@@ -302,7 +303,8 @@ def apply_with_policy(
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
-      >>> from triaccel_jax import PrecisionPolicy, apply_with_policy
+      >>> from triaccel_jax import PrecisionPolicy
+      >>> from triaccel_jax.flax import apply_with_policy
       >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
       >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
       >>> policy = PrecisionPolicy.from_patterns(variables, {"params/layers_0/*": "bf16"})

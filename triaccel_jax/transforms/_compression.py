@@ -117,7 +117,7 @@ def compress_diagonal(h: jax.Array, *, block_size: int, rho: float) -> Compresse
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from triaccel_jax import compress_diagonal
+      >>> from triaccel_jax.transforms import compress_diagonal
       >>> store = compress_diagonal(jnp.array([1.0, 3.0, 0.0, 8.0]), block_size=2, rho=0.25)
       >>> store.block_means.tolist(), store.outlier_indices.tolist()
       ([2.0, 4.0], [3])
@@ -142,7 +142,7 @@ def expand_diagonal(store: CompressedDiagonal, shape: tuple[int, ...]) -> jax.Ar
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from triaccel_jax import compress_diagonal, expand_diagonal
+      >>> from triaccel_jax.transforms import compress_diagonal, expand_diagonal
       >>> store = compress_diagonal(jnp.array([1.0, 3.0, 0.0, 8.0]), block_size=2, rho=0.25)
       >>> expand_diagonal(store, (4,)).tolist()
       [2.0, 2.0, 4.0, 8.0]

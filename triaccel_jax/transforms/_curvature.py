@@ -82,7 +82,7 @@ def fisher_diagonal() -> optax.GradientTransformationExtraArgs:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from triaccel_jax import fisher_diagonal
+      >>> from triaccel_jax.transforms import fisher_diagonal
       >>> tx = fisher_diagonal()
       >>> diag, _ = tx.update({"w": jnp.array([1.0, -2.0])}, tx.init(None))
       >>> diag["w"].tolist()
@@ -154,7 +154,7 @@ def hutchinson_diagonal(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from triaccel_jax import hutchinson_diagonal
+      >>> from triaccel_jax.transforms import hutchinson_diagonal
       >>> tx = hutchinson_diagonal()
       >>> params = {"w": jnp.array([1.0, 2.0])}
       >>> loss_fn = lambda p: jnp.sum(jnp.array([3.0, 5.0]) * p["w"] ** 2)  # H = diag(6, 10)

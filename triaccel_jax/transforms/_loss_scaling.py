@@ -42,7 +42,7 @@ class LossScaleState(NamedTuple):
       skipped_steps: int32 total steps skipped for non-finite gradients (saturating).
 
     Example:
-      >>> from triaccel_jax import LossScaling
+      >>> from triaccel_jax.transforms import LossScaling
       >>> state = LossScaling().init()
       >>> float(state.scale), int(state.good_steps), int(state.skipped_steps)
       (32768.0, 0, 0)
@@ -71,7 +71,7 @@ class LossScaling:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from triaccel_jax import LossScaling
+      >>> from triaccel_jax.transforms import LossScaling
       >>> rule = LossScaling(initial_scale=8.0, growth_interval=2)
       >>> state = rule.update(rule.init(), jnp.asarray(False))  # an overflow: back off, skip
       >>> float(state.scale), int(state.skipped_steps)
