@@ -171,8 +171,8 @@ CASES = [
         "`max_scale` must be >= `min_scale`",
     ),
     Case(
-        "scale_by_triaccel-block-size-fraction",
-        lambda _: T.scale_by_triaccel(block_size=2.5),
+        "TriAccelConfig-block-size-fraction",
+        lambda _: T.TriAccelConfig(block_size=2.5),
         ValueError,
         "`block_size` must be an integer",
     ),
