@@ -106,7 +106,14 @@ _MOVED = {
 }
 
 
+# Subpackages that pull in optional or heavy dependencies (Flax, matplotlib, tfds) are imported on
+# first use, so `import triaccel_jax` stays an optax-only import.
+_LAZY_SUBPACKAGES = frozenset({"cli", "data", "flax", "kernels", "models"})
+
+
 def __getattr__(name: str):
+    if name in _LAZY_SUBPACKAGES:
+        return _importlib.import_module(f"triaccel_jax.{name}")
     module = _MOVED.get(name)
     if module is None:
         raise AttributeError(f"module 'triaccel_jax' has no attribute {name!r}")
@@ -120,4 +127,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_MOVED})
+    return sorted({*globals(), *_MOVED, *_LAZY_SUBPACKAGES})
