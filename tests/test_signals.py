@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import triaccel_jax
-from triaccel_jax.transforms import _scale_by_triaccel as transform
+from triaccel_jax.transforms import _triaccel_state as transform
 
 PARAMS = {"encoder": {"layers": [{"kernel": jnp.ones((3, 2))}, {"kernel": jnp.ones((2, 2))}]}}
 GRADS = jax.tree.map(lambda p: p * 0.5, PARAMS)

@@ -28,8 +28,8 @@ from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.precision import _casting as precision
 from triaccel_jax.precision import _policy as policy_lib
 from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
-from triaccel_jax.transforms import _scale_by_triaccel as transform
 from triaccel_jax.transforms import _state_conversion as state_conversion
+from triaccel_jax.transforms import _triaccel_state as triaccel_state
 
 # The extra arguments optax's transforms and triaccel's take: the loss (triaccel's and optax's
 # linesearch ``loss_fn``/``value_fn``, optax.contrib.sophia's ``obj_fn``), its value and gradient
@@ -306,10 +306,7 @@ def _compute_copy(params: Any, policy: policy_lib.PrecisionPolicy | None) -> Any
 
 
 def _convert_if_triaccel(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
-    found = jax.tree.leaves(
-        opt_state, is_leaf=lambda n: isinstance(n, transform.ScaleByTriAccelState)
-    )
-    if any(isinstance(n, transform.ScaleByTriAccelState) for n in found):
+    if triaccel_state.find_triaccel_states(opt_state):
         return state_conversion.convert_state(opt_state, policy)
     return opt_state
 

@@ -9,7 +9,8 @@ model):
 * the compressed curvature store (:class:`CompressedDiagonal`, :func:`compress_diagonal`,
   :func:`expand_diagonal`), updated without gathering sharded leaves;
 * :func:`signals`, the per-leaf curvature, noise and step-size figures of any state holding a
-  triaccel state, and :func:`convert_state`, which recasts the moments for a precision policy;
+  triaccel state, :func:`convert_state`, which recasts the moments for a precision policy, and
+  :func:`find_triaccel_states`, which finds the triaccel states inside any optimizer state;
 * dynamic loss scaling (:class:`LossScaling`, :func:`dynamic_loss_scale`).
 
 The algorithm is described in the repository's ``docs/design.md`` (sections 3.1 to 3.5, 3.8).
@@ -19,6 +20,7 @@ from triaccel_jax.transforms._alias import triaccel
 from triaccel_jax.transforms._compression import CompressedDiagonal
 from triaccel_jax.transforms._compression import compress_diagonal
 from triaccel_jax.transforms._compression import expand_diagonal
+from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._curvature import HutchinsonDiagonalState
 from triaccel_jax.transforms._curvature import fisher_diagonal
 from triaccel_jax.transforms._curvature import hutchinson_diagonal
@@ -27,12 +29,12 @@ from triaccel_jax.transforms._loss_scaling import LossScaleState
 from triaccel_jax.transforms._loss_scaling import LossScaling
 from triaccel_jax.transforms._loss_scaling import dynamic_loss_scale
 from triaccel_jax.transforms._loss_scaling import loss_scale
-from triaccel_jax.transforms._scale_by_triaccel import LeafSignals
-from triaccel_jax.transforms._scale_by_triaccel import ScaleByTriAccelState
-from triaccel_jax.transforms._scale_by_triaccel import TriAccelConfig
 from triaccel_jax.transforms._scale_by_triaccel import scale_by_triaccel
 from triaccel_jax.transforms._signals import signals
 from triaccel_jax.transforms._state_conversion import convert_state
+from triaccel_jax.transforms._triaccel_state import LeafSignals
+from triaccel_jax.transforms._triaccel_state import ScaleByTriAccelState
+from triaccel_jax.transforms._triaccel_state import find_triaccel_states
 
 __all__ = (
     "CompressedDiagonal",
@@ -47,6 +49,7 @@ __all__ = (
     "convert_state",
     "dynamic_loss_scale",
     "expand_diagonal",
+    "find_triaccel_states",
     "fisher_diagonal",
     "hutchinson_diagonal",
     "loss_scale",

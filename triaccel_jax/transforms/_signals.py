@@ -11,17 +11,9 @@ import numpy as np
 
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.transforms import _compression as compression
-from triaccel_jax.transforms import _scale_by_triaccel as transform
+from triaccel_jax.transforms import _triaccel_state as triaccel_state
 
-SIGNAL_NAMES = transform.LeafSignals._fields
-
-
-def _find_states(opt_state: Any) -> list[transform.ScaleByTriAccelState]:
-    def is_triaccel(node):
-        return isinstance(node, transform.ScaleByTriAccelState)
-
-    nodes = jax.tree.leaves(opt_state, is_leaf=is_triaccel)
-    return [node for node in nodes if is_triaccel(node)]
+SIGNAL_NAMES = triaccel_state.LeafSignals._fields
 
 
 def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
@@ -61,7 +53,7 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
       >>> triaccel_jax.signals(state)["dense/kernel"]["state_dtype"]
       'float32'
     """
-    states = _find_states(opt_state)
+    states = triaccel_state.find_triaccel_states(opt_state)
     if not states:
         raise ValueError(
             "no triaccel state found in `opt_state`: pass the state of an optimizer built with "
@@ -73,7 +65,7 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
         def is_signals(node):
             # nnx.Optimizer stores the state through nnx.Variables and gives the NamedTuple
             # back as a dict of its fields after an update.
-            return isinstance(node, transform.LeafSignals) or (
+            return isinstance(node, triaccel_state.LeafSignals) or (
                 isinstance(node, Mapping) and set(node) == set(SIGNAL_NAMES)
             )
 
@@ -86,7 +78,7 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
         dtypes = jax.tree.leaves(state.mu)
         entries = [(p, s) for p, s in with_paths if is_signals(s)]
         values = [
-            s if isinstance(s, transform.LeafSignals) else transform.LeafSignals(**s)
+            s if isinstance(s, triaccel_state.LeafSignals) else triaccel_state.LeafSignals(**s)
             for _, s in entries
         ]
         stores = [
@@ -118,7 +110,7 @@ STORE_FIELDS = compression.CompressedDiagonal._fields
 
 
 def _bias_corrected(
-    store: compression.CompressedDiagonal, leaf: transform.LeafSignals, *, traced: bool
+    store: compression.CompressedDiagonal, leaf: triaccel_state.LeafSignals, *, traced: bool
 ) -> compression.CompressedDiagonal:
     """The store divided by the EMA's bias correction ``1 - decay**n``.
 

@@ -14,7 +14,7 @@ import jax
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.precision import _dtypes as dtypes
 from triaccel_jax.precision import _policy as policy_lib
-from triaccel_jax.transforms import _scale_by_triaccel as transform
+from triaccel_jax.transforms import _triaccel_state as triaccel_state
 
 
 def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
@@ -43,9 +43,6 @@ def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
 
     policy_lib.check_policy(policy)
 
-    def is_triaccel(node):
-        return isinstance(node, transform.ScaleByTriAccelState)
-
     def recast(path, moment):
         name = tree_lib.path_string(path)
         if name not in policy:
@@ -53,11 +50,11 @@ def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
         return moment.astype(dtypes.FORMATS[policy.state(name)].dtype)
 
     def convert(node):
-        if not is_triaccel(node):
+        if not triaccel_state.is_triaccel_state(node):
             return node
         return node._replace(
             mu=jax.tree_util.tree_map_with_path(recast, node.mu),
             nu=jax.tree_util.tree_map_with_path(recast, node.nu),
         )
 
-    return jax.tree.map(convert, opt_state, is_leaf=is_triaccel)
+    return jax.tree.map(convert, opt_state, is_leaf=triaccel_state.is_triaccel_state)

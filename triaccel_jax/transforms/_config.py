@@ -1,0 +1,135 @@
+"""``TriAccelConfig``: the options of ``triaccel`` that set shapes and programs, not numbers.
+
+Kept apart from the numeric hyperparameters so that ``optax.inject_hyperparams`` (which traces
+every number it is given) passes them through unchanged (docs/design.md §3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from triaccel_jax._src import validation
+from triaccel_jax.precision import _policy as policy_lib
+
+ESTIMATORS = ("fisher", "hutchinson")
+STATE_DTYPES = ("float32", "bfloat16")
+
+
+def normalized_state_dtype(state_dtype: Any) -> Any:
+    """None, a policy, or the name of an allowed moment dtype (hashable, and never callable)."""
+    if state_dtype is None or isinstance(state_dtype, policy_lib.PrecisionPolicy):
+        return state_dtype
+    if isinstance(state_dtype, (jax.Array, np.ndarray, np.generic)):
+        # optax.inject_hyperparams takes a dtype type such as jnp.bfloat16 (callable) for a
+        # schedule and hands its value at step 0 to the factory.
+        raise ValueError(
+            f"`state_dtype` arrived as the number {state_dtype!r}: optax.inject_hyperparams takes "
+            "a dtype type such as jnp.bfloat16 for a schedule; pass "
+            "config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16) or the name 'bfloat16'"
+        )
+    try:
+        name = jnp.dtype(state_dtype).name
+    except TypeError:
+        name = None
+    if name not in STATE_DTYPES:
+        raise ValueError(
+            f"`state_dtype` must be None or one of {STATE_DTYPES} (moments are never stored below "
+            f"bfloat16), got {state_dtype!r}"
+        )
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class TriAccelConfig:
+    """The options of :func:`triaccel_jax.triaccel` that are not numbers to tune.
+
+    They set the shapes of the optimizer state (the curvature store's layout), the estimator's
+    program, or the moments' dtype, so they must be known when the state is initialised. Kept in
+    one frozen, hashable object, they stay out of what ``optax.inject_hyperparams`` injects: it
+    turns every int and float argument into a traced array, and passes this object through, so
+    ``jax.jit(tx.init)`` works without ``static_args`` while every numeric hyperparameter stays
+    injectable.
+
+    Attributes:
+      estimator: ``"fisher"`` (squared gradient; needs no extra argument) or ``"hutchinson"``
+        (Hessian diagonal from HVPs; needs ``loss_fn=`` in ``update``).
+      block_size: elements per block of the compressed curvature store, >= 1.
+      rho: fraction of each leaf's curvature entries kept exactly, in (0, 1].
+      num_samples: Hutchinson probes per estimate, >= 1.
+      state_dtype: dtype of the moments: None (float32, or float64 for float64 params),
+        ``"float32"`` or ``"bfloat16"`` (a dtype is stored as its name; bfloat16 writes are
+        stochastically rounded), or a :class:`triaccel_jax.PrecisionPolicy` giving each leaf's.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import triaccel_jax
+      >>> config = triaccel_jax.TriAccelConfig(block_size=8, state_dtype=jnp.bfloat16)
+      >>> tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-3, config=config)
+      >>> state = jax.jit(tx.init)({"w": jnp.ones(16)})
+      >>> state.inner_state[0].curvature["w"].block_means.shape, config.state_dtype
+      ((2,), 'bfloat16')
+
+    References:
+      Tri-Accel, arXiv 2508.16905; optax.inject_hyperparams.
+    """
+
+    estimator: str = "fisher"
+    block_size: int = 64
+    rho: float = 0.01
+    num_samples: int = 1
+    state_dtype: Any = None
+
+    def __post_init__(self) -> None:
+        validation.check_choice("estimator", self.estimator, ESTIMATORS)
+        validation.check_integer("block_size", self.block_size, 1)
+        validation.check_in_range("rho", self.rho, 0.0, 1.0, low_inclusive=False)
+        validation.check_integer("num_samples", self.num_samples, 1)
+        # Plain Python values, so that equal configs hash equal (an array would not hash). A
+        # traced value only comes from the deprecated keywords under inject_hyperparams: the
+        # update reads the layout from the store's shapes and loops over traced probes, and
+        # init says what to do instead (see `scale_by_triaccel`).
+        for name, kind in (("block_size", int), ("rho", float), ("num_samples", int)):
+            value = getattr(self, name)
+            if not isinstance(value, jax.core.Tracer):
+                object.__setattr__(self, name, kind(np.asarray(value)))
+        object.__setattr__(self, "state_dtype", normalized_state_dtype(self.state_dtype))
+
+
+_DEPRECATED_KEYWORDS = ("block_size", "rho", "num_samples")
+
+
+def resolve_config(config: TriAccelConfig | None, **keywords: Any) -> TriAccelConfig:
+    """The config that ``config`` and the factory's config keywords (None: not given) describe.
+
+    ``estimator`` and ``state_dtype`` are plain keywords as well (never numbers, so
+    ``inject_hyperparams`` leaves them alone); ``block_size``, ``rho`` and ``num_samples`` as
+    keywords are deprecated, because ``inject_hyperparams`` traces them.
+    """
+    if config is not None and not isinstance(config, TriAccelConfig):
+        raise TypeError(
+            f"`config` must be a triaccel_jax.TriAccelConfig, got {type(config).__name__}"
+        )
+    given = {name: value for name, value in keywords.items() if value is not None}
+    deprecated = [name for name in _DEPRECATED_KEYWORDS if name in given]
+    if deprecated:
+        listed = ", ".join(f"{name}=" for name in deprecated)
+        warnings.warn(
+            f"{listed} as keyword(s) of triaccel/scale_by_triaccel are deprecated: "
+            "optax.inject_hyperparams traces every number, and these set array shapes; pass "
+            f"config=triaccel_jax.TriAccelConfig({listed}...) instead",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    if config is None:
+        return TriAccelConfig(**given)
+    for name in given:
+        raise ValueError(
+            f"`{name}` given both as a keyword and in `config`: pass it in `config` only"
+        )
+    return config

@@ -1,0 +1,130 @@
+"""The curvature step of ``scale_by_triaccel``: fold an estimate, then refresh the leaf signals.
+
+Every ``curvature_every`` steps the optimizer folds a fresh diagonal curvature estimate into each
+leaf's compressed EMA, and from the bias-corrected EMA derives the leaf's step-size scale
+``s_l = clip((kappa_ref / kappa_l) ** alpha, min_scale, max_scale)`` and its noise-to-signal
+ratio (docs/design.md §3.2 to §3.4). These functions work on lists of leaves (the optimizer's
+flattened trees) and on the indices of the leaves it trains.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from triaccel_jax.transforms import _compression as compression
+from triaccel_jax.transforms import _compression_sharded as compression_sharded
+from triaccel_jax.transforms._triaccel_state import LeafSignals
+
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+_HUGE = float(jnp.finfo(jnp.float32).max)
+
+
+class FoldedCurvature(NamedTuple):
+    """What folding one estimate into the leaves' EMAs gives, per trained leaf index.
+
+    Attributes:
+      stores: the new compressed EMA of every leaf (untrained leaves unchanged).
+      summaries: bias-corrected summary (mean, max_abs, trace) per trained leaf index.
+      dropped: new count of dropped estimates per trained leaf index.
+    """
+
+    stores: list[Any]
+    summaries: dict[int, Any]
+    dropped: dict[int, jax.Array]
+
+
+def fold_estimate(
+    stores: list[Any],
+    diagonal: list[Any],
+    signals: list[LeafSignals],
+    curvature_count: jax.Array,
+    *,
+    active: list[int],
+    shapes: list[tuple[int, ...]],
+    curvature_decay: Any,
+) -> FoldedCurvature:
+    """Folds each trained leaf's estimate into its EMA, leaving non-finite estimates out.
+
+    A non-finite estimate (``|x|**1.5`` at 0, an overflowing HVP) would stay in the EMA for good:
+    it is left out, and the leaf's bias correction ``1 - decay**kept`` counts only the estimates
+    it kept. ``curvature_count`` is the count after this estimate.
+    """
+    stores = list(stores)
+    decay = jnp.asarray(curvature_decay, jnp.float32)
+    summaries, dropped = {}, {}
+    for i in active:
+        candidate = compression_sharded.update_compressed_ema(
+            stores[i], diagonal[i], curvature_decay
+        )
+        keep = jnp.all(jnp.isfinite(diagonal[i])) & _all_finite(candidate)
+        stores[i] = jax.tree.map(
+            lambda new, old, keep=keep: jnp.where(keep, new, old), candidate, stores[i]
+        )
+        old_dropped = signals[i].dropped_estimates
+        dropped[i] = jnp.where(keep, old_dropped, optax.safe_increment(old_dropped))
+        kept = jnp.maximum(curvature_count - dropped[i], 0)
+        correction = jnp.maximum(1 - decay**kept, _TINY)
+        summary = compression.summarize_diagonal(stores[i], shapes[i])
+        summaries[i] = jax.tree.map(lambda x, c=correction: x / c, summary)
+    return FoldedCurvature(stores, summaries, dropped)
+
+
+def refreshed_signals(
+    folded: FoldedCurvature,
+    signals: list[LeafSignals],
+    *,
+    active: list[int],
+    m_hat: dict[int, jax.Array],
+    v_hat: dict[int, jax.Array],
+    alpha: Any,
+    min_scale: Any,
+    max_scale: Any,
+) -> list[LeafSignals]:
+    """Each trained leaf's new :class:`LeafSignals`, its step scale against the median curvature.
+
+    ``kappa_ref`` is the median of the finite mean curvatures, so one leaf cannot poison the
+    rest; with no finite curvature anywhere (or a NaN one here) a leaf's step stays unscaled.
+    """
+    signals = list(signals)
+    kappa = {i: jnp.maximum(folded.summaries[i].mean, 0.0) for i in active}
+    kappa_ref = _finite_median([kappa[i] for i in active]) if active else None
+    exponent = jnp.asarray(alpha, jnp.float32)
+    for i in active:
+        scale = jnp.clip(
+            ((kappa_ref + _TINY) / (kappa[i] + _TINY)) ** exponent, min_scale, max_scale
+        )
+        scale = jnp.where(jnp.isnan(scale), 1.0, scale)
+        signal = jnp.mean(jnp.square(m_hat[i]))
+        noise = jnp.maximum(jnp.mean(v_hat[i]) - signal, 0.0)
+        summary = folded.summaries[i]
+        signals[i] = LeafSignals(
+            mean_curvature=summary.mean,
+            max_curvature=summary.max_abs,
+            trace=summary.trace,
+            # m_hat can cancel to exactly 0 while v_hat > 0: keep the ratio finite.
+            noise_to_signal=jnp.minimum(noise / (signal + _TINY), _HUGE),
+            step_scale=scale.astype(jnp.float32),
+            dropped_estimates=folded.dropped[i],
+        )
+    return signals
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    """Whether every floating-point entry of ``tree`` is finite (a boolean scalar)."""
+    checks = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
+def _finite_median(values: list[jax.Array]) -> jax.Array:
+    """The median of the finite ``values`` (NaN when none is): one leaf cannot poison the rest."""
+    stacked = jnp.stack(values)
+    return jnp.nanmedian(jnp.where(jnp.isfinite(stacked), stacked, jnp.nan))
