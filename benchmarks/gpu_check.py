@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from triaccel_jax.kernels import _adam as adam_lib
 from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import cast as cast_lib
 from triaccel_jax.kernels import fused_update as fused_lib
@@ -346,12 +347,7 @@ def _unfused_pipeline(
 
     @jax.jit
     def moments(grad, mu, nu):
-        g = grad.astype(jnp.float32)
-        mu_f = s.b1 * mu.astype(jnp.float32) + s.one_minus_b1 * g
-        nu_f = s.b2 * nu.astype(jnp.float32) + s.one_minus_b2 * g * g
-        direction = (mu_f * s.inv_bias_correction1) / (
-            jnp.sqrt(nu_f * s.inv_bias_correction2) + s.eps
-        )
+        mu_f, nu_f, _, _, direction = adam_lib.adam_moments(grad, mu, nu, s)
         k_mu, k_nu = jax.random.split(key)
         return (
             cast_lib.cast_reference(mu_f, moment_dtype, rounding="stochastic", key=k_mu),
@@ -420,7 +416,6 @@ def memory_child(config: str, batch_size: int, dry_run: bool) -> None:
             if policy is None:
                 logits, updates = model.apply(variables, x, **kwargs)
             else:
-                variables["params"] = triaccel_jax.cast_params(params, policy)
                 logits, updates = triaccel_jax.flax.apply_with_policy(
                     model, variables, x, policy=policy, **kwargs
                 )

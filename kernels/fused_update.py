@@ -34,8 +34,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from triaccel_jax.kernels import _adam
 from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import _rounding
+from triaccel_jax.kernels._adam import Scalars  # re-exported: the kernel reads them in this order
+from triaccel_jax.kernels._adam import scalars
 
 MOMENT_DTYPES = ("float32", "bfloat16")
 MASTER_DTYPES = ("float32", "bfloat16", "float16")
@@ -58,57 +61,6 @@ class FusedUpdate(NamedTuple):
     nu: jax.Array
     master: jax.Array
     compute: jax.Array
-
-
-class Scalars(NamedTuple):
-    """The float32 scalars of an update, computed once in JAX and read by every element.
-
-    Divisions by a scalar are multiplications by its float32 reciprocal: XLA compiles ``x / c``
-    for a scalar ``c`` that way anyway (as it does in ``scale_by_triaccel``), and doing it
-    explicitly keeps the reference, the optimizer and the kernel on the same operations.
-    """
-
-    learning_rate: jax.Array
-    b1: jax.Array
-    one_minus_b1: jax.Array
-    b2: jax.Array
-    one_minus_b2: jax.Array
-    inv_bias_correction1: jax.Array
-    inv_bias_correction2: jax.Array
-    eps: jax.Array
-    weight_decay: jax.Array
-    step_scale: jax.Array
-    inv_compute_scale: jax.Array
-
-
-def scalars(
-    *,
-    count: Any,
-    learning_rate: Any,
-    b1: Any,
-    b2: Any,
-    eps: Any,
-    weight_decay: Any,
-    step_scale: Any,
-    compute_scale: Any,
-) -> Scalars:
-    """The update's scalars in float32, computed as ``scale_by_triaccel`` computes them."""
-    f32 = lambda value: jnp.asarray(value, jnp.float32)
-    b1, b2 = f32(b1), f32(b2)
-    step = jnp.asarray(count).astype(jnp.float32)
-    return Scalars(
-        learning_rate=f32(learning_rate),
-        b1=b1,
-        one_minus_b1=1 - b1,
-        b2=b2,
-        one_minus_b2=1 - b2,
-        inv_bias_correction1=1 / (1 - b1**step),
-        inv_bias_correction2=1 / (1 - b2**step),
-        eps=f32(eps),
-        weight_decay=f32(weight_decay),
-        step_scale=f32(step_scale),
-        inv_compute_scale=1 / f32(1.0 if compute_scale is None else compute_scale),
-    )
 
 
 def _check_dtype(name: str, dtype: jnp.dtype, allowed: tuple[str, ...]) -> None:
@@ -184,12 +136,9 @@ def reference(
 ) -> FusedUpdate:
     """The reference on validated arguments and precomputed scalars (shared with the kernel)."""
     streams = _rounding.random_streams(words, grad.shape) if words is not None else (None,) * 4
-    g = grad.astype(jnp.float32)
-    mu_f = s.b1 * mu.astype(jnp.float32) + s.one_minus_b1 * g
-    nu_f = s.b2 * nu.astype(jnp.float32) + s.one_minus_b2 * (g * g)
-    m_hat = mu_f * s.inv_bias_correction1
-    v_hat = nu_f * s.inv_bias_correction2
-    direction = s.step_scale * (m_hat / (jnp.sqrt(v_hat) + s.eps))
+    # The optimizer's own moment math (scale_by_triaccel calls the same function).
+    mu_f, nu_f, _, _, direction = _adam.adam_moments(grad, mu, nu, s)
+    direction = s.step_scale * direction
     master_f = master.astype(jnp.float32)
     master_f = master_f - s.learning_rate * (direction + s.weight_decay * master_f)
     new_master = _write(master_f, master.dtype, streams[_MASTER], "stochastic")

@@ -219,3 +219,44 @@ def test_errors():
         fused_lib.fused_update_reference(x, x, x, x, compute_dtype=jnp.float8_e5m2, **kwargs)
     with pytest.raises(ValueError, match="rounding"):
         fused_lib.fused_update_reference(x, x, x, x, rounding="odd", **kwargs)
+
+
+def test_optimizer_and_reference_call_the_one_moment_update(monkeypatch):
+    # One implementation of Adam's moments: scale_by_triaccel and the fused update's reference
+    # both go through kernels._adam.adam_moments (replacing it changes what both compute).
+    from triaccel_jax.kernels import _adam
+
+    calls = []
+    original = _adam.adam_moments
+
+    def recording(grad, mu, nu, s):
+        calls.append(grad.shape)
+        return original(grad, mu, nu, s)
+
+    monkeypatch.setattr(_adam, "adam_moments", recording)
+    params, grads = _problem(n=8)
+    tx = triaccel_jax.transforms.scale_by_triaccel(**HYPER)
+    tx.update(grads[0], tx.init(params), params)
+    assert calls == [(8,)]
+    fused_lib.fused_update_reference(
+        grads[0]["w"], jnp.zeros(8), jnp.zeros(8), params["w"], count=1, learning_rate=0.1
+    )
+    assert calls == [(8,), (8,)]
+
+
+def test_direction_is_the_shared_moment_update_times_the_step_scale():
+    from triaccel_jax.kernels import _adam
+
+    params, grads = _problem(n=64)
+    tx = triaccel_jax.transforms.scale_by_triaccel(**HYPER)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for g in grads:
+        updates, new_state = update(g, state, params)
+        s = _adam.adam_scalars(count=new_state.count, **HYPER)
+        moments = jax.jit(_adam.adam_moments)(g["w"], state.mu["w"], state.nu["w"], s)
+        scale = new_state.leaf_signals["w"].step_scale
+        np.testing.assert_allclose(updates["w"], scale * moments.direction, rtol=3e-7, atol=0)
+        np.testing.assert_array_equal(new_state.mu["w"], moments.mu)
+        np.testing.assert_array_equal(new_state.nu["w"], moments.nu)
+        state = new_state
