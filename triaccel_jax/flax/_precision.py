@@ -84,6 +84,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from triaccel_jax._src import tree as tree_lib
+from triaccel_jax.precision import _casting as casting
 from triaccel_jax.precision import _memory as memory
 
 MIXED = ("widest", "largest")
@@ -279,27 +280,46 @@ def _trainable(tree: Any) -> Iterator[tuple[str, Any]]:
 
 
 def apply_with_policy(
-    model: nn.Module, variables: Any, *args: Any, policy: Any, mixed: str = "largest", **kwargs: Any
+    model: nn.Module,
+    variables: Any,
+    *args: Any,
+    policy: Any,
+    mixed: str = "largest",
+    cast: bool = True,
+    rounding: str = "nearest",
+    key: jax.Array | None = None,
+    **kwargs: Any,
 ) -> Any:
-    """``model.apply(variables, *args, **kwargs)`` with each module computing in its policy dtype.
+    """``model.apply(variables, *args, **kwargs)`` on master params, each module in its policy dtype.
 
-    Checks that ``policy`` covers the ``params`` collection exactly, then applies the model inside
-    :func:`precision_interceptor`. ``variables`` may hold fp32 masters or compute copies.
+    Checks that ``policy`` covers the ``params`` collection exactly, casts the masters to their
+    compute copies (as :func:`triaccel_jax.cast_params` does: fp8 leaves rounded with their
+    per-leaf scale and carried in bf16), and applies the model inside
+    :func:`precision_interceptor`. The cast passes gradients straight through, so ``jax.grad``
+    with respect to the masters gives gradients in the masters' dtype. This is the one call a
+    forward pass needs: callers do not cast first.
 
     Args:
       model: a Linen module.
-      variables: its variables (``{"params": ..., ...}``).
+      variables: its variables (``{"params": masters, ...}``); other collections are not cast.
       *args: positional arguments of ``model.apply`` (the inputs).
       policy: a :class:`triaccel_jax.PrecisionPolicy` built on ``variables`` or on
-        ``variables["params"]``.
+        ``variables["params"]``; None: plain ``model.apply`` (no cast, no interceptor), so a
+        loss written once runs with and without a policy.
       mixed: see :func:`precision_interceptor`.
+      cast: True (default): cast the ``params`` collection to its compute copies first. False:
+        ``variables["params"]`` already holds compute copies (say, a train state's
+        ``compute_params``), or the interceptor's plain ``astype`` of the masters is wanted.
+      rounding: rounding of the cast, ``"nearest"`` or ``"stochastic"`` (needs ``key``).
+      key: PRNG key for stochastic rounding (one stream per leaf, as in ``cast_params``).
       **kwargs: keyword arguments of ``model.apply`` (``rngs``, ``mutable``, ``method``, ...).
 
     Returns:
       What ``model.apply`` returns.
 
     Raises:
-      ValueError: the policy does not match the params (the message names the paths).
+      ValueError: the policy does not match the params (the message names the paths), or
+        ``rounding="stochastic"`` without a ``key``.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -313,9 +333,25 @@ def apply_with_policy(
       >>> loss = lambda v: apply_with_policy(model, v, jnp.ones((1, 3)), policy=policy).sum()
       >>> jax.grad(loss)(variables)["params"]["layers_0"]["kernel"].dtype  # fp32 masters
       dtype('float32')
+      >>> apply_with_policy(model, variables, jnp.ones((1, 3)), policy=None).shape  # plain apply
+      (1, 2)
+
+    References:
+      Micikevicius et al., 2018, "Mixed Precision Training"; docs/design.md §3.7.
     """
+    if policy is None:
+        return model.apply(variables, *args, **kwargs)
     if _PARAMS not in variables:
         raise ValueError(f"`variables` has no {_PARAMS!r} collection: got {sorted(variables)}")
     _check_covers(policy, variables[_PARAMS])
+    if cast:
+        _, prefix = _policy_dtypes(policy)
+        compute = casting.cast_by_path(
+            variables[_PARAMS],
+            lambda path: policy.compute(prefix + path),
+            rounding=rounding,
+            key=key,
+        )
+        variables = {**variables, _PARAMS: compute}
     with precision_interceptor(policy, mixed=mixed):
         return model.apply(variables, *args, **kwargs)

@@ -10,6 +10,7 @@ BFloat16 Training").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -68,7 +69,35 @@ def cast_params(
         raise ValueError("rounding='stochastic' needs a PRNG `key`")
     policy_lib.check_policy(policy)
     policy.check_matches(params)
-    names = {path: policy.compute(path) for path in policy}
+    return cast_by_path(params, policy.compute, rounding=rounding, key=key, impl=impl)
+
+
+def cast_by_path(
+    params: Any,
+    compute_format: Callable[[str], str],
+    *,
+    rounding: str = "nearest",
+    key: jax.Array | None = None,
+    impl: str = "auto",
+) -> Any:
+    """The compute copy of ``params``, each trainable leaf cast to ``compute_format(path)``.
+
+    The loop behind :func:`cast_params`, for callers whose policy paths differ from the tree's
+    (the Flax interceptor's policy may be built on ``variables``, the tree is
+    ``variables["params"]``). The leaf keys are derived as :func:`cast_params` derives them.
+
+    Args:
+      params: the masters.
+      compute_format: maps a leaf's ``"a/b/kernel"`` path to its format name (``"bf16"``, ...).
+      rounding: ``"nearest"`` or ``"stochastic"`` (needs ``key``).
+      key: PRNG key for stochastic rounding.
+      impl: passed to the cast kernel.
+
+    Returns:
+      A tree like ``params``; trainable leaves in their compute dtype, others unchanged.
+    """
+    if rounding == "stochastic" and key is None:
+        raise ValueError("rounding='stochastic' needs a PRNG `key`")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     keys = _leaf_keys(key, len(leaves))
     out = []
@@ -76,7 +105,7 @@ def cast_params(
         if not tree_lib.is_trainable(leaf):
             out.append(leaf)
             continue
-        name = names[tree_lib.path_string(path)]
+        name = compute_format(tree_lib.path_string(path))
         out.append(_cast_leaf(leaf, name, rounding, leaf_key, impl))
     return jax.tree.unflatten(treedef, out)
 
