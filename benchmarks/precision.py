@@ -32,6 +32,7 @@ import optax
 
 import triaccel_jax
 import triaccel_jax.flax
+from triaccel_jax.controller import replan
 from triaccel_jax.data import FASHION_MNIST_DIR
 from triaccel_jax.data import load_digits
 from triaccel_jax.data import load_fashion_mnist
@@ -96,6 +97,7 @@ def train_steps(run, tx, data, steps, batch_size, seed, *, planned, replan_every
     """Trains ``run.params`` for ``steps``; returns params, batch stats, state, policy, losses."""
     params, stats = run.params, run.batch_stats
     policy = triaccel_jax.PrecisionPolicy.uniform(params, "fp32") if planned else None
+    plan = policy  # a bare policy: no hysteresis streaks yet
     state = tx.init(params)
     compiled = {}
 
@@ -121,12 +123,11 @@ def train_steps(run, tx, data, steps, batch_size, seed, *, planned, replan_every
         batch = order[cursor : cursor + batch_size]
         cursor += batch_size
         if planned and t > 0 and t % replan_every == 0:
-            new = triaccel_jax.plan_precision(
-                triaccel_jax.signals(state), params, policy, budget=budget, loss=float(losses[-1])
+            result = replan(
+                state, params, plan, loss=float(losses[-1]), planner_options={"budget": budget}
             )
-            if new != policy:
-                state, switches = triaccel_jax.transforms.convert_state(state, new), switches + 1
-            policy = new
+            state, plan, switches = result.opt_state, result.plan, switches + result.changed
+            policy = plan.policy
         key = policy if planned else None
         if key not in compiled:
             compiled[key] = make_step(policy)
@@ -183,17 +184,13 @@ def measure_memory(name, make_model, data, args):
         replan_every=args.replan_every,
         budget=args.budget,
     )
-    policy = triaccel_jax.plan_precision(
-        triaccel_jax.signals(state), params, budget=args.budget, loss=losses[-1]
-    )
-    state = triaccel_jax.transforms.convert_state(state, policy)
+    result = replan(state, params, None, loss=losses[-1], planner_options={"budget": args.budget})
+    policy, state = result.plan.policy, result.opt_state
     planned_loss = lambda p, b: run.loss_fn(policy)(p, b)[0]
     planned = triaccel_jax.memory_report(params, state, policy, planned_loss, batch)
     masters = triaccel_jax.master_params(params, policy, "policy")
     policy_masters = triaccel_jax.memory_report(masters, state, policy, planned_loss, batch)
-    counts = {}
-    for path in policy:
-        counts[policy.compute(path)] = counts.get(policy.compute(path), 0) + 1
+    counts = result.leaves_by_dtype
     print(f"\n== memory: {name}, batch {shape} ==")
     print(f"planned policy: {counts} (budget {args.budget} x loss {losses[-1]:.3f})")
     header = f"{'run':<34}{'params':>9}{'copies':>9}{'grads':>9}{'state':>9}{'resid.':>9}{'total MiB':>11}{'/fp32':>8}"

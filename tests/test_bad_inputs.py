@@ -755,4 +755,4 @@ def test_bad_input_is_rejected_naming_the_problem(case, tmp_path):
 def test_numpy_and_jax_scalars_are_numbers_for_the_planner():
     # A budget computed from a float32 loss is a NumPy or JAX scalar, not a Python float.
     for budget in (np.float32(1e-3), jnp.float32(1e-3), 1e-3):
-        assert isinstance(T.plan_precision(SIGNALS, PARAMS, budget=budget), PrecisionPolicy)
+        assert isinstance(T.plan_precision(SIGNALS, PARAMS, budget=budget).policy, PrecisionPolicy)

@@ -58,7 +58,7 @@ def test_block_wise_cost_ranks_a_leaf_with_curvature_on_its_largest_weights():
     # concentrated leaf first, and then the spread one no longer fits.
     budget = 6e-6
     assert U2_6 * exact["spread"] < budget < U2_6 * exact["concentrated"]
-    policy = planner.plan_precision(signals, params, budget=budget)
+    policy = planner.plan_precision(signals, params, budget=budget).policy
     assert policy.compute("spread") == "bf16" and policy.compute("concentrated") == "fp32", policy
     predicted = float(policy.reasons["spread"].split("increase ")[1].split(" ")[0])
     assert predicted == pytest.approx(U2_6 * exact["spread"], rel=1e-2)
@@ -66,7 +66,7 @@ def test_block_wise_cost_ranks_a_leaf_with_curvature_on_its_largest_weights():
     by_means = {
         p: {k: v for k, v in r.items() if k != "curvature_store"} for p, r in signals.items()
     }
-    old = planner.plan_precision(by_means, params, budget=budget)
+    old = planner.plan_precision(by_means, params, budget=budget).policy
     assert old.compute("concentrated") == "bf16" and old.compute("spread") == "fp32", old
 
 
@@ -124,9 +124,11 @@ def test_fp8_is_counted_at_the_bf16_bytes_it_is_carried_in():
     # fp8 saves nothing over bf16 (both are 2 bytes an element), so it is never taken for memory.
     policy = planner.plan_precision(
         signals, params, budget=float("inf"), allowed=("bf16", "fp8_e4m3")
-    )
+    ).policy
     assert policy.compute("w") == "bf16", policy
     # Alone, fp8 saves what its bf16 carrier saves: 2 bytes an element, not 3.
-    policy = planner.plan_precision(signals, params, budget=float("inf"), allowed=("fp8_e4m3",))
+    policy = planner.plan_precision(
+        signals, params, budget=float("inf"), allowed=("fp8_e4m3",)
+    ).policy
     assert policy.compute("w") == "fp8_e4m3"
     assert policy.reasons["w"].endswith(f"saves {2 * 4096} B"), policy.reasons["w"]

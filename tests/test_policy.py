@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 from triaccel_jax.precision import _dtypes as dtypes
 from triaccel_jax.precision._policy import LeafPrecision
 from triaccel_jax.precision._policy import PrecisionPolicy
+from triaccel_jax.precision._policy import pending_from_document
 
 PARAMS = {
     "encoder": {"kernel": jnp.ones((16, 16)), "bias": jnp.zeros(16)},
@@ -42,15 +44,32 @@ def test_hash_and_equality_ignore_reasons():
     assert c != a and c.signature != a.signature
 
 
-def test_json_round_trip_keeps_leaves_reasons_and_pending():
+def test_json_round_trip_keeps_leaves_and_reasons():
     policy = PrecisionPolicy(
-        PrecisionPolicy.uniform(PARAMS, "fp16").leaves,
-        reasons={"head/kernel": "why"},
-        pending={"encoder/kernel": ("bf16", 1)},
+        PrecisionPolicy.uniform(PARAMS, "fp16").leaves, reasons={"head/kernel": "why"}
     )
     again = PrecisionPolicy.from_json(policy.to_json())
     assert again == policy
-    assert again.reasons == policy.reasons and again.pending == policy.pending
+    assert again.reasons == policy.reasons
+
+
+def test_json_written_with_pending_streaks_still_loads():
+    # Before the planner's streaks moved to PrecisionPlan, policy documents carried them.
+    document = json.loads(PrecisionPolicy.uniform(PARAMS, "bf16").to_json())
+    document["pending"] = {"encoder/kernel": ["fp32", 1]}
+    policy = PrecisionPolicy.from_json(json.dumps(document))
+    assert policy == PrecisionPolicy.uniform(PARAMS, "bf16")
+    assert pending_from_document(document) == {"encoder/kernel": ("fp32", 1)}
+    assert pending_from_document({}) == {}
+
+
+def test_lookup_by_path_uses_an_index():
+    params = {f"layer{i}": {"kernel": jnp.ones((2, 2))} for i in range(2000)}
+    policy = PrecisionPolicy.uniform(params, "bf16")
+    assert policy["layer1999/kernel"] == ("bf16", "fp32")
+    assert all(policy[path] == leaf for path, leaf in policy.leaves)
+    with pytest.raises(KeyError, match="no leaf 'nope' in the policy; it has 2000 leaves"):
+        policy["nope"]
 
 
 def test_dtype_tree_matches_params():

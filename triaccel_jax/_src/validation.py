@@ -84,16 +84,50 @@ def check_learning_rate(value: Any) -> None:
         )
 
 
-def check_integer(name: str, value: Any, minimum: int) -> None:
-    """Raises ``ValueError`` naming ``name`` unless ``value`` is an integer >= ``minimum``."""
+def check_integer(
+    name: str,
+    value: Any,
+    minimum: int,
+    *,
+    strict: bool = False,
+    description: str | None = None,
+) -> int:
+    """Returns ``value`` as an ``int``, or raises ``ValueError`` naming ``name``.
+
+    Args:
+      name: the argument's name, for the message.
+      value: what the caller passed.
+      minimum: the smallest allowed value.
+      strict: accept only Python and NumPy integers (not ``2.0``): for counts that index or
+        size arrays, where a float is a caller's mistake rather than a number.
+      description: what the value must be, for the message (default
+        ``"an integer >= {minimum}"``).
+
+    Returns:
+      ``value`` as an ``int`` (a traced value is returned as it is: it cannot be inspected).
+
+    Example:
+      >>> from triaccel_jax._src import validation
+      >>> validation.check_integer("steps", 3.0, 0)
+      3
+      >>> validation.check_integer("steps", 3.0, 0, strict=True)
+      Traceback (most recent call last):
+      ...
+      ValueError: `steps` must be an integer >= 0, got 3.0
+    """
     if isinstance(value, jax.core.Tracer):
-        return
+        return value
+    wanted = description or f"an integer >= {minimum}"
+    problem = ValueError(f"`{name}` must be {wanted}, got {value!r}")
+    if isinstance(value, bool) or (strict and not isinstance(value, int | np.integer)):
+        raise problem
     try:
         number = float(np.asarray(value))
     except (TypeError, ValueError):
         number = math.nan
-    if isinstance(value, bool) or not number.is_integer() or number < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+    if not number.is_integer() or number < minimum:
+        raise problem
+    return int(number)
 
 
 def static_value(name: str, value: Any, kind: type) -> Any:

@@ -19,11 +19,11 @@ from triaccel_jax.controller._buckets import BucketDecision
 from triaccel_jax.controller._buckets import bucket_sizes
 from triaccel_jax.controller._buckets import decide_bucket
 from triaccel_jax.controller._buckets import predict_peak
+from triaccel_jax.controller._config import BatchLayout
+from triaccel_jax.controller._config import ControllerConfig
 from triaccel_jax.controller._controller import Controller
-from triaccel_jax.controller._controller import OutOfMemoryError
-from triaccel_jax.controller._controller import StepInfo
-from triaccel_jax.controller._controller import is_out_of_memory
 from triaccel_jax.controller._events import Event
+from triaccel_jax.controller._events import StepInfo
 from triaccel_jax.controller._events import event_records
 from triaccel_jax.controller._memory_probe import BudgetMemoryProbe
 from triaccel_jax.controller._memory_probe import DeviceMemoryProbe
@@ -32,12 +32,18 @@ from triaccel_jax.controller._memory_probe import MemoryProbe
 from triaccel_jax.controller._memory_probe import MemoryReading
 from triaccel_jax.controller._memory_probe import compiled_peak_bytes
 from triaccel_jax.controller._memory_probe import default_memory_probe
+from triaccel_jax.controller._out_of_memory import OutOfMemoryError
+from triaccel_jax.controller._out_of_memory import is_out_of_memory
+from triaccel_jax.controller._replan import Replan
+from triaccel_jax.controller._replan import replan
 from triaccel_jax.controller._sampler import ElasticSampler
 
 __all__ = (
+    "BatchLayout",
     "BucketDecision",
     "BudgetMemoryProbe",
     "Controller",
+    "ControllerConfig",
     "DeviceMemoryProbe",
     "ElasticSampler",
     "Event",
@@ -45,6 +51,7 @@ __all__ = (
     "MemoryProbe",
     "MemoryReading",
     "OutOfMemoryError",
+    "Replan",
     "StepInfo",
     "bucket_sizes",
     "compiled_peak_bytes",
@@ -53,4 +60,5 @@ __all__ = (
     "event_records",
     "is_out_of_memory",
     "predict_peak",
+    "replan",
 )

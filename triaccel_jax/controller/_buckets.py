@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from triaccel_jax._src import validation
+
 
 def bucket_sizes(min_batch: int, max_batch: int, multiple: int = 1) -> tuple[int, ...]:
     """``multiple * 2**k`` for every k with the result in ``[min_batch, max_batch]``.
@@ -45,8 +47,7 @@ def bucket_sizes(min_batch: int, max_batch: int, multiple: int = 1) -> tuple[int
       (16, 32, 64)
     """
     for name, value in (("min_batch", min_batch), ("max_batch", max_batch), ("multiple", multiple)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        validation.check_integer(name, value, 1, strict=True, description="a positive integer")
     if min_batch > max_batch:
         raise ValueError(f"`min_batch` ({min_batch}) must be <= `max_batch` ({max_batch})")
     sizes, size = [], multiple

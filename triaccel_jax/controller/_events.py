@@ -1,4 +1,7 @@
-"""The controller's event log: one record per decision (docs/design.md §5), for timelines and audits."""
+"""The controller's event log: one record per decision (docs/design.md §5), for timelines and audits.
+
+Also :class:`StepInfo`, what one step did (its events included), as a progress callback gets it.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +36,37 @@ class Event(NamedTuple):
         record = {k: getattr(self, k) for k in ("step", "kind", "old", "new", "reason")}
         record.update({f"figure_{k}": v for k, v in self.figures.items()})
         return record
+
+
+class StepInfo(NamedTuple):
+    """What one controller step did, as passed to the progress callback.
+
+    Attributes:
+      step: the number of steps completed, this one included.
+      batch_size: samples this step trained (the global batch; after an out-of-memory retry,
+        the batch drawn before the bucket shrank).
+      micro_batch: samples per micro-batch (the batch bucket after the step); when it is
+        smaller than ``batch_size``, ``batch_size // micro_batch`` micro-batches were
+        accumulated.
+      loss: the step's mean loss.
+      metrics: the step's mean metrics (``loss`` included), as Python floats, with
+        ``skipped`` (1.0 when loss scaling found a non-finite gradient and the step changed
+        nothing) and ``loss_scale`` (the scale the loss was multiplied by, 1.0 unscaled).
+      peak_bytes: the current bucket's peak bytes as last measured or compiled, or None.
+      limit_bytes: the memory limit at the last check, or None.
+      events: the events logged during this step.
+      seconds: wall time of the step, compiles included.
+    """
+
+    step: int
+    batch_size: int
+    micro_batch: int
+    loss: float
+    metrics: dict[str, float]
+    peak_bytes: int | None
+    limit_bytes: int | None
+    events: tuple[Event, ...]
+    seconds: float
 
 
 def event_records(events: Iterable[Event]) -> list[dict[str, Any]]:

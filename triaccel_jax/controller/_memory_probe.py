@@ -27,6 +27,8 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from triaccel_jax._src import validation
+
 
 class MemoryReading(NamedTuple):
     """One reading of a memory probe.
@@ -172,8 +174,7 @@ class BudgetMemoryProbe:
     def __init__(
         self, budget_bytes: int | Callable[[], int] | None = None, *, fraction: float = 0.5
     ) -> None:
-        if not 0 < fraction <= 1:
-            raise ValueError(f"`fraction` must be in (0, 1], got {fraction!r}")
+        validation.check_in_range("fraction", fraction, 0, 1, low_inclusive=False)
         if budget_bytes is None:
             try:
                 import psutil
@@ -221,8 +222,7 @@ class FakeMemoryProbe:
     ) -> None:
         if not callable(limit_bytes):
             _check_bytes("limit_bytes", limit_bytes)
-        if not 0 <= noise < 1:
-            raise ValueError(f"`noise` must be in [0, 1), got {noise!r}")
+        validation.check_in_range("noise", noise, 0, 1, high_inclusive=False)
         self._limit = limit_bytes
         self._peak = peak_bytes
         self._noise = noise
@@ -252,6 +252,6 @@ def default_memory_probe() -> MemoryProbe:
 
 
 def _check_bytes(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer number of bytes, got {value!r}")
-    return int(value)
+    return validation.check_integer(
+        name, value, 1, strict=True, description="a positive integer number of bytes"
+    )

@@ -13,13 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from triaccel_jax._src import validation
+
 STATE_FORMAT = "triaccel_jax.controller.ElasticSampler"
-
-
-def _check_count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 class ElasticSampler:
@@ -40,8 +36,8 @@ class ElasticSampler:
     """
 
     def __init__(self, num_examples: int, *, seed: int = 0, shuffle: bool = True) -> None:
-        self._num_examples = _check_count("num_examples", num_examples, 1)
-        self._seed = _check_count("seed", seed, 0)
+        self._num_examples = validation.check_integer("num_examples", num_examples, 1, strict=True)
+        self._seed = validation.check_integer("seed", seed, 0, strict=True)
         self._shuffle = bool(shuffle)
         self._epoch = 0
         self._cursor = 0
@@ -74,7 +70,7 @@ class ElasticSampler:
 
     def take(self, batch_size: int) -> np.ndarray:
         """The indices of the next ``batch_size`` samples (int64); advances the cursor."""
-        batch_size = _check_count("batch_size", batch_size, 1)
+        batch_size = validation.check_integer("batch_size", batch_size, 1, strict=True)
         parts, needed = [], batch_size
         while needed:
             part = self._order[self._cursor : self._cursor + needed]
@@ -114,8 +110,8 @@ class ElasticSampler:
                     f"the sampler state was saved with {key}={state.get(key)!r}, this sampler "
                     f"has {key}={mine!r}"
                 )
-        epoch = _check_count("epoch", state.get("epoch"), 0)
-        cursor = _check_count("cursor", state.get("cursor"), 0)
+        epoch = validation.check_integer("epoch", state.get("epoch"), 0, strict=True)
+        cursor = validation.check_integer("cursor", state.get("cursor"), 0, strict=True)
         if cursor >= self._num_examples:
             raise ValueError(f"sampler cursor {cursor} is past the data set ({self._num_examples})")
         self._epoch, self._cursor = epoch, cursor

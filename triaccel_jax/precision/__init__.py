@@ -3,7 +3,9 @@
 * formats and their unit roundoffs (``fp32``, ``bf16``, ``fp16``, ``fp8_e4m3``; fp8 compute
   copies are carried in bfloat16);
 * :class:`PrecisionPolicy`, a plain, hashable map from leaf path to :class:`LeafPrecision`;
-* :func:`plan_precision`, the planner: curvature-weighted rounding noise against a budget;
+* :func:`plan_precision`, the planner: curvature-weighted rounding noise against a budget; it
+  returns a :class:`PrecisionPlan` (the policy, and the hysteresis streaks to pass back next
+  time);
 * the casts: :func:`cast_params` (the compute copy), :func:`master_params`,
   :func:`apply_updates` (stochastically rounded updates of low-precision masters);
 * :func:`memory_report`, the training memory by component at the dtypes the step really holds.
@@ -16,6 +18,7 @@ from triaccel_jax.precision._casting import cast_params
 from triaccel_jax.precision._casting import master_params
 from triaccel_jax.precision._memory import MemoryReport
 from triaccel_jax.precision._memory import memory_report
+from triaccel_jax.precision._planner import PrecisionPlan
 from triaccel_jax.precision._planner import plan_precision
 from triaccel_jax.precision._policy import LeafPrecision
 from triaccel_jax.precision._policy import PrecisionPolicy
@@ -23,6 +26,7 @@ from triaccel_jax.precision._policy import PrecisionPolicy
 __all__ = (
     "LeafPrecision",
     "MemoryReport",
+    "PrecisionPlan",
     "PrecisionPolicy",
     "apply_updates",
     "cast_params",

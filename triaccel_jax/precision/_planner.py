@@ -26,11 +26,13 @@ import math
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from triaccel_jax._src import validation
 from triaccel_jax.precision import _dtypes as dtypes
 from triaccel_jax.precision import _policy as policy_lib
 from triaccel_jax.transforms import _compression as compression
@@ -86,6 +88,47 @@ def weighted_curvature_sum(store: compression.CompressedDiagonal, leaf: jax.Arra
         outlier_means = means[indices // length]
     base = jnp.sum(means * block_w2)
     return base + jnp.sum((store.outlier_values - outlier_means) * flat[indices])
+
+
+class PrecisionPlan(NamedTuple):
+    """What the planner returns: the policy, and its memory for the next re-plan.
+
+    Attributes:
+      policy: the :class:`triaccel_jax.PrecisionPolicy` to run (with the planner's ``reasons``);
+        a plain value that keys a compile cache.
+      pending: the hysteresis memory, ``{path: (proposed compute dtype, consecutive re-plans it
+        won)}`` for the leaves held back from a move; pass the plan back to
+        :func:`plan_precision` to continue the streaks.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from triaccel_jax.precision import PrecisionPolicy, plan_precision
+      >>> params = {"w": jnp.ones((64, 64))}
+      >>> signals = {"w": {"mean_curvature": 1e-4, "noise_to_signal": 0.0}}
+      >>> plan = plan_precision(signals, params, PrecisionPolicy.uniform(params), budget=1.0)
+      >>> plan.policy.compute("w"), plan.pending["w"]  # bf16 won once; patience is 2
+      ('fp32', ('bf16', 1))
+      >>> plan_precision(signals, params, plan, budget=1.0).policy.compute("w")
+      'bf16'
+
+    References:
+      docs/design.md §3 (hysteresis).
+    """
+
+    policy: policy_lib.PrecisionPolicy
+    pending: Mapping[str, tuple[str, int]] = {}
+
+
+def _as_plan(previous: Any) -> PrecisionPlan | None:
+    """``previous`` as a plan: a bare policy is a plan with no streaks pending."""
+    if previous is None or isinstance(previous, PrecisionPlan):
+        return previous
+    if isinstance(previous, policy_lib.PrecisionPolicy):
+        return PrecisionPlan(previous, {})
+    raise TypeError(
+        "`previous_policy` must be a PrecisionPolicy, a PrecisionPlan or None, got "
+        f"{type(previous).__name__}"
+    )
 
 
 def _as_store(path: str, store: Any, shape: tuple[int, ...]) -> compression.CompressedDiagonal:
@@ -171,7 +214,7 @@ def _ladder(allowed: Sequence[str], max_abs: float) -> tuple[list[str], list[str
 def plan_precision(
     signals: Mapping[str, Mapping[str, Any]],
     params: Any,
-    previous_policy: policy_lib.PrecisionPolicy | None = None,
+    previous_policy: PrecisionPlan | policy_lib.PrecisionPolicy | None = None,
     *,
     budget: float = 1e-3,
     loss: float | None = None,
@@ -180,7 +223,7 @@ def plan_precision(
     patience: int = 2,
     margin: float = 0.25,
     state: str = "auto",
-) -> policy_lib.PrecisionPolicy:
+) -> PrecisionPlan:
     """Plans a per-leaf precision policy from the optimizer's curvature and noise signals.
 
     Args:
@@ -189,7 +232,8 @@ def plan_precision(
         bias-corrected compressed curvature; with it the cost is ``sum_i h_i * w_i**2`` where
         the curvature sits, without it ``mean_curvature * sum_i w_i**2``).
       params: the parameter tree (for sizes, ``sum w**2``, ``sum h w**2`` and the range checks).
-      previous_policy: the policy in force; with it, hysteresis applies.
+      previous_policy: the plan in force (its policy and pending streaks), or a bare policy (no
+        streaks pending); with it, hysteresis applies.
       budget: total predicted loss increase allowed, >= 0; a fraction of ``loss`` when ``loss``
         is given, else in the loss's units. 0 keeps every leaf fp32; ``inf`` lets every eligible
         leaf take the allowed format that takes the fewest bytes (of two that take the same,
@@ -207,15 +251,16 @@ def plan_precision(
         compute below fp32, fp32 otherwise).
 
     Returns:
-      The :class:`triaccel_jax.PrecisionPolicy`, with ``reasons`` saying why each leaf got its
-      format and ``pending`` holding the hysteresis memory for the next call.
+      A :class:`PrecisionPlan`: the :class:`triaccel_jax.PrecisionPolicy` (with ``reasons``
+      saying why each leaf got its format) and ``pending``, the hysteresis memory to pass back
+      with it at the next call.
 
     Example:
       >>> import jax.numpy as jnp
       >>> from triaccel_jax import plan_precision
       >>> params = {"big": jnp.ones((64, 64)), "bias": jnp.ones(64)}  # a vector stays fp32
       >>> signals = {p: {"mean_curvature": 1e-4, "noise_to_signal": 0.0} for p in params}
-      >>> policy = plan_precision(signals, params, budget=1.0)
+      >>> policy = plan_precision(signals, params, budget=1.0).policy
       >>> policy.compute("big"), policy.compute("bias")
       ('bf16', 'fp32')
 
@@ -227,11 +272,8 @@ def plan_precision(
             "`signals` must map leaf paths to figures, as triaccel_jax.signals(opt_state) "
             f"returns, got {type(signals).__name__}"
         )
-    if previous_policy is not None and not isinstance(previous_policy, policy_lib.PrecisionPolicy):
-        raise TypeError(
-            "`previous_policy` must be a PrecisionPolicy or None, got "
-            f"{type(previous_policy).__name__}"
-        )
+    previous = _as_plan(previous_policy)
+    previous_policy = None if previous is None else previous.policy
     if isinstance(allowed, str):
         raise TypeError(f"`allowed` must be a sequence of dtype names, e.g. ({allowed!r},)")
     allowed_names = tuple(dtypes.format_name(a, what="allowed dtype") for a in allowed)
@@ -242,14 +284,10 @@ def plan_precision(
         raise ValueError(f"`budget` must be a number >= 0 (inf allowed), got {budget!r}")
     if loss is not None and not (math.isfinite(loss) and loss >= 0):
         raise ValueError(f"`loss` must be a finite number >= 0, got {loss!r}")
-    if not (isinstance(min_size, int) and min_size >= 0):
-        raise ValueError(f"`min_size` must be an integer >= 0, got {min_size!r}")
-    if not (isinstance(patience, int) and patience >= 1):
-        raise ValueError(f"`patience` must be an integer >= 1, got {patience!r}")
-    if not (0 <= margin < 1):
-        raise ValueError(f"`margin` must be in [0, 1), got {margin!r}")
-    if state not in ("auto", *dtypes.STATE_NAMES):
-        raise ValueError(f"`state` must be one of ('auto', 'fp32', 'bf16'), got {state!r}")
+    validation.check_integer("min_size", min_size, 0, strict=True)
+    validation.check_integer("patience", patience, 1, strict=True)
+    validation.check_in_range("margin", margin, 0, 1, high_inclusive=False)
+    validation.check_choice("state", state, ("auto", *dtypes.STATE_NAMES))
 
     shapes = {path: tuple(leaf.shape) for path, leaf in policy_lib.trainable_paths(params)}
     stores = {
@@ -341,7 +379,7 @@ def plan_precision(
             current = previous_policy.compute(path)
             if proposed == current or path in fixed:  # fixed leaves go fp32 at once
                 continue
-            target, streak = previous_policy.pending.get(path, (proposed, 0))
+            target, streak = previous.pending.get(path, (proposed, 0))
             streak = streak + 1 if target == proposed else 1
             if streak < patience:
                 final[path] = current
@@ -358,7 +396,7 @@ def plan_precision(
         )
         if path in notes:
             reasons[path] += f"; {notes[path]}"
-    return policy_lib.PrecisionPolicy(tuple(leaves), reasons, pending)
+    return PrecisionPlan(policy_lib.PrecisionPolicy(tuple(leaves), reasons), pending)
 
 
 def _reason(compute, cost, ladder, pending, patience, allowance, size) -> str:

@@ -61,14 +61,15 @@ class PrecisionPolicy:
     """An immutable map from leaf path to :class:`LeafPrecision`.
 
     Build one with :meth:`uniform`, :meth:`from_patterns` or :func:`triaccel_jax.plan_precision`.
-    Equality and hashing use the leaves only; ``reasons`` (why the planner chose each leaf's
-    precision) and ``pending`` (the planner's hysteresis memory) ride along without changing the
-    policy's identity.
+    A plain value: equality and hashing use the leaves only (``reasons``, why the planner chose
+    each leaf's precision, rides along without changing the policy's identity), so a policy keys
+    a compile cache. The planner's hysteresis memory is not here but in the
+    :class:`triaccel_jax.precision.PrecisionPlan` it returns. Looking a leaf up by path takes
+    constant time (an index built once).
 
     Attributes:
       leaves: ``(path, LeafPrecision)`` pairs sorted by path.
       reasons: ``{path: reason}``, filled by the planner.
-      pending: ``{path: (proposed compute dtype, consecutive re-plans it won)}``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -83,8 +84,8 @@ class PrecisionPolicy:
 
     leaves: tuple[tuple[str, LeafPrecision], ...]
     reasons: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, hash=False)
-    pending: Mapping[str, tuple[str, int]] = dataclasses.field(
-        default_factory=dict, compare=False, hash=False
+    _by_path: Mapping[str, LeafPrecision] = dataclasses.field(
+        init=False, repr=False, compare=False, hash=False
     )
 
     def __post_init__(self) -> None:
@@ -94,7 +95,7 @@ class PrecisionPolicy:
             raise ValueError(f"duplicate leaf paths in a policy: {sorted(paths)}")
         object.__setattr__(self, "leaves", leaves)
         object.__setattr__(self, "reasons", dict(self.reasons))
-        object.__setattr__(self, "pending", dict(self.pending))
+        object.__setattr__(self, "_by_path", dict(leaves))
 
     # -- constructors -------------------------------------------------------------------------
 
@@ -156,10 +157,12 @@ class PrecisionPolicy:
     # -- queries ------------------------------------------------------------------------------
 
     def __getitem__(self, path: str) -> LeafPrecision:
-        for leaf_path, leaf in self.leaves:
-            if leaf_path == path:
-                return leaf
-        raise KeyError(f"no leaf {path!r} in the policy; it has {len(self.leaves)} leaves")
+        try:
+            return self._by_path[path]
+        except KeyError:
+            raise KeyError(
+                f"no leaf {path!r} in the policy; it has {len(self.leaves)} leaves"
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         return (path for path, _ in self.leaves)
@@ -203,7 +206,7 @@ class PrecisionPolicy:
             raise ValueError(f"`which` must be 'compute' or 'state', got {which!r}")
         self.check_matches(params)
         index = 0 if which == "compute" else 1
-        by_path = {path: dtypes.FORMATS[leaf[index]].dtype for path, leaf in self.leaves}
+        by_path = {path: dtypes.FORMATS[leaf[index]].dtype for path, leaf in self._by_path.items()}
         return jax.tree_util.tree_map_with_path(
             lambda p, x: by_path.get(tree_lib.path_string(p)) if tree_lib.is_trainable(x) else None,
             params,
@@ -211,14 +214,14 @@ class PrecisionPolicy:
 
     def replace(self, **changes: Any) -> PrecisionPolicy:
         """A copy with some leaves changed: ``policy.replace(**{"a/kernel": ("bf16", "fp32")})``."""
-        leaves = dict(self.leaves)
+        leaves = dict(self._by_path)
         for path, value in changes.items():
             if path not in leaves:
                 raise KeyError(f"no leaf {path!r} in the policy")
             _check_pair(path, value)
             compute, state = (value, leaves[path].state) if not isinstance(value, tuple) else value
             leaves[path] = _leaf(compute, state)
-        return PrecisionPolicy(tuple(leaves.items()), self.reasons, self.pending)
+        return PrecisionPolicy(tuple(leaves.items()), self.reasons)
 
     # -- serialisation ------------------------------------------------------------------------
 
@@ -230,7 +233,6 @@ class PrecisionPolicy:
                 "version": JSON_VERSION,
                 "leaves": {p: {"compute": c, "state": s} for p, (c, s) in self.leaves},
                 "reasons": dict(self.reasons),
-                "pending": {p: list(v) for p, v in self.pending.items()},
             },
             indent=1,
             sort_keys=True,
@@ -239,6 +241,10 @@ class PrecisionPolicy:
     @classmethod
     def from_json(cls, text: str | bytes) -> PrecisionPolicy:
         """Reads :meth:`to_json`'s output. Only JSON is accepted; nothing is ever unpickled.
+
+        Documents written before the planner's memory moved to
+        :class:`triaccel_jax.precision.PrecisionPlan` may hold a ``"pending"`` entry; it is
+        checked and ignored (:func:`pending_from_document` reads it).
 
         Raises:
           ValueError: the text is not a JSON policy document (the message says what is wrong).
@@ -269,19 +275,13 @@ class PrecisionPolicy:
             isinstance(v, dict) and set(v) == {"compute", "state"} for v in leaves.values()
         ):
             raise ValueError("not a precision policy: 'leaves' must map paths to {compute, state}")
-        reasons, pending = document.get("reasons", {}), document.get("pending", {})
+        reasons = document.get("reasons", {})
         if not isinstance(reasons, dict):
             raise ValueError("not a precision policy: 'reasons' must map paths to strings")
-        if not isinstance(pending, dict) or not all(
-            isinstance(v, list) and len(v) == 2 and isinstance(v[1], int) for v in pending.values()
-        ):
-            raise ValueError(
-                "not a precision policy: 'pending' must map paths to [compute dtype, count]"
-            )
+        pending_from_document(document)
         return cls(
             tuple((p, LeafPrecision(v["compute"], v["state"])) for p, v in leaves.items()),
             {str(k): str(v) for k, v in reasons.items()},
-            {p: (str(v[0]), int(v[1])) for p, v in pending.items()},
         )
 
     # -- display ------------------------------------------------------------------------------
@@ -303,6 +303,26 @@ class PrecisionPolicy:
             counts[compute] = counts.get(compute, 0) + 1
         summary = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
         return f"PrecisionPolicy({len(self)} leaves: {summary}; signature {self.signature})"
+
+
+def pending_from_document(document: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
+    """The planner's streaks ``{path: (compute dtype, count)}`` in a JSON document's ``"pending"``.
+
+    Policies and controller states written before the streaks moved out of the policy carry them
+    there; a document without the entry has none.
+
+    Raises:
+      ValueError: the entry is not a map of paths to ``[compute dtype, count]``.
+    """
+    pending = document.get("pending", {})
+    if not isinstance(pending, dict) or not all(
+        isinstance(v, list | tuple) and len(v) == 2 and isinstance(v[1], int)
+        for v in pending.values()
+    ):
+        raise ValueError(
+            "not a precision policy: 'pending' must map paths to [compute dtype, count]"
+        )
+    return {str(p): (str(v[0]), int(v[1])) for p, v in pending.items()}
 
 
 def check_policy(policy: Any, params: Any = None) -> PrecisionPolicy:

@@ -1,0 +1,159 @@
+"""``ControllerConfig``: the controller's settings as one frozen, validated value (docs/design.md §5).
+
+Everything :class:`triaccel_jax.Controller` takes as a keyword that is a setting rather than an
+object it works on (params, data, optimizer, probe, mesh, policy, callback) lives here, checked
+once when the config is made, so a bad setting fails before anything is compiled, and the
+controller's parts read their settings from one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+from typing import Any
+from typing import NamedTuple
+
+from triaccel_jax._src import validation
+from triaccel_jax.controller import _buckets as buckets_lib
+
+LR_SCALINGS = ("sqrt", "linear", "none")
+
+
+class BatchLayout(NamedTuple):
+    """The batch sizes a configuration allows on a given data-parallel width.
+
+    Attributes:
+      buckets: the allowed micro-batch sizes, ascending.
+      start: the bucket to start at.
+      global_batch: samples per step with ``keep_global_batch``, else None.
+      reference_batch: the batch size the learning rate was tuned for.
+    """
+
+    buckets: tuple[int, ...]
+    start: int
+    global_batch: int | None
+    reference_batch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    """The controller's settings: the keywords :class:`triaccel_jax.Controller` takes besides
+    the objects it works on.
+
+    Validated when made: every error names the setting and the value. Pass one to the controller
+    as ``config=``, or pass the settings as keywords.
+
+    Attributes:
+      has_aux: whether the loss function returns ``(loss, aux)``.
+      num_examples: the data set size when the data is a callable.
+      min_batch: smallest batch bucket, >= 1.
+      max_batch: largest batch bucket, >= ``min_batch``.
+      batch_size: the bucket to start at (default ``min_batch``).
+      reference_batch: the batch size the learning rate was tuned for (default the starting
+        batch size).
+      lr_scaling: ``"sqrt"`` (lr x sqrt(batch / reference)), ``"linear"`` or ``"none"``.
+      lr_hyperparam: name of the ``optax.inject_hyperparams`` hyperparameter holding the learning
+        rate. When the optimizer state holds it as a constant, the scaled rate is written there
+        (no re-jit). Otherwise (no injected rate, a rate driven by a schedule, or None) the
+        step multiplies the update by the factor, which is the same for optimizers whose
+        update is linear in the learning rate (SGD, Adam, AdamW, triaccel).
+      keep_global_batch: keep the optimisation unchanged: every step uses ``global_batch``
+        samples and only the micro-batch (the bucket) follows memory.
+      global_batch: the fixed batch with ``keep_global_batch`` (default ``max_batch``); a
+        multiple of every bucket.
+      target: grow only to buckets predicted under this fraction of the limit, in (0, 1).
+      high_water: shrink when the peak passes this fraction of the limit, in [target, 1].
+      patience: consecutive checks a bucket change must be indicated at, >= 1.
+      check_every: steps between memory checks, >= 1.
+      replan_every: steps between precision re-plans (None: precision is not planned).
+      planner_options: keyword arguments of :func:`triaccel_jax.plan_precision` (e.g.
+        ``budget``, ``allowed``, ``patience``).
+      loss_scaling: keyword arguments of the dynamic loss scale (``initial_scale``,
+        ``growth_interval``, ``growth_factor``, ``backoff_factor``, ``min_scale``,
+        ``max_scale``, as for :func:`triaccel_jax.transforms.dynamic_loss_scale`), used while the policy
+        computes a leaf in fp16 or fp8.
+      data_axis: the mesh axis the batch is split over.
+      seed: seed of the sampler's permutations and of the per-step ``rng``.
+
+    Example:
+      >>> from triaccel_jax.controller import ControllerConfig
+      >>> config = ControllerConfig(min_batch=16, max_batch=128, keep_global_batch=True)
+      >>> config.layout(multiple=1)
+      BatchLayout(buckets=(16, 32, 64, 128), start=16, global_batch=128, reference_batch=128)
+      >>> ControllerConfig(target=1.0)
+      Traceback (most recent call last):
+      ...
+      ValueError: `target` must be in (0.0, 1.0), got 1.0
+
+    References:
+      docs/design.md §5.
+    """
+
+    has_aux: bool = False
+    num_examples: int | None = None
+    min_batch: int = 16
+    max_batch: int = 512
+    batch_size: int | None = None
+    reference_batch: int | None = None
+    lr_scaling: str = "sqrt"
+    lr_hyperparam: str | None = "learning_rate"
+    keep_global_batch: bool = False
+    global_batch: int | None = None
+    target: float = 0.85
+    high_water: float = 0.95
+    patience: int = 2
+    check_every: int = 10
+    replan_every: int | None = None
+    planner_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    loss_scaling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    data_axis: str = "data"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        validation.check_in_range(
+            "target", self.target, 0.0, 1.0, low_inclusive=False, high_inclusive=False
+        )
+        validation.check_in_range("high_water", self.high_water, self.target, 1.0)
+        validation.check_integer("patience", self.patience, 1)
+        validation.check_integer("check_every", self.check_every, 1)
+        if self.replan_every is not None:
+            validation.check_integer("replan_every", self.replan_every, 1)
+        validation.check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        if self.global_batch is not None and not self.keep_global_batch:
+            raise ValueError("`global_batch` is only used with keep_global_batch=True")
+        # Read-only copies: the config is a value, and the caller's dicts stay theirs.
+        for name in ("planner_options", "loss_scaling"):
+            object.__setattr__(self, name, types.MappingProxyType(dict(getattr(self, name) or {})))
+
+    def layout(self, multiple: int) -> BatchLayout:
+        """The buckets, starting bucket, global batch and reference batch on ``multiple`` devices.
+
+        Args:
+          multiple: the data-parallel width every bucket must be a multiple of.
+
+        Raises:
+          ValueError: the range holds no bucket, ``batch_size`` is not a bucket, or
+            ``global_batch`` is not a multiple of the starting bucket.
+        """
+        buckets = buckets_lib.bucket_sizes(self.min_batch, self.max_batch, multiple)
+        start = buckets[0] if self.batch_size is None else self.batch_size
+        if start not in buckets:
+            raise ValueError(
+                f"`batch_size` {self.batch_size!r} is not one of the buckets {buckets}"
+            )
+        global_batch = None
+        if self.keep_global_batch:
+            global_batch = buckets[-1] if self.global_batch is None else self.global_batch
+            validation.check_integer("global_batch", global_batch, 1)
+            buckets = tuple(b for b in buckets if global_batch % b == 0 and b <= global_batch)
+            if start not in buckets:
+                raise ValueError(
+                    f"with keep_global_batch, `global_batch` ({global_batch}) must be a "
+                    f"multiple of the starting bucket {start} (buckets {buckets})"
+                )
+        reference = self.reference_batch
+        if reference is None:
+            reference = global_batch if global_batch is not None else start
+        reference = validation.check_integer("reference_batch", reference, 1)
+        return BatchLayout(buckets, start, global_batch, reference)

@@ -1,0 +1,121 @@
+"""The controller's state record: what :meth:`Controller.state_dict` saves, as JSON-ready data.
+
+A record holds the controller's own decisions and memory (bucket, ceiling, hysteresis streaks,
+peaks, policy and the planner's pending streaks, loss scale, sampler cursor); params and
+optimizer state are saved beside it. Reading one checks that it was written by a controller
+configured the same way, so a resumed run takes the same decisions (docs/design.md §5).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+from typing import NamedTuple
+
+from triaccel_jax.precision import _policy as policy_lib
+
+STATE_FORMAT = "triaccel_jax.Controller"
+STATE_VERSION = 1
+
+
+class ControllerRecord(NamedTuple):
+    """The controller's state, decoded.
+
+    Attributes:
+      step: steps completed.
+      micro_batch: the batch bucket.
+      ceiling: the out-of-memory ceiling, or None.
+      grow_streak, shrink_streak: the bucket hysteresis counters.
+      measured_peaks: ``{bucket: bytes}`` the probe measured under the current policy.
+      compiled_peaks: ``{policy signature: {bucket: bytes}}`` from XLA's analyses (as
+        :meth:`CompileCache.peaks_record` writes them).
+      limit_bytes: the memory limit at the last check, or None.
+      last_loss: the last finite loss, or None.
+      lr_factor: the learning-rate factor in force (saved for reading; it follows the bucket).
+      loss_scale: ``{"scale", "good_steps", "skipped_steps"}``, or None (records from before it).
+      policy: the precision policy, or None.
+      pending: the planner's hysteresis streaks ``{path: (compute dtype, count)}``.
+      sampler: the sampler's own state.
+    """
+
+    step: int
+    micro_batch: int
+    ceiling: int | None
+    grow_streak: int
+    shrink_streak: int
+    measured_peaks: dict[int, int]
+    compiled_peaks: dict[str, dict[str, int]]
+    limit_bytes: int | None
+    last_loss: float | None
+    lr_factor: float
+    loss_scale: dict[str, Any] | None
+    policy: policy_lib.PrecisionPolicy | None
+    pending: dict[str, tuple[str, int]]
+    sampler: Mapping[str, Any]
+
+
+def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` as JSON-ready data, with ``identity`` (seed, buckets, keep_global_batch).
+
+    Example:
+      >>> from triaccel_jax.controller._state_record import ControllerRecord, to_state_dict
+      >>> record = ControllerRecord(
+      ...     3, 16, None, 0, 0, {16: 900}, {}, 1000, 0.5, 1.0, None, None, {}, {"epoch": 0}
+      ... )
+      >>> to_state_dict(record, {"seed": 0})["measured_peaks"]
+      {'16': 900}
+    """
+    data = record._asdict()
+    data["measured_peaks"] = {str(b): v for b, v in record.measured_peaks.items()}
+    data["policy"] = None if record.policy is None else json.loads(record.policy.to_json())
+    data["pending"] = {p: list(v) for p, v in record.pending.items()}
+    data["sampler"] = dict(record.sampler)
+    return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity, **data}
+
+
+def from_state_dict(state: Any, identity: Mapping[str, Any]) -> ControllerRecord:
+    """Reads :func:`to_state_dict`'s output, checking it matches this controller's ``identity``.
+
+    Records written before the planner's streaks moved out of the policy carry them inside the
+    policy document; they are read from there.
+
+    Raises:
+      ValueError: the state is malformed or was saved by a controller configured differently.
+    """
+    if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+        raise ValueError(f"not a controller state: expected a mapping with format {STATE_FORMAT!r}")
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(f"controller state version {state.get('version')!r} is not supported")
+    for key, mine in identity.items():
+        if state.get(key) != mine:
+            raise ValueError(
+                f"the controller state was saved with {key}={state.get(key)!r}, this "
+                f"controller has {key}={mine!r}"
+            )
+    if state["micro_batch"] not in identity.get("buckets", (state["micro_batch"],)):
+        raise ValueError(f"saved micro_batch {state['micro_batch']!r} is not a bucket")
+    document = state["policy"]
+    policy = None
+    if document is not None:
+        policy = policy_lib.PrecisionPolicy.from_json(json.dumps(document))
+    pending = state.get("pending")
+    pending = policy_lib.pending_from_document(
+        {"pending": pending} if pending is not None else (document or {})
+    )
+    return ControllerRecord(
+        step=int(state["step"]),
+        micro_batch=int(state["micro_batch"]),
+        ceiling=state["ceiling"],
+        grow_streak=int(state["grow_streak"]),
+        shrink_streak=int(state["shrink_streak"]),
+        measured_peaks={int(b): int(v) for b, v in state["measured_peaks"].items()},
+        compiled_peaks=dict(state["compiled_peaks"]),
+        limit_bytes=state["limit_bytes"],
+        last_loss=state["last_loss"],
+        lr_factor=float(state.get("lr_factor", 1.0)),
+        loss_scale=state.get("loss_scale"),
+        policy=policy,
+        pending=pending,
+        sampler=state["sampler"],
+    )
