@@ -2,8 +2,8 @@
 # Shared setup for tools/*.sh: source it, then call `ensure_venv EXTRAS`.
 #
 #   ensure_venv test      -> .venv exists and holds `pip install -e ".[test]"`
-#   ensure_kernels_venv   -> .venv-kernels (Python 3.11 only: the torch CPU wheel on disk is cp311)
-#                            holds `pip install -e ".[kernels-dev,test]"`; $VENV_PY then points at it
+#   ensure_kernels_venv   -> .venv-kernels holds `pip install -e ".[kernels-dev,test]"` in the first
+#                            interpreter that can install it; $VENV_PY then points at it (or: returns 1)
 #
 # It creates .venv in the repository root when it is missing or broken (Python 3.12 preferred,
 # any Python >= 3.11 accepted), upgrades pip, and installs the project editable with EXTRAS.
@@ -117,14 +117,42 @@ EOF
     printf '%s\n' "$want" >"$stamp"
 }
 
-# The kernel-test venv: the Triton interpreter tests need torch, whose CPU wheel is served from this
-# machine's disk for Python 3.11 only. Same logic as .venv, another folder and an exact Python.
+# The kernel-test venv: the Triton interpreter tests need torch and triton (the `kernels-dev`
+# extra). torch's pinned CPU wheel is served from this machine's disk for Python 3.11; elsewhere any
+# interpreter whose pip can install the extra will do. Candidates, first success kept:
+# $TRIACCEL_KERNEL_PYTHON, then python3.11, python3.12, python3, python3.13 (override the whole list
+# with TRIACCEL_KERNEL_PYTHONS="a b c"). An existing .venv-kernels whose install is current is
+# reused. Returns 1, with KERNEL_VENV_TRIED naming what was tried, when no candidate can install it.
 ensure_kernels_venv() {
+    local saved_dir="$VENV_DIR" saved_py="$VENV_PY"
     VENV_DIR="$REPO_ROOT/.venv-kernels"
     VENV_PY="$VENV_DIR/bin/python"
-    _PY_EXACT="3.11"
-    ensure_venv "kernels-dev,test"
-    _PY_EXACT=""
+    KERNEL_VENV_TRIED=""
+    local candidates=(${TRIACCEL_KERNEL_PYTHONS:-${TRIACCEL_KERNEL_PYTHON:-} python3.11 python3.12 python3 python3.13})
+    local c ok=1
+    if [[ -x "$VENV_PY" ]] && ( ensure_venv "kernels-dev,test" ); then
+        ok=0  # the existing venv is current
+    else
+        for c in "${candidates[@]}"; do
+            if ! _py_ok "$c"; then
+                KERNEL_VENV_TRIED+=" $c (not found)"
+                continue
+            fi
+            rm -rf "$VENV_DIR"
+            _log "kernel tests: trying $("$c" -c 'import sys; print("Python", sys.version.split()[0])') ($c)"
+            if ( TRIACCEL_PYTHON="$c"; ensure_venv "kernels-dev,test" ); then
+                ok=0
+                break
+            fi
+            KERNEL_VENV_TRIED+=" $c (could not install the kernels-dev extra)"
+            rm -rf "$VENV_DIR"
+        done
+    fi
+    if (( ok != 0 )); then
+        VENV_DIR="$saved_dir"
+        VENV_PY="$saved_py"
+    fi
+    return "$ok"
 }
 
 # Fashion-MNIST, the real offline data set: Debian's dataset-fashion-mnist package (IDX files in
