@@ -1,6 +1,6 @@
 """Tri-Accel against FP32 AdamW: ResNet-20 on Fashion-MNIST, several seeds (issue 5's targets).
 
-For each seed, the main job's ``fp32`` and ``triaccel`` runs (``triaccel_jax.cli._main_job``:
+For each seed, the main job's ``fp32`` and ``triaccel`` runs (``triaccel_jax.cli._runs``:
 the same model, data order, epochs and evaluation) train ResNet-20 on the real Fashion-MNIST
 (60,000 / 10,000 images), with the test accuracy measured every ``--eval-every`` steps. It
 prints, per seed and as mean and spread over seeds:
@@ -29,7 +29,9 @@ import time
 
 from tqdm.auto import tqdm
 
-from triaccel_jax.cli import _main_job as main_job
+from triaccel_jax.cli import _arguments as arguments
+from triaccel_jax.cli import _runs as runs
+from triaccel_jax.cli import _task as task
 
 
 def steps_to_reach(evals, accuracy):
@@ -57,8 +59,8 @@ def main(argv=None) -> int:
         args.seeds = args.seeds[:2]
         job += ["--max-steps", "20", "--train-subset", "4096", "--test-subset", "1000"]
         job += ["--eval-every", "10", "--replan-every", "10"]
-    job_args = main_job.parse_args(job)
-    data = main_job.load_data(
+    job_args = arguments.parse_args(job)
+    data = task.load_data(
         "fashion_mnist",
         data_dir=None,
         train_subset=job_args.train_subset,
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
         results = {}
         for run in ("fp32", "triaccel"):
             start = time.perf_counter()
-            results[run] = main_job.train_run(run, data, job_args, tqdm(disable=True))
+            results[run] = runs.train_run(run, data, job_args, tqdm(disable=True))
             print(
                 f"seed {seed} {run:>8}: accuracy {100 * results[run].accuracy:.2f}%, "
                 f"{results[run].steps} steps, final batch {results[run].final_batch}, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,10 +29,19 @@ def _smooth(values: np.ndarray, window: int) -> np.ndarray:
     return np.convolve(values, kernel, mode="valid")
 
 
-def write_plots(results: Sequence[Any], output: pathlib.Path) -> list[pathlib.Path]:
-    """Writes ``curves.png``, ``batch_memory.png`` and ``precision_map.png``; returns the paths."""
-    from triaccel_jax.cli._main_job import RUN_LABELS
+def write_plots(
+    results: Sequence[Any], output: pathlib.Path, *, labels: Mapping[str, str]
+) -> list[pathlib.Path]:
+    """Writes ``curves.png``, ``batch_memory.png`` and ``precision_map.png``; returns the paths.
 
+    Args:
+      results: the runs' results (``name``, ``history``, ``epoch_accuracy``, ``policies``).
+      output: the folder to write to.
+      labels: the legend label of each run name.
+
+    Returns:
+      The paths written.
+    """
     plt = _pyplot()
     written = []
 
@@ -44,7 +54,7 @@ def write_plots(results: Sequence[Any], output: pathlib.Path) -> list[pathlib.Pa
         loss_ax.plot(
             samples[len(samples) - len(smooth) :],
             smooth,
-            label=RUN_LABELS[r.name],
+            label=labels[r.name],
             color=_COLORS[r.name],
         )
         epochs = np.arange(1, len(r.epoch_accuracy) + 1)
@@ -52,7 +62,7 @@ def write_plots(results: Sequence[Any], output: pathlib.Path) -> list[pathlib.Pa
             epochs,
             100 * np.array(r.epoch_accuracy),
             "o-",
-            label=RUN_LABELS[r.name],
+            label=labels[r.name],
             color=_COLORS[r.name],
         )
     loss_ax.set(

@@ -1,0 +1,101 @@
+"""The main job's command line: its arguments, their checks, and the output folder's."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import tempfile
+from collections.abc import Sequence
+
+from triaccel_jax.cli._runs import RUNS
+from triaccel_jax.cli._task import MODELS
+
+DATASETS = ("auto", "fashion_mnist", "digits", "cifar10", "cifar100")
+DESCRIPTION = "The main job: FP32 AdamW, static bf16 AdamW and Tri-Accel side by side on real data."
+
+
+def check_output_dir(path: pathlib.Path) -> pathlib.Path:
+    """Creates ``path`` and checks it is writable, before any training."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise SystemExit(
+            f"error: output dir {path} is not writable: {error.strerror or error}"
+        ) from None
+    return path
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The parsed, checked arguments (``argparse`` exits with a message on a bad one)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m triaccel_jax",
+        description=DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="auto",
+        help="data set; auto: Fashion-MNIST if Debian's package is installed, else digits",
+    )
+    parser.add_argument("--model", choices=MODELS, default="auto", help="model; auto: small_cnn")
+    parser.add_argument("--epochs", type=int, default=2, help="training epochs per run")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=128,
+        help="batch of the fixed runs; Tri-Accel's start and reference batch",
+    )
+    parser.add_argument(
+        "--max-batch", type=int, default=256, help="largest batch Tri-Accel may grow to"
+    )
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate at --batch-size")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of init, data order and augmentation"
+    )
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="which runs")
+    parser.add_argument(
+        "--budget-mib",
+        type=float,
+        default=None,
+        help="memory budget of Tri-Accel's controller; default: the device's limit, or half the free RAM on CPU",
+    )
+    parser.add_argument(
+        "--replan-every", type=int, default=100, help="steps between precision re-plans"
+    )
+    parser.add_argument("--check-every", type=int, default=10, help="steps between memory checks")
+    parser.add_argument(
+        "--output-dir",
+        type=pathlib.Path,
+        default=pathlib.Path("triaccel_output"),
+        help="folder for results.md, results.json and the PNG plots",
+    )
+    parser.add_argument("--data-dir", default=None, help="tensorflow-datasets data_dir for CIFAR")
+    parser.add_argument(
+        "--eval-every", type=int, default=None, help="also measure test accuracy every N steps"
+    )
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="stop each run after this many steps"
+    )
+    parser.add_argument(
+        "--train-subset", type=int, default=None, help="use only the first N training samples"
+    )
+    parser.add_argument(
+        "--test-subset", type=int, default=None, help="use only the first N test samples"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    for name in ("epochs", "batch_size", "max_batch", "replan_every", "check_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("max_steps", "train_subset", "test_subset", "eval_every"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        parser.error("--lr must be a positive number")
+    if args.budget_mib is not None and not args.budget_mib > 0:
+        parser.error("--budget-mib must be positive")
+    return args

@@ -1,0 +1,255 @@
+"""The main job's runs: one model trained through a Controller, and the figures each run gives.
+
+* ``fp32``: ``optax.adamw`` in float32 at a fixed batch;
+* ``bf16``: ``optax.adamw`` with every layer computing in bfloat16 (fp32 masters and state) at
+  the same fixed batch: static mixed precision;
+* ``triaccel``: ``triaccel_jax.triaccel`` (curvature step sizes), the planner re-planning each
+  leaf's precision every ``--replan-every`` steps, and the batch following the memory budget
+  (buckets up to ``--max-batch``, square-root learning-rate scaling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from triaccel_jax.cli import _task as task
+from triaccel_jax.controller import _controller as controller_lib
+from triaccel_jax.controller import _memory_probe as memory_probe
+from triaccel_jax.precision import _memory as memory
+from triaccel_jax.precision import _policy as policy_lib
+from triaccel_jax.transforms import _alias as alias
+
+RUNS = ("fp32", "bf16", "triaccel")
+RUN_LABELS = {"fp32": "FP32 AdamW", "bf16": "static bf16 AdamW", "triaccel": "Tri-Accel"}
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One run's figures.
+
+    ``run_batch`` is the largest batch the run trained at; ``common_batch`` the batch every run's
+    memory is also measured at (``--batch-size``). The ``*_mib`` figures are ``memory_report``'s
+    total and XLA's compiled figure of one step under the run's final policy at that batch.
+    """
+
+    name: str
+    seconds: float
+    steps: int
+    final_batch: int
+    run_batch: int
+    run_batch_memory_mib: float
+    run_batch_compiled_mib: float | None
+    common_batch: int
+    common_batch_memory_mib: float
+    common_batch_compiled_mib: float | None
+    accuracy: float
+    history: list[dict[str, float]]
+    epoch_accuracy: list[float]
+    evals: list[dict[str, float]]
+    events: list[dict[str, Any]]
+    policies: list[dict[str, Any]]  # {"step": the first step it ran, "leaves": {path: dtype}}
+
+    @property
+    def memory_mib(self) -> float:
+        """``memory_report``'s total at the common batch, the figure runs are compared by."""
+        return self.common_batch_memory_mib
+
+
+@dataclasses.dataclass
+class _RunLog:
+    """What a run records while it trains (the lists of :class:`RunResult`)."""
+
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    epoch_accuracy: list[float] = dataclasses.field(default_factory=list)
+    evals: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    policies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def build_controller(
+    run: str, model: Any, has_state: bool, loss_fn: Callable[..., Any], data: task.Data, args: Any
+) -> controller_lib.Controller:
+    """The controller of ``run``: its optimizer, policy, batch range and memory probe."""
+    sample = data.train["image"][:2]
+    init_kwargs = {"train": False} if has_state else {}
+    variables = model.init(jax.random.key(args.seed), sample, **init_kwargs)
+    params, model_state = variables["params"], variables.get("batch_stats")
+    common: dict[str, Any] = {
+        "model_state": model_state,
+        "has_aux": True,
+        "seed": args.seed,
+        "reference_batch": args.batch_size,
+        "check_every": args.check_every,
+    }
+    if run == "triaccel":
+        tx = optax.inject_hyperparams(alias.triaccel)(learning_rate=args.lr, weight_decay=1e-4)
+        budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
+        probe = (
+            memory_probe.default_memory_probe()
+            if budget is None
+            else memory_probe.BudgetMemoryProbe(budget)
+        )
+        kwargs = dict(
+            min_batch=min(32, args.batch_size),
+            max_batch=max(args.max_batch, args.batch_size),
+            batch_size=args.batch_size,
+            probe=probe,
+            replan_every=args.replan_every,
+            lr_scaling="sqrt",
+        )
+    else:
+        tx = optax.adamw(args.lr, weight_decay=1e-4)
+        policy = policy_lib.PrecisionPolicy.uniform(params, "bf16") if run == "bf16" else None
+        kwargs = dict(
+            min_batch=args.batch_size,
+            max_batch=args.batch_size,
+            # The batch is fixed (min = max); the probe only supplies the recorded figures.
+            probe=memory_probe.default_memory_probe(),
+            policy=policy,
+            lr_scaling="none",
+        )
+    return controller_lib.Controller(loss_fn, params, tx, data.train, **common, **kwargs)
+
+
+def _history_row(info: Any, controller: Any) -> dict[str, float]:
+    return {
+        "step": info.step,
+        "samples": controller.sampler.samples_seen,
+        "loss": info.loss,
+        "batch": info.batch_size,
+        "peak_mib": math.nan if info.peak_bytes is None else info.peak_bytes / 2**20,
+        "limit_mib": math.nan if info.limit_bytes is None else info.limit_bytes / 2**20,
+    }
+
+
+def _train_epochs(
+    run: str, controller: Any, loss_fn: Any, data: task.Data, args: Any, progress: Any
+) -> _RunLog:
+    """Steps ``controller`` through ``args.epochs`` epochs (or ``--max-steps``), recording."""
+    log = _RunLog()
+
+    def record_eval() -> float:
+        accuracy = task.evaluate(
+            loss_fn, controller.params, controller.model_state, controller.policy, data.test
+        )
+        log.evals.append(
+            {
+                "step": controller.step_count,
+                "samples": controller.sampler.samples_seen,
+                "accuracy": accuracy,
+            }
+        )
+        return accuracy
+
+    max_steps = args.max_steps if args.max_steps is not None else math.inf
+    for epoch in range(args.epochs):
+        while controller.sampler.epoch <= epoch and controller.step_count < max_steps:
+            info = controller.step()
+            log.history.append(_history_row(info, controller))
+            replanned = any(e.kind == "replan" for e in info.events)
+            if run == "triaccel" and (not log.policies or replanned):
+                leaves = {path: controller.policy.compute(path) for path in controller.policy}
+                log.policies.append({"step": info.step - 1, "leaves": leaves})
+            if args.eval_every and controller.step_count % args.eval_every == 0:
+                record_eval()
+            progress.update(info.batch_size)
+            progress.set_postfix(
+                run=run,
+                loss=f"{info.loss:.3f}",
+                batch=info.batch_size,
+                mem=f"{(info.peak_bytes or 0) / 2**20:.0f}MiB",
+            )
+        # The end of each epoch is evaluated too (once, if --eval-every just did).
+        last = log.evals[-1] if log.evals else None
+        if last is not None and last["step"] == controller.step_count:
+            log.epoch_accuracy.append(last["accuracy"])
+        else:
+            log.epoch_accuracy.append(record_eval())
+        if controller.step_count >= max_steps:
+            break
+    return log
+
+
+def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any) -> RunResult:
+    """Trains ``run`` (one of :data:`RUNS`) on ``data`` and measures it.
+
+    Args:
+      run: ``"fp32"``, ``"bf16"`` or ``"triaccel"``.
+      data: the data set.
+      args: the main job's parsed arguments.
+      progress: a tqdm-like bar (``update``, ``set_postfix``).
+
+    Returns:
+      The run's :class:`RunResult`.
+    """
+    model, has_state = task.build_model(args.model, data.num_classes)
+    loss_fn = task.make_loss(model, has_state, data.channel_stats)
+    controller = build_controller(run, model, has_state, loss_fn, data, args)
+    start = time.perf_counter()
+    log = _train_epochs(run, controller, loss_fn, data, args, progress)
+    seconds = time.perf_counter() - start
+
+    # Memory of one step under the run's final policy, at the largest batch the run trained at
+    # and at the common batch: a run that grew its batch needs more than the common figure says.
+    run_batch = max((h["batch"] for h in log.history), default=args.batch_size)
+    run_report = step_memory(loss_fn, controller, data, run_batch)
+    if run_batch == args.batch_size:
+        common = run_report
+    else:
+        common = step_memory(loss_fn, controller, data, args.batch_size)
+    return RunResult(
+        name=run,
+        seconds=seconds,
+        steps=controller.step_count,
+        final_batch=controller.batch_size,
+        run_batch=run_batch,
+        run_batch_memory_mib=run_report.total / 2**20,
+        run_batch_compiled_mib=_mib(run_report.compiled),
+        common_batch=args.batch_size,
+        common_batch_memory_mib=common.total / 2**20,
+        common_batch_compiled_mib=_mib(common.compiled),
+        accuracy=log.epoch_accuracy[-1],
+        history=log.history,
+        epoch_accuracy=log.epoch_accuracy,
+        evals=log.evals,
+        events=[_jsonable(r) for r in controller.event_records()],
+        policies=log.policies,
+    )
+
+
+def step_memory(
+    loss_fn: Callable[..., Any], controller: Any, data: task.Data, batch_size: int
+) -> memory.MemoryReport:
+    """``memory_report`` of one training step at ``batch_size`` under the controller's policy.
+
+    The batch is the first ``batch_size`` training samples (repeated if the set is smaller:
+    only shapes and dtypes matter).
+    """
+    size = len(data.train["label"])
+    index = np.arange(batch_size) % size
+    batch = {k: v[index] for k, v in data.train.items()}
+    policy = controller.policy
+
+    def step_fn(p, b):
+        return loss_fn(
+            p, b, policy=policy, rng=jax.random.key(0), model_state=controller.model_state
+        )[0]
+
+    return memory.memory_report(controller.params, controller.opt_state, policy, step_fn, batch)
+
+
+def _mib(value: int | None) -> float | None:
+    return None if value is None else value / 2**20
+
+
+def _jsonable(record: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(record, default=str))

@@ -1,0 +1,148 @@
+"""The main job's task: its data set, its model and the loss the controller trains.
+
+Data come from :mod:`triaccel_jax.data` (Fashion-MNIST, digits or CIFAR), models from
+:mod:`triaccel_jax.models`; the loss computes in the precision policy in force through
+:func:`triaccel_jax.flax.apply_with_policy` (which casts the masters itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from triaccel_jax.flax import _precision as flax_precision
+
+MODELS = ("auto", "small_cnn", "resnet20", "resnet18", "efficientnet_b0")
+
+
+@dataclasses.dataclass
+class Data:
+    """A data set as arrays: ``{"image", "label"}`` per split, and how to preprocess it."""
+
+    name: str
+    train: dict[str, np.ndarray]
+    test: dict[str, np.ndarray]
+    num_classes: int
+    channel_stats: tuple[Any, Any] | None  # CIFAR: (mean, std); crop, flip and normalise
+
+
+def load_data(
+    name: str, *, data_dir: str | None, train_subset: int | None, test_subset: int | None
+):
+    """The data set ``name`` ("auto": Fashion-MNIST if installed, else digits)."""
+    from triaccel_jax import data as data_lib
+
+    if name == "auto":
+        name = "fashion_mnist" if data_lib.FASHION_MNIST_DIR.exists() else "digits"
+    if name == "fashion_mnist":
+        train, test = data_lib.load_fashion_mnist("train"), data_lib.load_fashion_mnist("test")
+        classes, stats = 10, None
+    elif name == "digits":
+        train, test = data_lib.load_digits("train"), data_lib.load_digits("test")
+        classes, stats = 10, None
+    else:
+        train = data_lib.load_cifar(name, "train", data_dir=data_dir)
+        test = data_lib.load_cifar(name, "test", data_dir=data_dir)
+        classes = 10 if name == "cifar10" else 100
+        stats = (
+            (data_lib.CIFAR10_MEAN, data_lib.CIFAR10_STD)
+            if name == "cifar10"
+            else (data_lib.CIFAR100_MEAN, data_lib.CIFAR100_STD)
+        )
+
+    def as_dict(split, limit):
+        images, labels = split.images, split.labels
+        if limit is not None:
+            images, labels = images[:limit], labels[:limit]
+        return {"image": np.asarray(images, np.float32), "label": np.asarray(labels, np.int32)}
+
+    return Data(name, as_dict(train, train_subset), as_dict(test, test_subset), classes, stats)
+
+
+def build_model(name: str, num_classes: int) -> tuple[Any, bool]:
+    """The Linen model and whether it takes ``train=`` (and has batch statistics)."""
+    from triaccel_jax import models
+
+    if name in ("auto", "small_cnn"):
+        return models.SmallCNN(num_classes=num_classes), False
+    if name == "resnet20":
+        return models.ResNet20(num_classes=num_classes), True
+    if name == "resnet18":
+        return models.ResNet18(num_classes=num_classes), True
+    if name == "efficientnet_b0":
+        return models.EfficientNetB0(num_classes=num_classes, stem_stride=1), True
+    raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")
+
+
+def make_loss(
+    model: Any, has_state: bool, channel_stats: tuple[Any, Any] | None
+) -> Callable[..., Any]:
+    """The controller's loss: cross-entropy, with accuracy as a metric.
+
+    With ``channel_stats`` (CIFAR), training images get the standard random crop and flip, and
+    all images are normalised per channel.
+    """
+    from triaccel_jax import data as data_lib
+
+    def logits_of(params, images, policy, model_state, rng, train):
+        if channel_stats is not None:
+            images = data_lib.normalize(images, *channel_stats)
+        variables = {"params": params}
+        kwargs: dict[str, Any] = {"rngs": {"dropout": rng}} if train else {}
+        if has_state:
+            variables["batch_stats"] = model_state
+            kwargs["train"] = train
+            if train:
+                kwargs["mutable"] = ["batch_stats"]
+        out = flax_precision.apply_with_policy(model, variables, images, policy=policy, **kwargs)
+        logits, updates = out if isinstance(out, tuple) else (out, {})
+        return logits.astype(jnp.float32), updates.get("batch_stats", model_state)
+
+    def loss_fn(params, batch, *, policy, rng, model_state=None):
+        images = batch["image"]
+        if channel_stats is not None:
+            images = data_lib.random_crop_flip(jax.random.fold_in(rng, 1), images)
+        logits, new_state = logits_of(params, images, policy, model_state, rng, True)
+        labels = batch["label"]
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        aux = {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
+        if has_state:
+            aux["model_state"] = new_state
+        return loss, aux
+
+    loss_fn.logits_of = logits_of  # type: ignore[attr-defined]
+    return loss_fn
+
+
+@functools.lru_cache(maxsize=8)
+def _predictor(loss_fn: Callable[..., Any], policy: Any) -> Callable[..., jax.Array]:
+    """The jitted eval-mode prediction for ``(loss_fn, policy)``, made once, not per evaluation."""
+
+    @jax.jit
+    def predict(params, model_state, images):
+        logits, _ = loss_fn.logits_of(params, images, policy, model_state, None, False)
+        return jnp.argmax(logits, -1)
+
+    return predict
+
+
+def evaluate(loss_fn, params, model_state, policy, test: dict[str, np.ndarray]) -> float:
+    """Test accuracy (eval mode: running BatchNorm statistics, no augmentation)."""
+    predict = _predictor(loss_fn, policy)
+    correct, size = 0, len(test["label"])
+    for start in range(0, size, 1000):
+        images = test["image"][start : start + 1000]
+        correct += int(
+            (
+                np.asarray(predict(params, model_state, images))
+                == test["label"][start : start + 1000]
+            ).sum()
+        )
+    return correct / size
