@@ -130,6 +130,27 @@ def check_integer(
     return int(number)
 
 
+def real_scalar(name: str, value: Any, description: str = "a real number") -> float:
+    """``value`` as a float, or ``TypeError`` saying it must be ``description``.
+
+    Python, NumPy and concrete JAX scalars (a float32 loss times a fraction, say) are numbers;
+    booleans, strings, complex numbers and arrays are not. Range checks are the caller's.
+
+    Example:
+      >>> import numpy as np
+      >>> from triaccel_jax._src import validation
+      >>> validation.real_scalar("budget", np.float32(0.5))
+      0.5
+    """
+    problem = TypeError(f"`{name}` must be {description}, got {value!r}")
+    if isinstance(value, bool | str | bytes) or np.ndim(value) != 0:
+        raise problem
+    kind = np.asarray(value).dtype
+    if not (np.issubdtype(kind, np.floating) or np.issubdtype(kind, np.integer)):
+        raise problem
+    return float(value)
+
+
 def static_value(name: str, value: Any, kind: type) -> Any:
     """``value`` as a Python ``kind``; it sets array shapes, so it cannot be traced."""
     if isinstance(value, jax.core.Tracer):

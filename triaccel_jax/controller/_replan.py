@@ -29,7 +29,7 @@ class Replan(NamedTuple):
       leaves_by_dtype: ``{compute dtype: number of leaves}`` of the new policy, for the log.
     """
 
-    plan: planner.PrecisionPlan
+    plan: policy_lib.PrecisionPlan
     opt_state: Any
     changed: bool
     leaves_by_dtype: dict[str, int]
@@ -38,7 +38,7 @@ class Replan(NamedTuple):
 def replan(
     opt_state: Any,
     params: Any,
-    previous: planner.PrecisionPlan | policy_lib.PrecisionPolicy | None,
+    previous: policy_lib.PrecisionPlan | policy_lib.PrecisionPolicy | None,
     *,
     loss: float | None = None,
     planner_options: Mapping[str, Any] | None = None,
@@ -73,7 +73,7 @@ def replan(
     plan = planner.plan_precision(
         signals_lib.signals(opt_state), params, previous, loss=loss, **dict(planner_options or {})
     )
-    before = previous.policy if isinstance(previous, planner.PrecisionPlan) else previous
+    before = previous.policy if isinstance(previous, policy_lib.PrecisionPlan) else previous
     changed = plan.policy != before
     if changed:
         opt_state = state_conversion.convert_state(opt_state, plan.policy)

@@ -18,9 +18,9 @@ from triaccel_jax.precision._casting import cast_params
 from triaccel_jax.precision._casting import master_params
 from triaccel_jax.precision._memory import MemoryReport
 from triaccel_jax.precision._memory import memory_report
-from triaccel_jax.precision._planner import PrecisionPlan
 from triaccel_jax.precision._planner import plan_precision
 from triaccel_jax.precision._policy import LeafPrecision
+from triaccel_jax.precision._policy import PrecisionPlan
 from triaccel_jax.precision._policy import PrecisionPolicy
 
 __all__ = (

@@ -90,41 +90,12 @@ def weighted_curvature_sum(store: compression.CompressedDiagonal, leaf: jax.Arra
     return base + jnp.sum((store.outlier_values - outlier_means) * flat[indices])
 
 
-class PrecisionPlan(NamedTuple):
-    """What the planner returns: the policy, and its memory for the next re-plan.
-
-    Attributes:
-      policy: the :class:`triaccel_jax.PrecisionPolicy` to run (with the planner's ``reasons``);
-        a plain value that keys a compile cache.
-      pending: the hysteresis memory, ``{path: (proposed compute dtype, consecutive re-plans it
-        won)}`` for the leaves held back from a move; pass the plan back to
-        :func:`plan_precision` to continue the streaks.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from triaccel_jax.precision import PrecisionPolicy, plan_precision
-      >>> params = {"w": jnp.ones((64, 64))}
-      >>> signals = {"w": {"mean_curvature": 1e-4, "noise_to_signal": 0.0}}
-      >>> plan = plan_precision(signals, params, PrecisionPolicy.uniform(params), budget=1.0)
-      >>> plan.policy.compute("w"), plan.pending["w"]  # bf16 won once; patience is 2
-      ('fp32', ('bf16', 1))
-      >>> plan_precision(signals, params, plan, budget=1.0).policy.compute("w")
-      'bf16'
-
-    References:
-      docs/design.md §3 (hysteresis).
-    """
-
-    policy: policy_lib.PrecisionPolicy
-    pending: Mapping[str, tuple[str, int]] = {}
-
-
-def _as_plan(previous: Any) -> PrecisionPlan | None:
+def _as_plan(previous: Any) -> policy_lib.PrecisionPlan | None:
     """``previous`` as a plan: a bare policy is a plan with no streaks pending."""
-    if previous is None or isinstance(previous, PrecisionPlan):
+    if previous is None or isinstance(previous, policy_lib.PrecisionPlan):
         return previous
     if isinstance(previous, policy_lib.PrecisionPolicy):
-        return PrecisionPlan(previous, {})
+        return policy_lib.PrecisionPlan(previous, {})
     raise TypeError(
         "`previous_policy` must be a PrecisionPolicy, a PrecisionPlan or None, got "
         f"{type(previous).__name__}"
@@ -214,7 +185,7 @@ def _ladder(allowed: Sequence[str], max_abs: float) -> tuple[list[str], list[str
 def plan_precision(
     signals: Mapping[str, Mapping[str, Any]],
     params: Any,
-    previous_policy: PrecisionPlan | policy_lib.PrecisionPolicy | None = None,
+    previous_policy: policy_lib.PrecisionPlan | policy_lib.PrecisionPolicy | None = None,
     *,
     budget: float = 1e-3,
     loss: float | None = None,
@@ -223,7 +194,7 @@ def plan_precision(
     patience: int = 2,
     margin: float = 0.25,
     state: str = "auto",
-) -> PrecisionPlan:
+) -> policy_lib.PrecisionPlan:
     """Plans a per-leaf precision policy from the optimizer's curvature and noise signals.
 
     Args:
@@ -251,9 +222,9 @@ def plan_precision(
         compute below fp32, fp32 otherwise).
 
     Returns:
-      A :class:`PrecisionPlan`: the :class:`triaccel_jax.PrecisionPolicy` (with ``reasons``
-      saying why each leaf got its format) and ``pending``, the hysteresis memory to pass back
-      with it at the next call.
+      A :class:`triaccel_jax.precision.PrecisionPlan`: the
+      :class:`triaccel_jax.PrecisionPolicy` (with ``reasons`` saying why each leaf got its
+      format) and ``pending``, the hysteresis memory to pass back with it at the next call.
 
     Example:
       >>> import jax.numpy as jnp
@@ -273,21 +244,7 @@ def plan_precision(
             f"returns, got {type(signals).__name__}"
         )
     previous = _as_plan(previous_policy)
-    previous_policy = None if previous is None else previous.policy
-    if isinstance(allowed, str):
-        raise TypeError(f"`allowed` must be a sequence of dtype names, e.g. ({allowed!r},)")
-    allowed_names = tuple(dtypes.format_name(a, what="allowed dtype") for a in allowed)
-    if "fp32" not in allowed_names:
-        allowed_names = ("fp32", *allowed_names)
-    budget = _real_scalar("budget", budget)
-    if not (budget >= 0 and not math.isnan(budget)):
-        raise ValueError(f"`budget` must be a number >= 0 (inf allowed), got {budget!r}")
-    if loss is not None and not (math.isfinite(loss) and loss >= 0):
-        raise ValueError(f"`loss` must be a finite number >= 0, got {loss!r}")
-    validation.check_integer("min_size", min_size, 0, strict=True)
-    validation.check_integer("patience", patience, 1, strict=True)
-    validation.check_in_range("margin", margin, 0, 1, high_inclusive=False)
-    validation.check_choice("state", state, ("auto", *dtypes.STATE_NAMES))
+    allowed_names, budget = _check_options(allowed, budget, loss, min_size, patience, margin, state)
 
     shapes = {path: tuple(leaf.shape) for path, leaf in policy_lib.trainable_paths(params)}
     stores = {
@@ -296,57 +253,119 @@ def plan_precision(
         if path in shapes and isinstance(record, Mapping) and "curvature_store" in record
     }
     figures = _leaf_figures(params, stores)
-    if previous_policy is not None:
-        previous_policy.check_matches(params)
+    if previous is not None:
+        previous.policy.check_matches(params)
     # An infinite budget stays infinite even relative to a loss of 0 (inf * 0 would be NaN).
     allowance = budget * (loss if loss is not None and not math.isinf(budget) else 1.0)
 
-    fixed: dict[str, str] = {}  # leaves the planner does not consider, and why
-    notes: dict[str, str] = {}  # range rejections
-    cost: dict[str, dict[str, float]] = {}
-    ladders: dict[str, list[str]] = {}
+    prices = _price_leaves(signals, figures, shapes, allowed_names, min_size, previous, margin)
+    choice = _greedy(figures, prices, allowance)
+    final, pending = _hold_back(choice, previous, prices.fixed, patience)
+    reasons = {}
+    leaves = []
+    for path, (size, *_) in figures.items():
+        compute = final[path]
+        leaf_state = state if state != "auto" else ("fp32" if compute == "fp32" else "bf16")
+        leaves.append((path, policy_lib.LeafPrecision(compute, leaf_state)))
+        reasons[path] = prices.fixed.get(path) or _reason(
+            compute,
+            prices.cost[path],
+            prices.ladders[path],
+            pending.get(path),
+            patience,
+            allowance,
+            size,
+        )
+        if path in prices.notes:
+            reasons[path] += f"; {prices.notes[path]}"
+    return policy_lib.PrecisionPlan(policy_lib.PrecisionPolicy(tuple(leaves), reasons), pending)
+
+
+def _check_options(allowed, budget, loss, min_size, patience, margin, state):
+    """The allowed formats (fp32 always among them) and the budget as a float, or an error."""
+    if isinstance(allowed, str):
+        raise TypeError(f"`allowed` must be a sequence of dtype names, e.g. ({allowed!r},)")
+    allowed_names = tuple(dtypes.format_name(a, what="allowed dtype") for a in allowed)
+    if "fp32" not in allowed_names:
+        allowed_names = ("fp32", *allowed_names)
+    budget = validation.real_scalar("budget", budget, "a number >= 0 (inf allowed)")
+    if not (budget >= 0 and not math.isnan(budget)):
+        raise ValueError(f"`budget` must be a number >= 0 (inf allowed), got {budget!r}")
+    if loss is not None and not (math.isfinite(loss) and loss >= 0):
+        raise ValueError(f"`loss` must be a finite number >= 0, got {loss!r}")
+    validation.check_integer("min_size", min_size, 0, strict=True)
+    validation.check_integer("patience", patience, 1, strict=True)
+    validation.check_in_range("margin", margin, 0, 1, high_inclusive=False)
+    validation.check_choice("state", state, ("auto", *dtypes.STATE_NAMES))
+    return allowed_names, budget
+
+
+class _Prices(NamedTuple):
+    """Per leaf: the formats it may take (``ladders``), each one's predicted loss increase
+    (``cost``), the leaves kept fp32 and why (``fixed``), and range rejections (``notes``)."""
+
+    ladders: dict[str, list[str]]
+    cost: dict[str, dict[str, float]]
+    fixed: dict[str, str]
+    notes: dict[str, str]
+
+
+def _price_leaves(signals, figures, shapes, allowed_names, min_size, previous, margin) -> _Prices:
+    """Each eligible leaf's ladder of formats and predicted increase on each step of it."""
+    prices = _Prices({}, {}, {}, {})
     for path, (size, sum_sq, max_abs, weighted) in figures.items():
         record = signals.get(path)
         if size < min_size:
-            fixed[path] = f"fp32: {size} elements < min_size {min_size}"
+            prices.fixed[path] = f"fp32: {size} elements < min_size {min_size}"
             continue
         if len(shapes[path]) <= 1:
-            fixed[path] = "fp32: a vector (bias or normalisation parameter)"
+            prices.fixed[path] = "fp32: a vector (bias or normalisation parameter)"
             continue
         if record is None:
-            fixed[path] = "fp32: no curvature signal for this leaf"
+            prices.fixed[path] = "fp32: no curvature signal for this leaf"
             continue
         ladder, rejected = _ladder(allowed_names, max_abs)
-        try:
-            kappa = max(float(record["mean_curvature"]), 0.0)
-            nsr = min(max(float(record.get("noise_to_signal", 0.0)), 0.0), _MAX_NOISE_DISCOUNT)
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise ValueError(
-                f"`signals[{path!r}]` must hold a number 'mean_curvature' (and optionally "
-                f"'noise_to_signal'), as triaccel_jax.signals returns; got {record!r} ({error!r})"
-            ) from None
+        kappa, nsr = _curvature_and_noise(path, record)
         # Where the curvature sits, if the record has the store; else the leaf mean. A
         # Hutchinson store may hold negative entries: a negative sum is no loss decrease.
         curvature_sum = kappa * sum_sq if weighted is None else weighted
         if not math.isfinite(curvature_sum):
             # A leaf whose rounding cannot be priced is not rounded (training goes on).
-            fixed[path] = f"fp32: its curvature-weighted sum is not finite ({curvature_sum})"
+            prices.fixed[path] = f"fp32: its curvature-weighted sum is not finite ({curvature_sum})"
             continue
         sensitivity = max(curvature_sum, _MIN_SENSITIVITY) / (1.0 + nsr)
-        before = previous_policy.compute(path) if previous_policy is not None else "fp32"
-        cost[path] = {}
+        before = previous.policy.compute(path) if previous is not None else "fp32"
+        prices.cost[path] = {}
         for name in ladder:
             increase = dtypes.FORMATS[name].unit_roundoff ** 2 / 6 * sensitivity
             if name == "fp32":
                 increase = 0.0
-            elif previous_policy is not None:
+            elif previous is not None:
                 increase *= (1 - margin) if name == before else (1 + margin)
-            cost[path][name] = increase
-        ladders[path] = ladder
+            prices.cost[path][name] = increase
+        prices.ladders[path] = ladder
         if rejected:
-            notes[path] = "; ".join(rejected)
+            prices.notes[path] = "; ".join(rejected)
+    return prices
 
-    # Greedy: repeatedly take the step with the least predicted increase per byte saved.
+
+def _curvature_and_noise(path: str, record: Any) -> tuple[float, float]:
+    """A signal record's mean curvature (>= 0) and noise-to-signal ratio (capped), or an error."""
+    try:
+        kappa = max(float(record["mean_curvature"]), 0.0)
+        nsr = min(max(float(record.get("noise_to_signal", 0.0)), 0.0), _MAX_NOISE_DISCOUNT)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ValueError(
+            f"`signals[{path!r}]` must hold a number 'mean_curvature' (and optionally "
+            f"'noise_to_signal'), as triaccel_jax.signals returns; got {record!r} ({error!r})"
+        ) from None
+    return kappa, nsr
+
+
+def _greedy(figures, prices: _Prices, allowance: float) -> dict[str, str]:
+    """Repeatedly takes the step down a ladder with the least predicted increase per byte saved,
+    while the total stays within ``allowance``."""
+    ladders, cost = prices.ladders, prices.cost
     choice = {path: "fp32" for path in figures}
     total = 0.0
     heap: list[tuple[float, str, int]] = []
@@ -355,9 +374,8 @@ def plan_precision(
         ladder = ladders[path]
         if level + 1 < len(ladder):
             here, there = ladder[level], ladder[level + 1]
-            saved = (dtypes.carried_itemsize(here) - dtypes.carried_itemsize(there)) * figures[
-                path
-            ][0]
+            width = dtypes.carried_itemsize(here) - dtypes.carried_itemsize(there)
+            saved = width * figures[path][0]
             extra = cost[path][there] - cost[path][here]
             heapq.heappush(heap, (extra / saved, path, level + 1))
 
@@ -370,33 +388,32 @@ def plan_precision(
             total += extra
             choice[path] = ladders[path][level]
             push(path, level)
+    return choice
 
-    # Hysteresis: a leaf moves only after its new choice won `patience` re-plans in a row.
+
+def _hold_back(
+    choice: dict[str, str],
+    previous: policy_lib.PrecisionPlan | None,
+    fixed: Mapping[str, str],
+    patience: int,
+) -> tuple[dict[str, str], dict[str, tuple[str, int]]]:
+    """Hysteresis: a leaf moves only after its new choice won ``patience`` re-plans in a row.
+
+    Returns the final choices and the streaks still pending."""
     pending: dict[str, tuple[str, int]] = {}
     final = dict(choice)
-    if previous_policy is not None:
-        for path, proposed in choice.items():
-            current = previous_policy.compute(path)
-            if proposed == current or path in fixed:  # fixed leaves go fp32 at once
-                continue
-            target, streak = previous.pending.get(path, (proposed, 0))
-            streak = streak + 1 if target == proposed else 1
-            if streak < patience:
-                final[path] = current
-                pending[path] = (proposed, streak)
-
-    reasons = {}
-    leaves = []
-    for path, (size, *_) in figures.items():
-        compute = final[path]
-        leaf_state = state if state != "auto" else ("fp32" if compute == "fp32" else "bf16")
-        leaves.append((path, policy_lib.LeafPrecision(compute, leaf_state)))
-        reasons[path] = fixed.get(path) or _reason(
-            compute, cost[path], ladders[path], pending.get(path), patience, allowance, size
-        )
-        if path in notes:
-            reasons[path] += f"; {notes[path]}"
-    return PrecisionPlan(policy_lib.PrecisionPolicy(tuple(leaves), reasons), pending)
+    if previous is None:
+        return final, pending
+    for path, proposed in choice.items():
+        current = previous.policy.compute(path)
+        if proposed == current or path in fixed:  # fixed leaves go fp32 at once
+            continue
+        target, streak = previous.pending.get(path, (proposed, 0))
+        streak = streak + 1 if target == proposed else 1
+        if streak < patience:
+            final[path] = current
+            pending[path] = (proposed, streak)
+    return final, pending
 
 
 def _reason(compute, cost, ladder, pending, patience, allowance, size) -> str:
@@ -410,15 +427,3 @@ def _reason(compute, cost, ladder, pending, patience, allowance, size) -> str:
     if cheaper is None:
         return "fp32: no cheaper format allowed"
     return f"fp32: {cheaper} would add {cost[cheaper]:.2e}, beyond the budget left"
-
-
-def _real_scalar(name: str, value: Any) -> float:
-    """``value`` as a float: Python, NumPy and concrete JAX scalars (a float32 loss times a
-    fraction, say) are numbers; booleans, strings, complex numbers and arrays are not."""
-    problem = TypeError(f"`{name}` must be a number >= 0 (inf allowed), got {value!r}")
-    if isinstance(value, bool | str | bytes) or np.ndim(value) != 0:
-        raise problem
-    kind = np.asarray(value).dtype
-    if not (np.issubdtype(kind, np.floating) or np.issubdtype(kind, np.integer)):
-        raise problem
-    return float(value)

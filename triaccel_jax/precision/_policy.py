@@ -1,5 +1,7 @@
 """``PrecisionPolicy``: an immutable per-leaf map of compute dtype and state dtype (docs/design.md §3).
 
+Also :class:`PrecisionPlan`, what the planner returns: a policy and the planner's memory.
+
 A leaf's *compute* dtype is the dtype of the copy of the parameter that the forward and backward
 passes see (and, with the Flax interceptor, of the module's inputs); its *state* dtype is the dtype
 of its optimizer moments (never below bf16). The policy is static: it keys the controller's compile
@@ -303,6 +305,35 @@ class PrecisionPolicy:
             counts[compute] = counts.get(compute, 0) + 1
         summary = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
         return f"PrecisionPolicy({len(self)} leaves: {summary}; signature {self.signature})"
+
+
+class PrecisionPlan(NamedTuple):
+    """What the planner returns: the policy, and its memory for the next re-plan.
+
+    Attributes:
+      policy: the :class:`triaccel_jax.PrecisionPolicy` to run (with the planner's ``reasons``);
+        a plain value that keys a compile cache.
+      pending: the hysteresis memory, ``{path: (proposed compute dtype, consecutive re-plans it
+        won)}`` for the leaves held back from a move; pass the plan back to
+        :func:`plan_precision` to continue the streaks.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from triaccel_jax.precision import PrecisionPolicy, plan_precision
+      >>> params = {"w": jnp.ones((64, 64))}
+      >>> signals = {"w": {"mean_curvature": 1e-4, "noise_to_signal": 0.0}}
+      >>> plan = plan_precision(signals, params, PrecisionPolicy.uniform(params), budget=1.0)
+      >>> plan.policy.compute("w"), plan.pending["w"]  # bf16 won once; patience is 2
+      ('fp32', ('bf16', 1))
+      >>> plan_precision(signals, params, plan, budget=1.0).policy.compute("w")
+      'bf16'
+
+    References:
+      docs/design.md §3 (hysteresis).
+    """
+
+    policy: PrecisionPolicy
+    pending: Mapping[str, tuple[str, int]] = {}
 
 
 def pending_from_document(document: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
