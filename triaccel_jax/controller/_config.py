@@ -157,3 +157,30 @@ class ControllerConfig:
             reference = global_batch if global_batch is not None else start
         reference = validation.check_integer("reference_batch", reference, 1)
         return BatchLayout(buckets, start, global_batch, reference)
+
+
+_SETTINGS = frozenset(f.name for f in dataclasses.fields(ControllerConfig))
+
+
+def resolve_config(
+    config: ControllerConfig | None, settings: Mapping[str, Any]
+) -> ControllerConfig:
+    """The controller's settings from ``config=`` or from keywords (not both), or a clear error.
+
+    Example:
+      >>> from triaccel_jax.controller._config import ControllerConfig, resolve_config
+      >>> resolve_config(None, {"min_batch": 8}) == ControllerConfig(min_batch=8)
+      True
+    """
+    unknown = sorted(set(settings) - _SETTINGS)
+    if unknown:
+        raise TypeError(f"Controller got unexpected keyword arguments {unknown}")
+    if config is None:
+        return ControllerConfig(**settings)
+    if not isinstance(config, ControllerConfig):
+        raise TypeError(f"`config` must be a ControllerConfig, got {type(config).__name__}")
+    if settings:
+        raise TypeError(
+            f"pass the settings in `config` or as keywords, not both: {sorted(settings)}"
+        )
+    return config

@@ -11,7 +11,6 @@ controller logs them, as :class:`triaccel_jax.controller.Event` records.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -19,14 +18,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
-from triaccel_jax._src import arrays
 from triaccel_jax._src import validation
 from triaccel_jax.controller import _agreement as agreement
-from triaccel_jax.controller import _buckets as buckets_lib
+from triaccel_jax.controller import _bucket_tracker as bucket_tracker
 from triaccel_jax.controller import _compile_cache as compile_cache
 from triaccel_jax.controller import _config as config_lib
 from triaccel_jax.controller import _events as events_lib
@@ -37,8 +34,8 @@ from triaccel_jax.controller import _out_of_memory as out_of_memory
 from triaccel_jax.controller import _replan as replan_lib
 from triaccel_jax.controller import _sampler as sampler_lib
 from triaccel_jax.controller import _state_record as state_record
+from triaccel_jax.controller import _train_state_bridge as bridge
 from triaccel_jax.controller import _train_step as train_step
-from triaccel_jax.precision import _planner as planner
 from triaccel_jax.precision import _policy as policy_lib
 from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
 from triaccel_jax.transforms import _signals as signals_lib
@@ -48,23 +45,6 @@ from triaccel_jax.transforms import _state_conversion as state_conversion
 OutOfMemoryError = out_of_memory.OutOfMemoryError
 StepInfo = events_lib.StepInfo
 is_out_of_memory = out_of_memory.is_out_of_memory
-_SETTINGS = frozenset(f.name for f in dataclasses.fields(config_lib.ControllerConfig))
-
-
-def _make_config(config: Any, settings: Mapping[str, Any]) -> config_lib.ControllerConfig:
-    """The settings from ``config=`` or from keywords (not both), or a clear error."""
-    unknown = sorted(set(settings) - _SETTINGS)
-    if unknown:
-        raise TypeError(f"Controller got unexpected keyword arguments {unknown}")
-    if config is None:
-        return config_lib.ControllerConfig(**settings)
-    if not isinstance(config, config_lib.ControllerConfig):
-        raise TypeError(f"`config` must be a ControllerConfig, got {type(config).__name__}")
-    if settings:
-        raise TypeError(
-            f"pass the settings in `config` or as keywords, not both: {sorted(settings)}"
-        )
-    return config
 
 
 class Controller:
@@ -181,15 +161,22 @@ class Controller:
             raise TypeError(
                 f"`tx` must be an optax.GradientTransformation, got {type(tx).__name__}"
             )
-        self.config = config = _make_config(config, settings)
+        self.config = config = config_lib.resolve_config(config, settings)
         if callback is not None:
             validation.check_callable("callback", callback)
         self._feeder = feeding.BatchFeeder(data, config.num_examples, mesh, config.data_axis)
         layout = config.layout(self._feeder.multiple)
-        self.buckets, self._micro, self._global = layout.buckets, layout.start, layout.global_batch
+        self.buckets, self._global = layout.buckets, layout.global_batch
+        self._bucket = bucket_tracker.BucketTracker(
+            layout.buckets,
+            layout.start,
+            target=config.target,
+            high_water=config.high_water,
+            patience=config.patience,
+        )
         self._keep_global = config.keep_global_batch
         self.sampler = sampler_lib.ElasticSampler(self._feeder.num_examples, seed=config.seed)
-        self._seed, self._base_key = config.seed, jax.random.key(config.seed)
+        self._seed = config.seed
 
         self.tx = tx
         self.params = self._place(params)
@@ -204,18 +191,10 @@ class Controller:
         self._lr = learning_rate.LearningRateScaling(
             self.opt_state, config.lr_hyperparam, config.lr_scaling, layout.reference_batch
         )
-        self.probe = memory_probe.default_memory_probe() if probe is None else probe
-        if not callable(getattr(self.probe, "read", None)):
-            raise TypeError("`probe` must have a read(*, batch_size) method (a MemoryProbe)")
-        if callable(getattr(self.probe, "reset", None)):
-            self.probe.reset()  # a probe used before: its earlier peaks are not this run's
+        self.probe = memory_probe.prepare_probe(probe)
         self._callback = callback
 
         self.step_count = 0
-        self._ceiling: int | None = None
-        self._grow_streak = self._shrink_streak = 0
-        self._measured: dict[int, int] = {}
-        self._limit: int | None = None
         self._last_loss: float | None = None
         self._compiled = compile_cache.CompileCache()
         self.events: list[events_lib.Event] = []
@@ -228,11 +207,10 @@ class Controller:
     def _start_plan(self, policy: policy_lib.PrecisionPolicy | None) -> None:
         """The starting plan: ``policy`` (all fp32 when re-planning), the moments converted."""
         if self.config.replan_every is not None:
-            signals_lib.signals(
-                self.opt_state
-            )  # raises, naming the problem, without triaccel state
+            # Raises, naming the problem, when the optimizer holds no triaccel state.
+            signals_lib.signals(self.opt_state)
             policy = policy or policy_lib.PrecisionPolicy.uniform(self.params)
-        self.plan: planner.PrecisionPlan | None = None
+        self.plan: policy_lib.PrecisionPlan | None = None
         self.set_policy(policy)
 
     # -- public ---------------------------------------------------------------------------------
@@ -243,61 +221,12 @@ class Controller:
     ) -> Controller:
         """A controller that trains a Flax train state; :attr:`train_state` gives it back.
 
-        Args:
-          loss_fn: as for :class:`Controller`; with a state that has ``batch_stats`` (e.g.
-            :class:`triaccel_jax.flax.TrainState`), the loss gets them as ``model_state=``.
-          state: a ``flax.training.train_state.TrainState`` or
-            :class:`triaccel_jax.flax.TrainState` (whose ``policy`` becomes the starting policy,
-            and whose loss scale and its rule the controller continues with).
-          data: as for :class:`Controller`.
-          **kwargs: the other arguments of :class:`Controller`.
-
-        Returns:
-          The controller.
-
-        Example:
-          >>> import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
-          >>> import triaccel_jax
-          >>> from triaccel_jax.flax import TrainState
-          >>> x = np.random.default_rng(0).normal(size=(128, 3)).astype(np.float32)
-          >>> model = nn.Dense(1)
-          >>> state = TrainState.create(
-          ...     apply_fn=model.apply,
-          ...     tx=triaccel_jax.triaccel(0.05),
-          ...     params=model.init(jax.random.key(0), x)["params"],
-          ... )
-          >>> def loss_fn(params, batch, *, policy, rng):
-          ...     return jnp.mean((state.apply_fn({"params": params}, batch) - 1.0) ** 2)
-          >>> controller = triaccel_jax.Controller.from_train_state(
-          ...     loss_fn,
-          ...     state,
-          ...     x,
-          ...     min_batch=32,
-          ...     max_batch=32,
-          ...     probe=triaccel_jax.BudgetMemoryProbe(2**30),
-          ... )
-          >>> _ = controller.run(5)
-          >>> int(controller.train_state.step)
-          5
+        The state's params, optimizer state, ``batch_stats`` (given to the loss as
+        ``model_state=``), policy and loss scale are the controller's starting point; see
+        :func:`triaccel_jax.controller._train_state_bridge.controller_from_train_state` for
+        the arguments and an example.
         """
-        if "params" in kwargs or "opt_state" in kwargs or "model_state" in kwargs:
-            raise TypeError("from_train_state takes params, opt_state and batch_stats from `state`")
-        kwargs.setdefault("policy", getattr(state, "policy", None))
-        if isinstance(getattr(state, "loss_scaling", None), loss_scaling_lib.LossScaling):
-            kwargs.setdefault("loss_scaling", dataclasses.asdict(state.loss_scaling))
-        controller = cls(
-            loss_fn,
-            state.params,
-            state.tx,
-            data,
-            opt_state=state.opt_state,
-            model_state=getattr(state, "batch_stats", None),
-            **kwargs,
-        )
-        if getattr(state, "loss_scale", None) is not None:
-            controller.loss_scale = controller._place(state.loss_scale)
-        controller._train_state = (state, controller.step_count)
-        return controller
+        return bridge.controller_from_train_state(cls, loss_fn, state, data, **kwargs)
 
     @property
     def train_state(self) -> Any:
@@ -310,19 +239,7 @@ class Controller:
         if self._train_state is None:
             raise AttributeError("this controller was not made with Controller.from_train_state")
         template, start = self._train_state
-        changes = {
-            "step": template.step + (self.step_count - start),
-            "params": self.params,
-            "opt_state": self._lr.tuned(self.opt_state),
-        }
-        if getattr(template, "batch_stats", None) is not None:
-            changes["batch_stats"] = self.model_state
-        if getattr(template, "loss_scale", None) is not None:
-            changes["loss_scale"] = self.loss_scale
-        state = template.replace(**changes)
-        if hasattr(state, "with_policy"):  # triaccel_jax.flax.TrainState: rebuild the copy
-            state = state.with_policy(self.policy)
-        return state
+        return bridge.train_state_of(self, template, start, self._lr.tuned(self.opt_state))
 
     @property
     def policy(self) -> policy_lib.PrecisionPolicy | None:
@@ -337,7 +254,11 @@ class Controller:
     @property
     def micro_batch(self) -> int:
         """Samples per micro-batch: the batch bucket."""
-        return self._micro
+        return self._bucket.micro
+
+    @property
+    def _micro(self) -> int:
+        return self._bucket.micro
 
     @property
     def compile_count(self) -> int:
@@ -375,7 +296,7 @@ class Controller:
             metrics["loss"],
             metrics,
             self._known_peaks().get(self._micro),
-            self._limit,
+            self._bucket.limit,
             tuple(self.events[first_event:]),
             seconds,
         )
@@ -401,8 +322,8 @@ class Controller:
             if self.config.replan_every is not None:
                 self.opt_state = self._place(state_conversion.convert_state(self.opt_state, policy))
         if policy != self.policy:
-            self._measured = {}  # measured peaks were for the old policy
-        self.plan = None if policy is None else planner.PrecisionPlan(policy, {})
+            self._bucket.measured = {}  # measured peaks were for the old policy
+        self.plan = None if policy is None else policy_lib.PrecisionPlan(policy, {})
 
     def event_records(self) -> list[dict[str, Any]]:
         """The event log as flat dicts (``pandas.DataFrame(controller.event_records())``)."""
@@ -427,16 +348,11 @@ class Controller:
         """
         record = state_record.ControllerRecord(
             step=self.step_count,
-            micro_batch=self._micro,
-            ceiling=self._ceiling,
-            grow_streak=self._grow_streak,
-            shrink_streak=self._shrink_streak,
-            measured_peaks=dict(self._measured),
+            **self._bucket.record(),
             compiled_peaks=self._compiled.peaks_record(),
-            limit_bytes=self._limit,
             last_loss=self._last_loss,
             lr_factor=self._lr.factor,
-            loss_scale={k: np.asarray(v).item() for k, v in self.loss_scale._asdict().items()},
+            loss_scale=self.loss_scale,
             policy=self.policy,
             pending=dict(self.plan.pending) if self.plan is not None else {},
             sampler=self.sampler.state_dict(),
@@ -451,98 +367,53 @@ class Controller:
         """
         record = state_record.from_state_dict(state, self._identity())
         self.sampler.load_state_dict(record.sampler)
-        self.step_count, self._micro, self._ceiling = (
-            record.step,
-            record.micro_batch,
-            record.ceiling,
-        )
-        self._grow_streak, self._shrink_streak = record.grow_streak, record.shrink_streak
-        self._measured = record.measured_peaks
+        self.step_count, self._last_loss = record.step, record.last_loss
+        self._bucket.restore(record)
         self._compiled.load_peaks_record(record.compiled_peaks)
-        self._limit, self._last_loss = record.limit_bytes, record.last_loss
         if record.loss_scale is not None:  # absent from states saved before it existed
-            self.loss_scale = self._place(
-                loss_scaling_lib.LossScaleState(
-                    jnp.float32(record.loss_scale["scale"]),
-                    jnp.int32(record.loss_scale["good_steps"]),
-                    jnp.int32(record.loss_scale["skipped_steps"]),
-                )
-            )
+            self.loss_scale = self._place(record.loss_scale)
         if record.policy is not None:
             record.policy.check_matches(self.params)
-            self.plan = planner.PrecisionPlan(record.policy, record.pending)
+            self.plan = policy_lib.PrecisionPlan(record.policy, record.pending)
         self._log("restore", None, self.step_count, "controller state loaded")
         self._set_learning_rate()
 
     # -- decisions --------------------------------------------------------------------------------
 
     def _known_peaks(self) -> dict[int, int]:
-        """Peak bytes per bucket under the current policy: measured by the probe if it measures
-        (they include whatever else holds memory), else XLA's compiled analyses. The two are not
-        mixed: a linear fit through figures from different sources would be meaningless."""
-        if self._measured:
-            return dict(self._measured)
-        return self._compiled.peaks(self._policy_signature())
-
-    def _fixed_bytes(self) -> int:
-        """Bytes of a step's peak that do not grow with the batch, for a one-point prediction.
-
-        A compiled step holds its state twice (inputs and outputs: nothing is donated, so that
-        an out-of-memory step leaves the state intact) and one gradient per parameter. Measured
-        peaks also include unknown others, so they are extrapolated as proportional to the
-        batch, which over-predicts: growth is then cautious, never unsafe.
-        """
-        if self._measured:
-            return 0
-        state = arrays.tree_nbytes((self.params, self.opt_state, self.model_state))
-        return 2 * state + arrays.tree_nbytes(self.params)
+        """Peak bytes per bucket under the current policy (see ``BucketTracker.known_peaks``)."""
+        return self._bucket.known_peaks(self._compiled.peaks(self._policy_signature()))
 
     def _check_memory(self) -> None:
         reading = self.probe.read(batch_size=self._micro)
         peak, limit = agreement.agree_on_memory(reading.peak_bytes, reading.limit_bytes)
-        self._limit = limit
-        if peak is not None:
-            self._measured[self._micro] = peak
-        decision = buckets_lib.decide_bucket(
-            self._micro,
-            self.buckets,
-            self._known_peaks(),
+        state = (self.params, self.opt_state, self.model_state)
+        decision = self._bucket.check(
+            peak,
             limit,
-            target=self.config.target,
-            high_water=self.config.high_water,
-            patience=self.config.patience,
-            ceiling=self._ceiling,
-            fixed_bytes=self._fixed_bytes(),
-            grow_streak=self._grow_streak,
-            shrink_streak=self._shrink_streak,
+            compiled_peaks=self._compiled.peaks(self._policy_signature()),
+            fixed_bytes=self._bucket.fixed_bytes(state, self.params),
         )
-        self._grow_streak, self._shrink_streak = decision.grow_streak, decision.shrink_streak
         if decision.kind == "keep":
             return
         figures = {"peak_bytes": self._known_peaks().get(self._micro), "limit_bytes": limit}
-        if decision.kind == "grow" and self._grow_rejected(decision.bucket, limit):
-            return
+        if decision.kind == "grow":
+            self._compiled_step(decision.bucket, self._num_micro(decision.bucket))
+            compiled = self._compiled.peaks(self._policy_signature())
+            refused = self._bucket.over_high_water(decision.bucket, compiled)
+            if refused is not None:
+                self._log(
+                    "reject",
+                    self._micro,
+                    decision.bucket,
+                    refused,
+                    compiled_peak_bytes=compiled[decision.bucket],
+                    limit_bytes=limit,
+                )
+                return
         self._log(decision.kind, self._micro, decision.bucket, decision.reason, **figures)
-        self._micro = decision.bucket
+        self._bucket.micro = decision.bucket
         self._set_learning_rate()
-
-    def _grow_rejected(self, bucket: int, limit: int) -> bool:
-        """Compiles ``bucket`` and logs a rejection if its compiled peak is over the high water."""
-        self._compiled_step(bucket, self._num_micro(bucket))
-        compiled_peak = None if self._measured else self._known_peaks().get(bucket)
-        high_water = self.config.high_water
-        if compiled_peak is None or compiled_peak <= high_water * limit:
-            return False
-        self._log(
-            "reject",
-            self._micro,
-            bucket,
-            f"compiled peak of bucket {bucket} is {compiled_peak / limit:.0%} of "
-            f"the limit, over the high-water mark {high_water:.0%}",
-            compiled_peak_bytes=compiled_peak,
-            limit_bytes=limit,
-        )
-        return True
 
     def _replan(self) -> None:
         result = replan_lib.replan(
@@ -562,7 +433,7 @@ class Controller:
                 loss=self._last_loss,
             )
             self.opt_state = self._place(result.opt_state)
-            self._measured = {}  # measured peaks were for the old policy
+            self._bucket.measured = {}  # measured peaks were for the old policy
         self.plan = result.plan
 
     def _set_learning_rate(self) -> None:
@@ -592,13 +463,7 @@ class Controller:
         executable = self._compiled.get(key)
         if executable is not None:
             return executable
-        scaling = self._loss_scaling if loss_scaling_lib.needs_loss_scaling(self.policy) else None
-        if scaling is not None and loss_scaling_lib.holds_loss_scale(self.opt_state):
-            raise ValueError(
-                f"policy {self._policy_signature()} computes in fp16/fp8, so the controller scales "
-                "the loss itself; an optimizer wrapped in dynamic_loss_scale would unscale the "
-                "gradients a second time: pass the inner optimizer"
-            )
+        scaling = train_step.loss_scaling_for(self.policy, self._loss_scaling, self.opt_state)
         step = train_step.make_train_step(
             self._loss,
             self.tx,
@@ -607,10 +472,11 @@ class Controller:
             seed=self._seed,
             loss_scaling=scaling,
         )
-        state = arrays.abstract_tree((self.params, self.opt_state, self.model_state))
-        scalars = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32)
-        batch = self._feeder.abstract_batch(num_micro, micro)
-        args = (*state, batch, *scalars, arrays.abstract_tree(self.loss_scale))
+        args = train_step.abstract_step_arguments(
+            (self.params, self.opt_state, self.model_state),
+            self._feeder.abstract_batch(num_micro, micro),
+            self.loss_scale,
+        )
         new = self._compiled.compile(key, step, args)
         if new.peak_bytes is not None and num_micro == self._num_micro(micro):
             self._compiled.record_peak(self._policy_signature(), micro, new.peak_bytes)
@@ -666,13 +532,10 @@ class Controller:
             return metrics
 
     def _on_out_of_memory(self, micro: int, tried: list[str], error: BaseException) -> None:
-        decision = out_of_memory.retry_after_out_of_memory(
-            micro, self.buckets, self._ceiling, step=self.step_count, tried=tried, error=error
+        decision = self._bucket.retry_after_out_of_memory(
+            step=self.step_count, tried=tried, error=error
         )
-        self._ceiling = decision.ceiling
-        self._log("oom", micro, decision.bucket, decision.reason, ceiling=self._ceiling)
-        self._micro = decision.bucket
-        self._grow_streak = self._shrink_streak = 0
+        self._log("oom", micro, decision.bucket, decision.reason, ceiling=decision.ceiling)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -680,22 +543,11 @@ class Controller:
         return self._feeder.place(tree)
 
     def _check_loss_structure(self) -> None:
-        batch = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((self._micro, *x.shape[1:]), x.dtype),
-            self._feeder.sample_spec,
+        batch = self._feeder.abstract_batch(1, self._micro)
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
+        train_step.check_loss_structure(
+            self._loss, self.params, self.model_state, batch, self.policy
         )
-        try:
-            jax.eval_shape(
-                lambda p, s, b, k: self._loss(p, s, b, self.policy, k),
-                self.params,
-                self.model_state,
-                batch,
-                self._base_key,
-            )
-        except TypeError as error:
-            if "loss function" in str(error) or "metric" in str(error):
-                raise TypeError(f"`loss_fn` returns the wrong structure: {error}") from None
-            raise
 
     def _log(self, kind: str, old: Any, new: Any, reason: str, **figures: Any) -> None:
         self.events.append(events_lib.Event(self.step_count, kind, old, new, reason, figures))

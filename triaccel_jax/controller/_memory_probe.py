@@ -251,6 +251,20 @@ def default_memory_probe() -> MemoryProbe:
     return probe if probe.available() else BudgetMemoryProbe()
 
 
+def prepare_probe(probe: MemoryProbe | None) -> MemoryProbe:
+    """``probe`` ready for a new run: :func:`default_memory_probe` for None, reset if it can be.
+
+    Raises:
+      TypeError: ``probe`` has no ``read(*, batch_size)`` method.
+    """
+    probe = default_memory_probe() if probe is None else probe
+    if not callable(getattr(probe, "read", None)):
+        raise TypeError("`probe` must have a read(*, batch_size) method (a MemoryProbe)")
+    if callable(getattr(probe, "reset", None)):
+        probe.reset()  # a probe used before: its earlier peaks are not this run's
+    return probe
+
+
 def _check_bytes(name: str, value: Any) -> int:
     return validation.check_integer(
         name, value, 1, strict=True, description="a positive integer number of bytes"

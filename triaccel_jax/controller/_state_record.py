@@ -13,7 +13,11 @@ from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
+import jax.numpy as jnp
+import numpy as np
+
 from triaccel_jax.precision import _policy as policy_lib
+from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
 
 STATE_FORMAT = "triaccel_jax.Controller"
 STATE_VERSION = 1
@@ -33,7 +37,7 @@ class ControllerRecord(NamedTuple):
       limit_bytes: the memory limit at the last check, or None.
       last_loss: the last finite loss, or None.
       lr_factor: the learning-rate factor in force (saved for reading; it follows the bucket).
-      loss_scale: ``{"scale", "good_steps", "skipped_steps"}``, or None (records from before it).
+      loss_scale: the dynamic loss scale's state, or None (records from before it existed).
       policy: the precision policy, or None.
       pending: the planner's hysteresis streaks ``{path: (compute dtype, count)}``.
       sampler: the sampler's own state.
@@ -49,7 +53,7 @@ class ControllerRecord(NamedTuple):
     limit_bytes: int | None
     last_loss: float | None
     lr_factor: float
-    loss_scale: dict[str, Any] | None
+    loss_scale: loss_scaling_lib.LossScaleState | None
     policy: policy_lib.PrecisionPolicy | None
     pending: dict[str, tuple[str, int]]
     sampler: Mapping[str, Any]
@@ -71,6 +75,10 @@ def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict
     data["policy"] = None if record.policy is None else json.loads(record.policy.to_json())
     data["pending"] = {p: list(v) for p, v in record.pending.items()}
     data["sampler"] = dict(record.sampler)
+    if record.loss_scale is not None:
+        data["loss_scale"] = {
+            k: np.asarray(v).item() for k, v in record.loss_scale._asdict().items()
+        }
     return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity, **data}
 
 
@@ -114,8 +122,18 @@ def from_state_dict(state: Any, identity: Mapping[str, Any]) -> ControllerRecord
         limit_bytes=state["limit_bytes"],
         last_loss=state["last_loss"],
         lr_factor=float(state.get("lr_factor", 1.0)),
-        loss_scale=state.get("loss_scale"),
+        loss_scale=_loss_scale(state.get("loss_scale")),
         policy=policy,
         pending=pending,
         sampler=state["sampler"],
+    )
+
+
+def _loss_scale(record: Mapping[str, Any] | None) -> loss_scaling_lib.LossScaleState | None:
+    if record is None:
+        return None
+    return loss_scaling_lib.LossScaleState(
+        jnp.float32(record["scale"]),
+        jnp.int32(record["good_steps"]),
+        jnp.int32(record["skipped_steps"]),
     )

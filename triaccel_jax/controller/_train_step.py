@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from triaccel_jax._src import arrays
 from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
 
 MODEL_STATE = "model_state"
@@ -194,3 +195,58 @@ def _scaled(update: Any, factor: jax.Array) -> Any:
     if not jnp.issubdtype(jnp.result_type(update), jnp.floating):
         return update
     return (update * factor).astype(update.dtype)
+
+
+def loss_scaling_for(
+    policy: Any, rule: loss_scaling_lib.LossScaling, opt_state: Any
+) -> loss_scaling_lib.LossScaling | None:
+    """The loss-scaling rule a step under ``policy`` needs: ``rule`` while it computes a leaf in
+    fp16 or fp8, else None.
+
+    Raises:
+      ValueError: the step needs scaling and ``opt_state`` already scales (an optimizer wrapped
+        in ``dynamic_loss_scale`` would unscale the gradients a second time).
+    """
+    if not loss_scaling_lib.needs_loss_scaling(policy):
+        return None
+    if loss_scaling_lib.holds_loss_scale(opt_state):
+        raise ValueError(
+            f"policy {policy.signature} computes in fp16/fp8, so the controller scales "
+            "the loss itself; an optimizer wrapped in dynamic_loss_scale would unscale the "
+            "gradients a second time: pass the inner optimizer"
+        )
+    return rule
+
+
+def abstract_step_arguments(state: tuple[Any, Any, Any], batch: Any, loss_scale: Any) -> tuple:
+    """The arguments of :func:`make_train_step`'s step as shapes, to compile without data.
+
+    Args:
+      state: ``(params, opt_state, model_state)``.
+      batch: the batch's ``jax.ShapeDtypeStruct`` tree (micro-batches on the leading axis).
+      loss_scale: the :class:`LossScaleState`.
+    """
+    scalars = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32)
+    return (*arrays.abstract_tree(state), batch, *scalars, arrays.abstract_tree(loss_scale))
+
+
+def check_loss_structure(
+    loss_fn: Callable[..., Any], params: Any, model_state: Any, batch: Any, policy: Any
+) -> None:
+    """Traces a normalised loss on shapes only; a loss returning the wrong structure fails here.
+
+    Raises:
+      TypeError: ``loss_fn`` returns the wrong structure (the message says what is wrong).
+    """
+    try:
+        jax.eval_shape(
+            lambda p, s, b, k: loss_fn(p, s, b, policy, k),
+            params,
+            model_state,
+            batch,
+            jax.random.key(0),
+        )
+    except TypeError as error:
+        if "loss function" in str(error) or "metric" in str(error):
+            raise TypeError(f"`loss_fn` returns the wrong structure: {error}") from None
+        raise

@@ -1,0 +1,252 @@
+"""The controller's parts, each alone: config, feeding, compile cache, learning rate, buckets,
+out-of-memory retry, state record and re-plan."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import triaccel_jax
+from triaccel_jax.controller import ControllerConfig
+from triaccel_jax.controller import OutOfMemoryError
+from triaccel_jax.controller import replan
+from triaccel_jax.controller._bucket_tracker import BucketTracker
+from triaccel_jax.controller._compile_cache import CompileCache
+from triaccel_jax.controller._feeding import BatchFeeder
+from triaccel_jax.controller._learning_rate import LearningRateScaling
+from triaccel_jax.controller._learning_rate import lr_factor
+from triaccel_jax.controller._out_of_memory import retry_after_out_of_memory
+from triaccel_jax.controller._state_record import ControllerRecord
+from triaccel_jax.controller._state_record import from_state_dict
+from triaccel_jax.controller._state_record import to_state_dict
+from triaccel_jax.precision import PrecisionPlan
+from triaccel_jax.precision import PrecisionPolicy
+from triaccel_jax.transforms import LossScaleState
+
+# -- config ----------------------------------------------------------------------------------------
+
+
+def test_config_is_frozen_and_keeps_no_reference_to_the_callers_dicts():
+    options = {"budget": 0.1}
+    config = ControllerConfig(planner_options=options)
+    options["budget"] = 5.0
+    assert config.planner_options["budget"] == 0.1
+    with pytest.raises(TypeError):
+        config.planner_options["budget"] = 1.0
+    with pytest.raises(AttributeError):
+        config.min_batch = 4
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"target": 0.0}, "`target` must be in"),
+        ({"high_water": 0.5}, "`high_water` must be in"),
+        ({"patience": 0}, "`patience` must be an integer >= 1"),
+        ({"check_every": 1.5}, "`check_every` must be an integer >= 1"),
+        ({"replan_every": 0}, "`replan_every`"),
+        ({"lr_scaling": "cubic"}, "`lr_scaling` must be one of"),
+        ({"global_batch": 64}, "only used with keep_global_batch"),
+    ],
+)
+def test_config_rejects_bad_settings_naming_them(settings, message):
+    with pytest.raises(ValueError, match=message):
+        ControllerConfig(**settings)
+
+
+def test_layout_on_a_data_parallel_width():
+    layout = ControllerConfig(min_batch=10, max_batch=100).layout(multiple=8)
+    assert layout.buckets == (16, 32, 64) and layout.start == 16
+    assert layout.global_batch is None and layout.reference_batch == 16
+    kept = ControllerConfig(min_batch=16, max_batch=64, keep_global_batch=True, batch_size=32)
+    assert kept.layout(1) == (((16, 32, 64)), 32, 64, 64)
+    with pytest.raises(ValueError, match="not one of the buckets"):
+        ControllerConfig(batch_size=24).layout(1)
+
+
+def test_controller_takes_a_config_or_keywords_but_not_both():
+    params = {"w": jnp.zeros(4)}
+    data = np.ones((64, 4), np.float32)
+    loss = lambda p, b, *, policy, rng: jnp.mean((b @ p["w"]) ** 2)
+    probe = triaccel_jax.BudgetMemoryProbe(2**30)
+    config = ControllerConfig(min_batch=8, max_batch=16, seed=3)
+    controller = triaccel_jax.Controller(
+        loss, params, optax.sgd(0.1), data, probe=probe, config=config
+    )
+    assert controller.config is config and controller.buckets == (8, 16)
+    with pytest.raises(TypeError, match="not both"):
+        triaccel_jax.Controller(loss, params, optax.sgd(0.1), data, config=config, min_batch=8)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['min_batchs'\]"):
+        triaccel_jax.Controller(loss, params, optax.sgd(0.1), data, min_batchs=8)
+
+
+# -- feeding ---------------------------------------------------------------------------------------
+
+
+def test_feeder_serves_the_samples_at_the_indices_as_micro_batches():
+    data = {"x": np.arange(20.0).reshape(10, 2), "y": np.arange(10)}
+    feeder = BatchFeeder(data, None, None, "data")
+    batch = feeder.device_batch(np.array([7, 2, 9, 0]), 2, 2)
+    np.testing.assert_array_equal(batch["y"], [[7, 2], [9, 0]])
+    np.testing.assert_array_equal(batch["x"][1, 0], [18.0, 19.0])
+    assert feeder.abstract_batch(2, 2)["x"].shape == (2, 2, 2)
+    fetched = BatchFeeder(lambda idx: {"y": np.asarray(idx) * 10}, 5, None, "data")
+    np.testing.assert_array_equal(fetched.device_batch(np.array([1, 3]), 1, 2)["y"], [[10, 30]])
+
+
+def test_feeder_rejects_bad_data_and_places_state_as_strong_arrays():
+    with pytest.raises(ValueError, match="does not match the data"):
+        BatchFeeder(np.zeros((4, 2)), 5, None, "data")
+    with pytest.raises(ValueError, match="holds no samples"):
+        BatchFeeder(np.zeros((0, 2)), None, None, "data")
+    placed = BatchFeeder(np.zeros((4, 2)), None, None, "data").place({"a": jnp.asarray(1.0)})
+    assert isinstance(placed["a"], jax.Array) and not placed["a"].weak_type
+
+
+# -- compile cache ---------------------------------------------------------------------------------
+
+
+def test_compile_cache_keeps_steps_and_peaks_per_policy():
+    cache = CompileCache()
+    arg = (jax.ShapeDtypeStruct((8,), jnp.float32),)
+    new = cache.compile((8, 1, None), lambda x: x + 1, arg)
+    assert cache.get((8, 1, None)) is new.executable and cache.get((16, 1, None)) is None
+    np.testing.assert_array_equal(new.executable(jnp.zeros(8)), np.ones(8))
+    cache.record_peak("abc", 8, 1000)
+    cache.record_peak("abc", 16, 1800)
+    assert cache.peaks("abc") == {8: 1000, 16: 1800} and cache.peaks("other") == {}
+    again = CompileCache()
+    again.load_peaks_record(json.loads(json.dumps(cache.peaks_record())))
+    assert again.peaks("abc") == cache.peaks("abc") and len(again) == 0
+
+
+# -- learning rate ---------------------------------------------------------------------------------
+
+
+def test_learning_rate_written_into_the_injected_state_and_handed_back_tuned():
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    state = tx.init({"w": jnp.zeros(2)})
+    scaling = LearningRateScaling(state, "learning_rate", "sqrt", 16)
+    change = scaling.follow(state, 64)
+    assert (change.old, change.new) == (1.0, 2.0) and scaling.update_multiplier() == 1.0
+    assert float(change.opt_state.hyperparams["learning_rate"]) == pytest.approx(0.2)
+    assert float(scaling.tuned(change.opt_state).hyperparams["learning_rate"]) == pytest.approx(0.1)
+
+
+def test_a_scheduled_or_absent_rate_scales_the_update_instead():
+    scheduled = optax.inject_hyperparams(optax.sgd)(
+        learning_rate=optax.linear_schedule(1.0, 0.0, 9)
+    )
+    state = scheduled.init({"w": jnp.zeros(2)})
+    scaling = LearningRateScaling(state, "learning_rate", "linear", 8)
+    assert scaling.base_lr is None
+    assert scaling.follow(state, 32).opt_state is state and scaling.update_multiplier() == 4.0
+    assert lr_factor(8, 32, "sqrt") == 0.5
+
+
+# -- buckets and the out-of-memory retry -----------------------------------------------------------
+
+
+def test_bucket_tracker_prefers_measured_peaks_and_refuses_a_compiled_peak_over_high_water():
+    tracker = BucketTracker((8, 16, 32), 8, target=0.8, high_water=0.9, patience=1)
+    compiled = {8: 500, 16: 950}
+    assert tracker.known_peaks(compiled) == compiled
+    decision = tracker.check(None, 1000, compiled_peaks=compiled, fixed_bytes=0)
+    assert decision.kind == "keep" and tracker.limit == 1000
+    assert "over the high-water mark 90%" in tracker.over_high_water(16, compiled)
+    assert tracker.over_high_water(8, compiled) is None
+    tracker.check(300, 1000, compiled_peaks=compiled, fixed_bytes=0)
+    assert tracker.known_peaks(compiled) == {8: 300} and tracker.fixed_bytes({}, {}) == 0
+
+
+def test_out_of_memory_retry_shrinks_then_raises_at_the_smallest_bucket():
+    tracker = BucketTracker((8, 16, 32), 32, target=0.8, high_water=0.9, patience=1)
+    tracker.grow_streak = 1
+    decision = tracker.retry_after_out_of_memory(step=4, tried=["1x32"], error=MemoryError("x"))
+    assert (decision.bucket, decision.ceiling, tracker.micro) == (16, 32, 16)
+    assert tracker.grow_streak == 0 and "32 is now a ceiling" in decision.reason
+    with pytest.raises(OutOfMemoryError, match=r"step 7 .* bucket 8 \(tried micro-batches 1x8"):
+        retry_after_out_of_memory(8, (8, 16), 16, step=7, tried=["1x8"], error=MemoryError("y"))
+
+
+# -- state record ----------------------------------------------------------------------------------
+
+IDENTITY = {"seed": 0, "buckets": [8, 16], "keep_global_batch": False}
+
+
+def _record(**changes):
+    policy = PrecisionPolicy.uniform({"w": jnp.ones((4, 4))}, "bf16")
+    fields = dict(
+        step=5,
+        micro_batch=16,
+        ceiling=None,
+        grow_streak=1,
+        shrink_streak=0,
+        measured_peaks={8: 700},
+        compiled_peaks={"abc": {"8": 600}},
+        limit_bytes=1000,
+        last_loss=0.25,
+        lr_factor=1.5,
+        loss_scale=None,
+        policy=policy,
+        pending={"w": ("fp32", 1)},
+        sampler={"epoch": 0, "cursor": 3},
+    )
+    return ControllerRecord(**{**fields, **changes})
+
+
+def test_state_record_round_trips_through_json():
+    record = _record()
+    state = json.loads(json.dumps(to_state_dict(record, IDENTITY)))
+    assert from_state_dict(state, IDENTITY) == record
+
+
+def test_state_record_keeps_the_loss_scale():
+    scale = LossScaleState(jnp.float32(1024.0), jnp.int32(3), jnp.int32(1))
+    state = json.loads(json.dumps(to_state_dict(_record(loss_scale=scale), IDENTITY)))
+    assert state["loss_scale"] == {"scale": 1024.0, "good_steps": 3, "skipped_steps": 1}
+    back = from_state_dict(state, IDENTITY).loss_scale
+    assert jax.tree.map(lambda x: (x.dtype, x.item()), back) == jax.tree.map(
+        lambda x: (x.dtype, x.item()), scale
+    )
+
+
+def test_state_record_reads_pending_streaks_from_an_old_policy_document():
+    state = json.loads(json.dumps(to_state_dict(_record(), IDENTITY)))
+    del state["pending"]
+    state["policy"]["pending"] = {"w": ["fp32", 1]}  # where records kept them before
+    assert from_state_dict(state, IDENTITY).pending == {"w": ("fp32", 1)}
+    del state["policy"]["pending"]
+    assert from_state_dict(state, IDENTITY).pending == {}
+
+
+def test_state_record_rejects_another_configuration():
+    state = to_state_dict(_record(), IDENTITY)
+    with pytest.raises(ValueError, match="saved with seed=0, this controller has seed=1"):
+        from_state_dict(state, {**IDENTITY, "seed": 1})
+    with pytest.raises(ValueError, match="saved micro_batch 16 is not a bucket"):
+        from_state_dict({**state, "buckets": [8]}, {**IDENTITY, "buckets": [8]})
+
+
+# -- re-plan ---------------------------------------------------------------------------------------
+
+
+def test_replan_converts_the_state_only_when_the_policy_changes_and_keeps_the_streaks():
+    params = {"w": jnp.ones((64, 64))}
+    tx = triaccel_jax.triaccel(0.1)
+    opt_state = tx.init(params)
+    _, opt_state = tx.update(params, opt_state, params)  # some curvature to plan from
+    start = PrecisionPolicy.uniform(params)
+    options = {"budget": float("inf"), "patience": 2}
+    first = replan(opt_state, params, start, planner_options=options)
+    assert not first.changed and first.opt_state is opt_state
+    assert first.plan.pending == {"w": ("bf16", 1)} and first.leaves_by_dtype == {"fp32": 1}
+    second = replan(opt_state, params, first.plan, planner_options=options)
+    assert second.changed and second.plan.policy.compute("w") == "bf16"
+    assert isinstance(second.plan, PrecisionPlan) and not second.plan.pending
+    assert second.leaves_by_dtype == {"bf16": 1} and second.opt_state is not opt_state
