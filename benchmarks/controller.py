@@ -74,15 +74,10 @@ MODEL = SmallCNN(num_classes=10)
 
 def loss_fn(params, batch, *, policy, rng):
     del rng
-    if policy is not None:
-        logits = triaccel_jax.flax.apply_with_policy(
-            MODEL,
-            {"params": triaccel_jax.cast_params(params, policy)},
-            batch["image"],
-            policy=policy,
-        )
-    else:
-        logits = MODEL.apply({"params": params}, batch["image"])
+    # Casts the masters to the policy's compute copies itself; policy=None is a plain apply.
+    logits = triaccel_jax.flax.apply_with_policy(
+        MODEL, {"params": params}, batch["image"], policy=policy
+    )
     labels = batch["label"]
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), labels
