@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import jax
@@ -20,6 +21,14 @@ def _on_event(event: str, duration: float, **kwargs) -> None:
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+# TRIACCEL_STRICT_PROMOTION=1 makes accidental promotions (a bfloat16 moment times a float32
+# array, an int32 count times a float) fail instead of silently widening. Not the default: under
+# strict promotion Flax's own avg_pool and normalisation layers fail (they mix int or float32
+# constants with the input's dtype), as do optax's updates of the integer leaves that the tests
+# pass through, so the check is run on purpose, not on every test run.
+if os.environ.get("TRIACCEL_STRICT_PROMOTION") == "1":
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 class CompileCounter:

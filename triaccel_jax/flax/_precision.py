@@ -142,8 +142,10 @@ class _Planner:
         else:
             candidates = [dtype for _, dtype in sized]
         module_dtype = candidates[0]
-        for dtype in candidates[1:]:
-            module_dtype = jnp.promote_types(module_dtype, dtype)
+        # The widest of the dtypes is wanted here: an explicit promotion, allowed under strict.
+        with jax.numpy_dtype_promotion("standard"):
+            for dtype in candidates[1:]:
+                module_dtype = jnp.promote_types(module_dtype, dtype)
         return jnp.dtype(module_dtype), leaf_dtypes
 
 

@@ -207,8 +207,9 @@ def hutchinson_diagonal(
         )
         samples = jnp.asarray(num_samples, jnp.int32)
         total = lax.fori_loop(0, samples, probe, zeros)
+        count = samples.astype(jnp.float32)
         estimate = jax.tree.map(
-            lambda t, g: t / samples if tree_lib.is_trainable(g) else g, total, updates
+            lambda t, g: t / count if tree_lib.is_trainable(g) else g, total, updates
         )
         return estimate, HutchinsonDiagonalState(key=jax.random.key_data(key))
 

@@ -68,7 +68,7 @@ def fold_estimate(
         old_dropped = signals[i].dropped_estimates
         dropped[i] = jnp.where(keep, old_dropped, optax.safe_increment(old_dropped))
         kept = jnp.maximum(curvature_count - dropped[i], 0)
-        correction = jnp.maximum(1 - decay**kept, _TINY)
+        correction = jnp.maximum(1 - decay ** kept.astype(jnp.float32), _TINY)
         summary = compression.summarize_diagonal(stores[i], shapes[i])
         summaries[i] = jax.tree.map(lambda x, c=correction: x / c, summary)
     return FoldedCurvature(stores, summaries, dropped)
