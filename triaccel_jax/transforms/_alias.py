@@ -9,6 +9,7 @@ import optax
 
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
+from triaccel_jax.transforms import _config as config_lib
 from triaccel_jax.transforms import _scale_by_triaccel as transform
 
 
@@ -20,7 +21,7 @@ def triaccel(
     eps: float = 1e-8,
     weight_decay: float = 1e-4,
     mask: Any = None,
-    config: transform.TriAccelConfig | None = None,
+    config: config_lib.TriAccelConfig | None = None,
     curvature_every: int = 10,
     curvature_decay: float = 0.95,
     alpha: float = 0.5,
@@ -92,7 +93,7 @@ def triaccel(
     """
     validation.check_learning_rate(learning_rate)
     validation.check_in_range("weight_decay", weight_decay, 0.0, float("inf"))
-    config = transform.resolve_config(
+    config = config_lib.resolve_config(
         config,
         estimator=estimator,
         state_dtype=state_dtype,

@@ -34,8 +34,6 @@ from triaccel_jax.precision import _policy as policy_lib
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _curvature as curvature_lib
 from triaccel_jax.transforms import _curvature_refresh as refresh_lib
-from triaccel_jax.transforms._config import ESTIMATORS  # noqa: F401  (re-exported)
-from triaccel_jax.transforms._config import STATE_DTYPES  # noqa: F401  (re-exported)
 from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._config import resolve_config
 from triaccel_jax.transforms._triaccel_state import LeafSignals
