@@ -1,16 +1,27 @@
 """The control stage: the host-side loop that adapts batch size and precision while training.
 
-:class:`Controller` orchestrates; each of its decisions is a pure function of measured figures,
-exported here so it can be tested and reused without a device:
+:class:`Controller` orchestrates: it holds the state and writes the event log, and asks a part
+with one job for each decision. The parts are pure functions of measured figures or small
+classes, testable without a device; the public ones are exported here:
 
+* settings: :class:`ControllerConfig` (the controller's keywords as one frozen, validated
+  value) and :class:`BatchLayout` (the buckets it allows on a data-parallel width);
 * batch buckets: :func:`bucket_sizes`, :func:`decide_bucket`, :func:`predict_peak`;
 * memory: the probes (:class:`DeviceMemoryProbe`, :class:`BudgetMemoryProbe`,
   :class:`FakeMemoryProbe`, the :class:`MemoryProbe` protocol) and
   :func:`compiled_peak_bytes`;
+* precision: :func:`replan` (signals -> planner -> optimizer state converted), the one re-plan
+  step that the controller and hand-written loops share, returning a :class:`Replan`;
 * the data: :class:`ElasticSampler` serves any batch size without dropping or repeating a
   sample;
 * the log: :class:`Event` and :func:`event_records`; :class:`StepInfo` for progress callbacks;
 * out-of-memory handling: :func:`is_out_of_memory`, :class:`OutOfMemoryError`.
+
+Private modules hold the other parts: batch feeding and placement (``_feeding``), the compile
+cache and compiled peaks (``_compile_cache``), the bucket and its memory figures
+(``_bucket_tracker``), learning-rate scaling (``_learning_rate``), the out-of-memory retry
+(``_out_of_memory``), the state record (``_state_record``), the train step (``_train_step``) and
+the Flax train-state bridge (``_train_state_bridge``).
 
 See ``docs/design.md`` (section 5).
 """
