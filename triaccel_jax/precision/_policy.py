@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import hashlib
 import json
 from collections.abc import Iterator
@@ -180,9 +181,9 @@ class PrecisionPolicy:
         """The state dtype name of the leaf at ``path``."""
         return self[path].state
 
-    @property
+    @functools.cached_property
     def signature(self) -> str:
-        """A short stable digest of the leaves, for logs and compile-cache keys."""
+        """A short stable digest of the leaves, for logs and compile-cache keys (computed once)."""
         text = ";".join(f"{p}={c}/{s}" for p, (c, s) in self.leaves)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
