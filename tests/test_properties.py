@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 import triaccel_jax
 from triaccel_jax import LeafPrecision
 from triaccel_jax import PrecisionPolicy
+from triaccel_jax.precision import PrecisionPlan
 
 PROPERTY = settings(
     max_examples=300,
@@ -360,8 +361,10 @@ def plan_examples(draw: Any) -> tuple[Any, dict[str, Any], PrecisionPolicy | Non
     previous = None
     if draw(st.booleans()):
         compute, state = st.sampled_from(COMPUTE), st.sampled_from(STATE)
-        previous = PrecisionPolicy(
-            tuple((path, LeafPrecision(draw(compute), draw(state))) for path in leaves),
+        previous = PrecisionPlan(
+            PrecisionPolicy(
+                tuple((path, LeafPrecision(draw(compute), draw(state))) for path in leaves)
+            ),
             pending={
                 path: (draw(compute), draw(st.integers(1, 3)))
                 for path in leaves
@@ -377,7 +380,8 @@ def plan_examples(draw: Any) -> tuple[Any, dict[str, Any], PrecisionPolicy | Non
 @given(example=plan_examples())
 def test_plan_precision(example):
     params, signals, previous, kwargs = example
-    policy = triaccel_jax.plan_precision(signals, params, previous, **kwargs)
+    plan = triaccel_jax.plan_precision(signals, params, previous, **kwargs)
+    policy = plan.policy
     leaves = trainable_leaves(params)
     assert set(policy) == set(leaves) == set(policy.reasons)
     allowed = {"fp32", *kwargs["allowed"]}
@@ -387,9 +391,9 @@ def test_plan_precision(example):
         compute, state = policy[path]
         values = as_f64(x)
         max_abs = float(np.max(np.abs(values)))
-        if path in policy.pending:  # held by hysteresis
-            proposed, streak = policy.pending[path]
-            assert compute == previous.compute(path) and proposed != compute
+        if path in plan.pending:  # held by hysteresis
+            proposed, streak = plan.pending[path]
+            assert compute == previous.policy.compute(path) and proposed != compute
             assert 1 <= streak < patience
         else:
             assert compute in allowed, (path, compute, allowed)
@@ -413,7 +417,7 @@ def test_plan_precision(example):
     if kwargs["budget"] == 0 and (previous is None or patience == 1):
         assert {policy.compute(path) for path in policy} <= {"fp32"}, policy.table()
     if previous is None:
-        assert not policy.pending
+        assert not plan.pending
         loss = kwargs["loss"]
         if math.isinf(kwargs["budget"]):  # "inf lets every eligible leaf take the cheapest"
             assert {p: policy.compute(p) for p in cheapest} == cheapest, policy.table()
@@ -493,14 +497,11 @@ paths = st.text(max_size=12)
         max_size=6,
     ),
     reasons=st.dictionaries(paths, st.text(max_size=30), max_size=6),
-    pending=st.dictionaries(
-        paths, st.tuples(st.sampled_from(COMPUTE), st.integers(0, 2**62)), max_size=4
-    ),
     as_bytes=st.booleans(),
 )
-def test_policy_json_round_trip(leaves, reasons, pending, as_bytes):
+def test_policy_json_round_trip(leaves, reasons, as_bytes):
     policy = PrecisionPolicy(
-        tuple((path, LeafPrecision(*value)) for path, value in leaves.items()), reasons, pending
+        tuple((path, LeafPrecision(*value)) for path, value in leaves.items()), reasons
     )
     assert dict(policy.leaves) == {
         path: LeafPrecision(ALIASES.get(c, c), ALIASES.get(s, s)) for path, (c, s) in leaves.items()
@@ -509,5 +510,5 @@ def test_policy_json_round_trip(leaves, reasons, pending, as_bytes):
     back = PrecisionPolicy.from_json(text.encode() if as_bytes else text)
     assert back == policy and hash(back) == hash(policy) and back.signature == policy.signature
     assert back.leaves == policy.leaves
-    assert back.reasons == reasons and back.pending == pending
+    assert back.reasons == reasons
     assert back.to_json() == text
