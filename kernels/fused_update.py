@@ -214,29 +214,25 @@ def fused_update_reference(
       >>> [round(v, 4) for v in out.master.tolist()], out.compute.dtype
       ([0.9, -1.9], dtype(bfloat16))
     """
-    compute_dtype, needs_bits = validate(
+    # One code path: the reference is the dispatching function with the reference forced.
+    return fused_update(
         grad,
         mu,
         nu,
         master,
         step_scale,
-        compute_dtype=compute_dtype,
-        rounding=rounding,
-        key=key,
-        compute_scale=compute_scale,
-    )
-    s = scalars(
         count=count,
         learning_rate=learning_rate,
         b1=b1,
         b2=b2,
         eps=eps,
         weight_decay=weight_decay,
-        step_scale=step_scale,
+        compute_dtype=compute_dtype,
+        rounding=rounding,
+        key=key,
         compute_scale=compute_scale,
+        impl="reference",
     )
-    words = _rounding.seed_words(key) if needs_bits else None
-    return reference(grad, mu, nu, master, s, words, compute_dtype=compute_dtype, rounding=rounding)
 
 
 def fused_update(
