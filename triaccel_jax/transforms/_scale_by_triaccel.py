@@ -17,6 +17,7 @@ The per-leaf scalars are kept in the state for :func:`triaccel_jax.signals`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -249,41 +250,22 @@ def scale_by_triaccel(
         # Every `curvature_every` steps: a curvature estimate folded into the compressed EMA, and
         # from it the per-leaf signals and step-size scales. They change only then, so the other
         # steps reuse the stored ones instead of recomputing them (and the noise reductions).
-        def refresh(operand):
-            stores, estimator_state, curvature_count, signals = operand
-            diagonal, estimator_state = estimator_tx.update(
+        refresh = functools.partial(
+            _refresh_curvature,
+            estimate=lambda estimator_state: estimator_tx.update(
                 updates, estimator_state, params, loss_fn=loss_fn
-            )
-            diagonal = treedef.flatten_up_to(diagonal)
-            if axis_name is not None:
-                # Each replica's Hutchinson estimate sees only its shard of the batch; left alone,
-                # the replicas' EMAs and step scales drift apart. The mean over replicas is the
-                # estimate of the global batch (the HVP is linear in the loss).
-                active_diagonals = lax.pmean([diagonal[i] for i in active], axis_name)
-                for i, averaged in zip(active, active_diagonals, strict=True):
-                    diagonal[i] = averaged
-            curvature_count = optax.safe_increment(curvature_count)
-            folded = refresh_lib.fold_estimate(
-                stores,
-                diagonal,
-                signals,
-                curvature_count,
-                active=active,
-                shapes=[getattr(g, "shape", ()) for g in grads],
-                curvature_decay=curvature_decay,
-            )
-            signals = refresh_lib.refreshed_signals(
-                folded,
-                signals,
-                active=active,
-                m_hat=m_hat,
-                v_hat=v_hat,
-                alpha=alpha,
-                min_scale=min_scale,
-                max_scale=max_scale,
-            )
-            return folded.stores, estimator_state, curvature_count, signals
-
+            ),
+            treedef=treedef,
+            active=active,
+            shapes=[getattr(g, "shape", ()) for g in grads],
+            m_hat=m_hat,
+            v_hat=v_hat,
+            axis_name=axis_name,
+            curvature_decay=curvature_decay,
+            alpha=alpha,
+            min_scale=min_scale,
+            max_scale=max_scale,
+        )
         due = state.count % jnp.asarray(curvature_every, jnp.int32) == 0
         operand = (stores, state.estimator_state, state.curvature_count, old_signals)
         stores, estimator_state, curvature_count, new_signals = lax.cond(
@@ -306,6 +288,58 @@ def scale_by_triaccel(
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _refresh_curvature(
+    operand: tuple[list[Any], Any, jax.Array, list[LeafSignals]],
+    *,
+    estimate: Callable[[Any], tuple[Any, Any]],
+    treedef: Any,
+    active: list[int],
+    shapes: list[tuple[int, ...]],
+    m_hat: dict[int, jax.Array],
+    v_hat: dict[int, jax.Array],
+    axis_name: str | None,
+    curvature_decay: Any,
+    alpha: Any,
+    min_scale: Any,
+    max_scale: Any,
+) -> tuple[list[Any], Any, jax.Array, list[LeafSignals]]:
+    """One curvature step (the true branch of ``lax.cond``): estimate, fold, refresh signals.
+
+    ``operand`` is ``(stores, estimator_state, curvature_count, signals)``, returned updated.
+    """
+    stores, estimator_state, curvature_count, signals = operand
+    diagonal, estimator_state = estimate(estimator_state)
+    diagonal = treedef.flatten_up_to(diagonal)
+    if axis_name is not None:
+        # Each replica's Hutchinson estimate sees only its shard of the batch; left alone, the
+        # replicas' EMAs and step scales drift apart. The mean over replicas is the estimate of
+        # the global batch (the HVP is linear in the loss).
+        active_diagonals = lax.pmean([diagonal[i] for i in active], axis_name)
+        for i, averaged in zip(active, active_diagonals, strict=True):
+            diagonal[i] = averaged
+    curvature_count = optax.safe_increment(curvature_count)
+    folded = refresh_lib.fold_estimate(
+        stores,
+        diagonal,
+        signals,
+        curvature_count,
+        active=active,
+        shapes=shapes,
+        curvature_decay=curvature_decay,
+    )
+    signals = refresh_lib.refreshed_signals(
+        folded,
+        signals,
+        active=active,
+        m_hat=m_hat,
+        v_hat=v_hat,
+        alpha=alpha,
+        min_scale=min_scale,
+        max_scale=max_scale,
+    )
+    return folded.stores, estimator_state, curvature_count, signals
 
 
 def _flatten_like_updates(treedef: Any, tree: Any) -> list[Any]:
