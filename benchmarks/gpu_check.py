@@ -443,7 +443,7 @@ def memory_child(config: str, batch_size: int, dry_run: bool) -> None:
             )
         policy = triaccel_jax.plan_precision(
             triaccel_jax.signals(opt_state), params, budget=1e-3, loss=float(warm_loss)
-        )
+        ).policy
         opt_state = triaccel_jax.transforms.convert_state(opt_state, policy)
     step = make_step(policy, donate=True)
 

@@ -73,13 +73,9 @@ class Run:
         kwargs = {"train": train}
         if self.has_batch_stats and train:
             kwargs["mutable"] = ["batch_stats"]
-        if policy is None:
-            out = self.model.apply(variables, images, **kwargs)
-        else:
-            compute = {**variables, "params": triaccel_jax.cast_params(params, policy)}
-            out = triaccel_jax.flax.apply_with_policy(
-                self.model, compute, images, policy=policy, **kwargs
-            )
+        out = triaccel_jax.flax.apply_with_policy(
+            self.model, variables, images, policy=policy, **kwargs
+        )
         logits, updates = out if isinstance(out, tuple) else (out, {})
         return logits.astype(jnp.float32), updates.get("batch_stats", batch_stats)
 

@@ -93,7 +93,8 @@ SCRIPT = textwrap.dedent(
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
     # The partitioned compressed-EMA update against the reference, layout by layout.
-    from triaccel_jax.transforms import _compression as compression, compression_sharded
+    from triaccel_jax.transforms import _compression as compression
+    from triaccel_jax.transforms import _compression_sharded as compression_sharded
 
     layouts = [
         ((256,), P("model")),
