@@ -28,14 +28,10 @@ from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from triaccel_jax._src import validation
+from triaccel_jax.precision import _curvature_cost as curvature_cost
 from triaccel_jax.precision import _dtypes as dtypes
 from triaccel_jax.precision import _policy as policy_lib
-from triaccel_jax.transforms import _compression as compression
 
 # Beyond this, gradient noise no longer discounts rounding noise: a leaf whose moments say "all
 # noise" (m_hat ~ 0 late in training) must not be made free to round arbitrarily coarsely.
@@ -45,49 +41,6 @@ _MAX_NOISE_DISCOUNT = 1e3
 _MIN_SENSITIVITY = 1e-30
 # fp16 must hold the values with this much headroom for the updates that follow.
 _FP16_HEADROOM = 4.0
-
-
-@jax.jit
-def weighted_curvature_sum(store: compression.CompressedDiagonal, leaf: jax.Array) -> jax.Array:
-    """``sum_i h_i * w_i**2`` for the diagonal ``h`` a compressed store represents.
-
-    Equal to ``sum(expand_diagonal(store, leaf.shape) * leaf**2)`` without building the full
-    diagonal: each block mean times its block's ``sum w**2`` (for a conv kernel stored per
-    (in, out) channel pair, the pair's sum over spatial positions), plus, for each top-k entry,
-    its exact value minus its block mean times its ``w**2``. The store's outlier indices are
-    distinct, as :func:`triaccel_jax.transforms.compress_diagonal` and the optimizer's updates make them.
-
-    Args:
-      store: a leaf's compressed curvature (e.g. ``signals(opt_state)[path]["curvature_store"]``,
-        bias-corrected).
-      leaf: the parameter leaf ``w``.
-
-    Returns:
-      A float32 scalar.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from triaccel_jax.transforms import compress_diagonal
-      >>> from triaccel_jax.precision._planner import weighted_curvature_sum
-      >>> store = compress_diagonal(jnp.array([1.0, 3.0, 0.0, 8.0]), block_size=2, rho=0.25)
-      >>> float(weighted_curvature_sum(store, jnp.array([1.0, 1.0, 2.0, 0.5])))  # 2+2+4*4+8/4
-      22.0
-    """
-    w2 = jnp.square(leaf.astype(jnp.float32))
-    means = store.block_means.astype(jnp.float32)
-    flat = w2.reshape(-1)
-    indices = store.outlier_indices
-    if compression.uses_channel_pairs(leaf.shape):
-        block_w2 = jnp.sum(w2, axis=(0, 1))
-        # Flat index j of an (h, w, in, out) kernel lies in channel pair j mod (in * out).
-        outlier_means = means.reshape(-1)[indices % means.size]
-    else:
-        length, _ = compression.block_counts(leaf.size, means.size)
-        padded = jnp.pad(flat, (0, means.size * length - leaf.size))
-        block_w2 = jnp.sum(padded.reshape(means.size, length), axis=1)
-        outlier_means = means[indices // length]
-    base = jnp.sum(means * block_w2)
-    return base + jnp.sum((store.outlier_values - outlier_means) * flat[indices])
 
 
 def _as_plan(previous: Any) -> policy_lib.PrecisionPlan | None:
@@ -100,66 +53,6 @@ def _as_plan(previous: Any) -> policy_lib.PrecisionPlan | None:
         "`previous_policy` must be a PrecisionPolicy, a PrecisionPlan or None, got "
         f"{type(previous).__name__}"
     )
-
-
-def _as_store(path: str, store: Any, shape: tuple[int, ...]) -> compression.CompressedDiagonal:
-    """A record's ``curvature_store`` as a store of a leaf of ``shape``, or a clear error."""
-    size = math.prod(shape)
-    try:
-        means, indices, values = (jnp.asarray(x) for x in store)
-    except (TypeError, ValueError):
-        means = indices = values = None
-    if means is None:
-        fits = False
-    else:
-        means_fit = (
-            means.shape == shape[2:]
-            if compression.uses_channel_pairs(shape)
-            else means.ndim == 1 and 1 <= means.size <= max(size, 1)
-        )
-        fits = (
-            means_fit
-            and indices.ndim == values.ndim == 1
-            and indices.shape == values.shape
-            and values.size <= size
-            and jnp.issubdtype(indices.dtype, jnp.integer)
-        )
-    if not fits:
-        raise ValueError(
-            f"`signals[{path!r}]['curvature_store']` must be the compressed curvature of a leaf "
-            f"of shape {shape} (block means, outlier indices, outlier values), as "
-            f"triaccel_jax.signals returns; got {store!r}"
-        )
-    return compression.CompressedDiagonal(means, indices, values)
-
-
-def _leaf_figures(
-    params: Any, stores: Mapping[str, compression.CompressedDiagonal]
-) -> dict[str, tuple[int, float, float, float | None]]:
-    """``{path: (size, sum w**2, max |w|, sum h w**2 or None)}`` of the trainable leaves.
-
-    ``sum h w**2`` is computed for the leaves in ``stores``; everything comes in one transfer.
-    """
-    paths = policy_lib.trainable_paths(params)
-    figures = jax.device_get(
-        [
-            (
-                jnp.sum(jnp.square(leaf.astype(jnp.float32))),
-                jnp.max(jnp.abs(leaf.astype(jnp.float32))),
-                weighted_curvature_sum(stores[path], leaf) if path in stores else None,
-            )
-            for path, leaf in paths
-        ]
-    )
-    return {
-        path: (
-            int(np.prod(leaf.shape)),
-            float(sq),
-            float(mx),
-            None if weighted is None else float(weighted),
-        )
-        for (path, leaf), (sq, mx, weighted) in zip(paths, figures, strict=True)
-    }
 
 
 def _ladder(allowed: Sequence[str], max_abs: float) -> tuple[list[str], list[str]]:
@@ -248,11 +141,11 @@ def plan_precision(
 
     shapes = {path: tuple(leaf.shape) for path, leaf in policy_lib.trainable_paths(params)}
     stores = {
-        path: _as_store(path, record["curvature_store"], shapes[path])
+        path: curvature_cost.as_store(path, record["curvature_store"], shapes[path])
         for path, record in signals.items()
         if path in shapes and isinstance(record, Mapping) and "curvature_store" in record
     }
-    figures = _leaf_figures(params, stores)
+    figures = curvature_cost.leaf_figures(params, stores)
     if previous is not None:
         previous.policy.check_matches(params)
     # An infinite budget stays infinite even relative to a loss of 0 (inf * 0 would be NaN).
