@@ -29,6 +29,7 @@ from triaccel_jax.controller import OutOfMemoryError
 from triaccel_jax.controller import StepInfo
 from triaccel_jax.precision import LeafPrecision
 from triaccel_jax.precision import MemoryReport
+from triaccel_jax.precision import PrecisionPlan
 from triaccel_jax.precision import PrecisionPolicy
 from triaccel_jax.precision import apply_updates
 from triaccel_jax.precision import cast_params
@@ -52,6 +53,7 @@ __all__ = (
     "LeafPrecision",
     "MemoryReport",
     "OutOfMemoryError",
+    "PrecisionPlan",
     "PrecisionPolicy",
     "StepInfo",
     "TriAccelConfig",
