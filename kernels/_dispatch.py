@@ -1,19 +1,208 @@
 """Choosing a kernel's implementation at trace time: ``"auto" | "reference" | "triton"``.
 
-``"auto"`` picks the Triton kernel when the default JAX backend is a CUDA GPU and ``jax_triton``
-imports, and the pure-JAX reference everywhere else (docs/design.md §4). The check runs when a function is
-traced, never at import time, so ``import triaccel_jax`` never imports triton or jax_triton; and
-on a CPU backend it does not even try to import them.
+``"auto"`` picks, per operation, what a GPU measurement showed to be faster (docs/design.md §4, §8):
+the Triton kernel only where the default JAX backend is a CUDA GPU, ``jax_triton`` imports, and
+the measured table ``auto_table.json`` (beside this module) says ``"triton"`` for that operation;
+the pure-JAX reference, which XLA compiles and fuses (``"xla"`` in the table), everywhere else,
+including for operations the table does not list. The table is written by
+``benchmarks/gpu_check.py`` through :func:`write_auto_table` and read once per process.
+
+The check runs when a function is traced, never at import time, so ``import triaccel_jax`` never
+imports triton or jax_triton; and on a CPU backend it does not even try to import them.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import importlib
+import json
+import math
+import pathlib
+from collections.abc import Iterable
+from collections.abc import Mapping
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 IMPLS = ("auto", "reference", "triton")
+CHOICES = ("triton", "xla")
+AUTO_TABLE_PATH = pathlib.Path(__file__).with_name("auto_table.json")
+CAST_TARGETS = ("bfloat16", "float16", "float8_e4m3fn")
+ROUNDINGS = ("nearest", "stochastic")
+MOMENT_DTYPES = ("float32", "bfloat16")
+
+
+def cast_op(dtype: Any, rounding: str) -> str:
+    """The table's name for a cast: ``"cast/<target dtype>/<rounding>"``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> cast_op(jnp.bfloat16, "stochastic")
+      'cast/bfloat16/stochastic'
+    """
+    return f"cast/{jnp.dtype(dtype).name}/{rounding}"
+
+
+def fused_update_op(moment_dtype: Any) -> str:
+    """The table's name for the fused update with moments in ``moment_dtype``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> fused_update_op(jnp.float32)
+      'fused_update/float32'
+    """
+    return f"fused_update/{jnp.dtype(moment_dtype).name}"
+
+
+OPS = tuple(cast_op(t, r) for t in CAST_TARGETS for r in ROUNDINGS) + tuple(
+    fused_update_op(m) for m in MOMENT_DTYPES
+)
+
+
+def _fraction(path: pathlib.Path, op: str, name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{path}: {op}.{name} must be a finite number or null, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{path}: {op}.{name} must be >= 0, got {value!r}")
+    return float(value)
+
+
+def parse_auto_table(table: Any, path: pathlib.Path | str) -> dict[str, str]:
+    """Checks a decoded auto table; returns its ``{op: "triton" | "xla"}`` choices.
+
+    Args:
+      table: the decoded JSON object: ``device_kind`` and ``date`` (strings) and ``ops``, a map
+        from names in :data:`OPS` to ``{"choice": "triton" | "xla", "triton_copy_fraction":
+        float | null, "xla_copy_fraction": float | null}``.
+      path: where it came from, named in every error.
+
+    Returns:
+      The choice of each listed operation.
+
+    Raises:
+      ValueError: a missing or mistyped field, an unknown operation or choice.
+    """
+    path = pathlib.Path(path)
+    if not isinstance(table, dict):
+        raise ValueError(
+            f"{path}: the auto table must be a JSON object, got {type(table).__name__}"
+        )
+    for field in ("device_kind", "date"):
+        if not isinstance(table.get(field), str):
+            raise ValueError(f"{path}: field {field!r} must be a string, got {table.get(field)!r}")
+    ops = table.get("ops")
+    if not isinstance(ops, dict):
+        raise ValueError(f"{path}: field 'ops' must be an object mapping operations to entries")
+    choices = {}
+    for op, entry in ops.items():
+        if op not in OPS:
+            raise ValueError(f"{path}: unknown operation {op!r}; known: {OPS}")
+        if not isinstance(entry, dict) or entry.get("choice") not in CHOICES:
+            raise ValueError(f"{path}: {op} needs a 'choice' in {CHOICES}, got {entry!r}")
+        for name in ("triton_copy_fraction", "xla_copy_fraction"):
+            _fraction(path, op, name, entry.get(name))
+        choices[op] = entry["choice"]
+    return choices
+
+
+def load_auto_table(path: pathlib.Path | str = AUTO_TABLE_PATH) -> dict[str, str]:
+    """Reads and checks the auto table at ``path``; returns ``{op: "triton" | "xla"}``.
+
+    Raises:
+      ValueError: the file is not valid JSON or not a valid table (the message names the file).
+      OSError: the file cannot be read.
+    """
+    path = pathlib.Path(path)
+    try:
+        table = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: the auto table is not valid JSON: {error}") from None
+    return parse_auto_table(table, path)
+
+
+@functools.cache
+def _auto_table() -> dict[str, str]:
+    """The checked-in table, read once per process (a missing file lists no operation)."""
+    if not AUTO_TABLE_PATH.exists():
+        return {}
+    return load_auto_table(AUTO_TABLE_PATH)
+
+
+def auto_choice(op: str) -> str:
+    """What ``impl="auto"`` uses for ``op`` where Triton can run: ``"triton"`` or ``"xla"``.
+
+    An operation the table does not list gets ``"xla"`` (the reference): Triton is used only
+    where a measurement showed it faster.
+    """
+    return _auto_table().get(op, "xla")
+
+
+def write_auto_table(
+    path: pathlib.Path | str,
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    device_kind: str,
+    date: str | None = None,
+    source: str = "",
+) -> dict[str, Any]:
+    """Writes an auto table from measured rows, choosing per op what the figures justify.
+
+    A row ``{"op", "triton_copy_fraction", "xla_copy_fraction"}`` (fractions of a measured device
+    copy's bytes per second) gets ``"triton"`` when the Triton kernel reaches at least
+    ``min_copy_fraction`` of the copy (0.8 unless the row says otherwise) and at least XLA's
+    figure for the same op; ``"xla"`` otherwise (also when a figure is missing).
+
+    Args:
+      path: the file to write (``kernels/auto_table.json`` to change what ``auto`` does).
+      rows: one mapping per measured operation; ``op`` must be in :data:`OPS`.
+      device_kind: ``jax.devices()[0].device_kind`` of the measuring device.
+      date: ISO date of the measurement (today, UTC, by default).
+      source: how the figures were measured (script, sizes, versions).
+
+    Returns:
+      The table written (it passes :func:`parse_auto_table`).
+
+    Example:
+      >>> import json, tempfile, pathlib
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "auto_table.json"
+      >>> rows = [
+      ...     {
+      ...         "op": "fused_update/bfloat16",
+      ...         "triton_copy_fraction": 0.85,
+      ...         "xla_copy_fraction": 0.51,
+      ...     }
+      ... ]
+      >>> write_auto_table(path, rows, device_kind="NVIDIA H200")["ops"]["fused_update/bfloat16"]
+      {'choice': 'triton', 'triton_copy_fraction': 0.85, 'xla_copy_fraction': 0.51}
+      >>> load_auto_table(path)
+      {'fused_update/bfloat16': 'triton'}
+    """
+    path = pathlib.Path(path)
+    ops = {}
+    for row in rows:
+        op = row["op"]
+        triton = _fraction(path, op, "triton_copy_fraction", row.get("triton_copy_fraction"))
+        xla = _fraction(path, op, "xla_copy_fraction", row.get("xla_copy_fraction"))
+        floor = row.get("min_copy_fraction", 0.8)
+        wins = triton is not None and xla is not None and triton >= max(floor, xla)
+        ops[op] = {
+            "choice": "triton" if wins else "xla",
+            "triton_copy_fraction": triton,
+            "xla_copy_fraction": xla,
+        }
+    table = {
+        "device_kind": device_kind,
+        "date": date or datetime.datetime.now(datetime.UTC).date().isoformat(),
+        "source": source,
+        "ops": ops,
+    }
+    parse_auto_table(table, path)  # never write a table the reader would refuse
+    path.write_text(json.dumps(table, indent=2) + "\n")
+    return table
 
 
 def _cuda_backend() -> bool:
@@ -54,12 +243,14 @@ def triton_unavailable_reason() -> str | None:
     return None
 
 
-def resolve(impl: str, kernel: str) -> str:
+def resolve(impl: str, kernel: str, op: str | None = None) -> str:
     """Resolves ``impl`` to ``"reference"`` or ``"triton"`` for the kernel named ``kernel``.
 
     Args:
       impl: ``"auto"``, ``"reference"`` or ``"triton"``.
       kernel: the kernel's name, for error messages.
+      op: the operation's name in the auto table (:func:`cast_op`, :func:`fused_update_op`);
+        None: ``kernel``, which no table lists, so ``"auto"`` gives the reference.
 
     Returns:
       ``"triton"`` or ``"reference"``.
@@ -75,4 +266,8 @@ def resolve(impl: str, kernel: str) -> str:
     reason = triton_unavailable_reason()
     if impl == "triton" and reason is not None:
         raise RuntimeError(f"impl='triton' for the {kernel} kernel is not available here: {reason}")
-    return "reference" if reason is not None else "triton"
+    if impl == "triton":
+        return "triton"
+    if reason is not None:
+        return "reference"
+    return "triton" if auto_choice(kernel if op is None else op) == "triton" else "reference"

@@ -20,7 +20,8 @@ bfloat16 and float16 inf stays inf and overflow gives inf (IEEE); float8-e4m3fn 
 so inf gives NaN, and finite values beyond +-448 saturate to +-448.
 
 :func:`cast` is the entry point for models and optimizers: it dispatches at trace time to the
-Triton kernel (through jax-triton, on CUDA) or to :func:`cast_reference`, and has a straight-through
+Triton kernel (through jax-triton, on CUDA, where the measured auto table says it wins) or to
+:func:`cast_reference`, and has a straight-through
 custom VJP so gradients flow through it.
 """
 
@@ -214,8 +215,10 @@ def cast(
     """Casts ``x`` to ``dtype`` through the Triton kernel or the reference, differentiably.
 
     The implementation is chosen when the call is traced: ``impl="auto"`` runs the Triton kernel
-    (through jax-triton) when JAX's default backend is CUDA and jax_triton imports, and
-    :func:`cast_reference` elsewhere. Both draw the same random bits for a key, so they agree bit
+    (through jax-triton) only where JAX's default backend is CUDA, jax_triton imports and the
+    measured table ``kernels/auto_table.json`` says ``"triton"`` for this target and rounding
+    (see :mod:`triaccel_jax.kernels._dispatch`), and :func:`cast_reference` (compiled by XLA)
+    elsewhere. Both draw the same random bits for a key, so they agree bit
     for bit under the Triton interpreter; on a GPU they agree up to the device's arithmetic.
 
     The VJP is straight-through (Bengio et al., 2013; as in quantisation-aware training): the
@@ -248,7 +251,7 @@ def cast(
       [0.5, 0.5, 0.5]
     """
     dtype, needs_bits = _validate(x, dtype, rounding, key, scale)
-    use = _dispatch.resolve(impl, "cast")
+    use = _dispatch.resolve(impl, "cast", _dispatch.cast_op(dtype, rounding))
     words = _rounding.seed_words(key) if needs_bits else None
     scale = None if scale is None else jnp.asarray(scale, jnp.float32)
     forward = functools.partial(_forward, dtype=dtype, rounding=rounding, use=use)

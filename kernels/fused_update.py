@@ -256,8 +256,9 @@ def fused_update(
 ) -> FusedUpdate:
     """:func:`fused_update_reference`, run by the Triton kernel on CUDA (chosen at trace time).
 
-    ``impl="auto"`` takes the Triton kernel (through jax-triton) when JAX's default backend is
-    CUDA and jax_triton imports, the reference elsewhere; ``"reference"`` and ``"triton"`` force
+    ``impl="auto"`` takes the Triton kernel (through jax-triton) only where JAX's default backend
+    is CUDA, jax_triton imports and the measured table ``kernels/auto_table.json`` says
+    ``"triton"`` for the moments' dtype; the reference (which XLA fuses) elsewhere; ``"reference"`` and ``"triton"`` force
     one. Both draw the same random bits for a key. This is an optimizer step, not a function to
     differentiate through, so it has no VJP.
 
@@ -313,7 +314,8 @@ def fused_update(
         key=key,
         compute_scale=compute_scale,
     )
-    use = _dispatch.resolve(impl, "fused update")
+    moments = "bfloat16" if jnp.bfloat16 in (mu.dtype, nu.dtype) else "float32"
+    use = _dispatch.resolve(impl, "fused update", _dispatch.fused_update_op(moments))
     s = scalars(
         count=count,
         learning_rate=learning_rate,

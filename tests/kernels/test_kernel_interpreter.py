@@ -342,6 +342,8 @@ def fake_cuda(monkeypatch):
     module, calls = _interpreted_jax_triton()
     monkeypatch.setitem(__import__("sys").modules, "jax_triton", module)
     monkeypatch.setattr(_dispatch, "_cuda_backend", lambda: True)
+    # A GPU where every measured op went to Triton: `auto` obeys the table (test_kernel_auto_table).
+    monkeypatch.setattr(_dispatch, "auto_choice", lambda op: "triton")
     _dispatch._jax_triton_import_error.cache_clear()
     yield calls
     _dispatch._jax_triton_import_error.cache_clear()

@@ -1,0 +1,132 @@
+"""``impl="auto"`` obeys the measured table kernels/auto_table.json (docs/design.md §4, §8)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from triaccel_jax.kernels import _dispatch
+from triaccel_jax.kernels import cast as cast_lib
+from triaccel_jax.kernels import fused_update as fused_lib
+
+
+@pytest.fixture
+def cuda_with_table(monkeypatch, tmp_path):
+    """A CUDA backend where jax_triton imports, with the auto table read from a file we write."""
+    monkeypatch.setattr(_dispatch, "triton_unavailable_reason", lambda: None)
+    path = tmp_path / "auto_table.json"
+    monkeypatch.setattr(_dispatch, "AUTO_TABLE_PATH", path)
+    _dispatch._auto_table.cache_clear()
+    yield path
+    _dispatch._auto_table.cache_clear()
+
+
+def _table(ops):
+    return {"device_kind": "NVIDIA H200", "date": "2026-11-30", "source": "test", "ops": ops}
+
+
+def _entry(choice):
+    return {"choice": choice, "triton_copy_fraction": 0.9, "xla_copy_fraction": 0.5}
+
+
+def test_auto_follows_the_table_per_operation(cuda_with_table):
+    cuda_with_table.write_text(
+        json.dumps(
+            _table(
+                {
+                    "cast/bfloat16/stochastic": _entry("triton"),
+                    "cast/bfloat16/nearest": _entry("xla"),
+                    "fused_update/bfloat16": _entry("triton"),
+                }
+            )
+        )
+    )
+    op = _dispatch.cast_op
+    assert _dispatch.resolve("auto", "cast", op(jnp.bfloat16, "stochastic")) == "triton"
+    assert _dispatch.resolve("auto", "cast", op(jnp.bfloat16, "nearest")) == "reference"
+    # Not listed: the reference, Triton only where a measurement showed a win.
+    assert _dispatch.resolve("auto", "cast", op(jnp.float16, "nearest")) == "reference"
+    assert _dispatch.resolve("auto", "fused update", "fused_update/bfloat16") == "triton"
+    assert _dispatch.resolve("auto", "fused update", "fused_update/float32") == "reference"
+    # Forcing an implementation ignores the table.
+    assert _dispatch.resolve("triton", "cast", op(jnp.bfloat16, "nearest")) == "triton"
+    assert _dispatch.resolve("reference", "cast", op(jnp.bfloat16, "stochastic")) == "reference"
+
+
+def test_cast_and_fused_update_ask_the_table_for_their_own_operation(monkeypatch):
+    asked = []
+    monkeypatch.setattr(_dispatch, "triton_unavailable_reason", lambda: None)
+    monkeypatch.setattr(_dispatch, "auto_choice", lambda op: asked.append(op) or "xla")
+    x = jnp.ones(8)
+    key = jax.random.key(0)
+    np.testing.assert_array_equal(
+        cast_lib.cast(x, jnp.float16, rounding="stochastic", key=key),
+        cast_lib.cast_reference(x, jnp.float16, rounding="stochastic", key=key),
+    )
+    bf16 = jnp.zeros(8, jnp.bfloat16)
+    fused_lib.fused_update(x, bf16, bf16, x, count=1, learning_rate=0.1, key=key)
+    fused_lib.fused_update(x, jnp.zeros(8), jnp.zeros(8), x, count=1, learning_rate=0.1)
+    assert asked == ["cast/float16/stochastic", "fused_update/bfloat16", "fused_update/float32"]
+
+
+def test_the_checked_in_table_picks_xla_for_every_op_measured_slower():
+    _dispatch._auto_table.cache_clear()
+    table = json.loads(_dispatch.AUTO_TABLE_PATH.read_text())
+    choices = _dispatch.load_auto_table()
+    assert set(choices) == set(_dispatch.OPS)
+    for op, entry in table["ops"].items():
+        triton, xla = entry["triton_copy_fraction"], entry["xla_copy_fraction"]
+        slower = triton < 0.8 or (xla is not None and triton < xla)
+        if slower:
+            assert choices[op] == "xla", op
+            assert _dispatch.auto_choice(op) == "xla"
+    # The H200 run of 2026-11-30: every cast below 0.85x of a copy, the fused update below XLA.
+    assert table["ops"]["cast/bfloat16/nearest"]["triton_copy_fraction"] == 0.37
+    assert table["ops"]["fused_update/float32"]["xla_copy_fraction"] == 1.02
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "not valid JSON"),
+        (json.dumps([1, 2]), "must be a JSON object"),
+        (json.dumps({"date": "x", "ops": {}}), "device_kind"),
+        (json.dumps(_table({"cast/bf16/nearest": _entry("xla")})), "unknown operation"),
+        (json.dumps(_table({"fused_update/float32": _entry("pallas")})), "choice"),
+        (
+            json.dumps(
+                _table({"fused_update/float32": {**_entry("xla"), "xla_copy_fraction": -1}})
+            ),
+            "xla_copy_fraction",
+        ),
+    ],
+)
+def test_a_malformed_table_is_a_clear_error_naming_the_file(cuda_with_table, content, message):
+    cuda_with_table.write_text(content)
+    with pytest.raises(ValueError, match=message) as error:
+        _dispatch.resolve("auto", "cast", "cast/bfloat16/nearest")
+    assert str(cuda_with_table) in str(error.value)
+
+
+def test_write_auto_table_chooses_triton_only_for_a_measured_win(tmp_path):
+    path = tmp_path / "auto_table.json"
+    rows = [
+        {"op": "cast/bfloat16/nearest", "triton_copy_fraction": 0.95, "xla_copy_fraction": 0.97},
+        {"op": "cast/bfloat16/stochastic", "triton_copy_fraction": 0.85, "xla_copy_fraction": 0.5},
+        {"op": "cast/float16/nearest", "triton_copy_fraction": 0.7, "xla_copy_fraction": 0.5},
+        {"op": "cast/float16/stochastic", "triton_copy_fraction": 0.9, "xla_copy_fraction": None},
+    ]
+    table = _dispatch.write_auto_table(path, rows, device_kind="NVIDIA H200", date="2026-12-01")
+    assert table["date"] == "2026-12-01" and table["device_kind"] == "NVIDIA H200"
+    assert _dispatch.load_auto_table(path) == {
+        "cast/bfloat16/nearest": "xla",  # loses to XLA
+        "cast/bfloat16/stochastic": "triton",
+        "cast/float16/nearest": "xla",  # below 0.8x of a copy
+        "cast/float16/stochastic": "xla",  # no XLA figure to beat
+    }
+    with pytest.raises(ValueError, match="unknown operation"):
+        _dispatch.write_auto_table(path, [{"op": "cast/x/y"}], device_kind="cpu")
