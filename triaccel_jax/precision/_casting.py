@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from triaccel_jax._src import tree as tree_lib
+from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import cast as cast_kernel
 from triaccel_jax.precision import _dtypes as dtypes
 from triaccel_jax.precision import _policy as policy_lib
@@ -154,13 +155,27 @@ def master_params(
     return jax.tree_util.tree_map_with_path(master, params)
 
 
-def apply_updates(params: Any, updates: Any, *, key: jax.Array | None = None) -> Any:
+def apply_updates(
+    params: Any, updates: Any, *, key: jax.Array | None = None, impl: str = "auto"
+) -> Any:
     """``params + updates``, computed in fp32 and written back in each parameter's dtype.
 
     Unlike ``optax.apply_updates``, a parameter narrower than fp32 (a bf16/fp16 master) is
     written with stochastic rounding when ``key`` is given, so updates below half an ulp still
     move it on average; with ``key=None`` it is rounded to nearest. Leaves whose update is
     ``None`` or that are not trainable are kept.
+
+    Args:
+      params: the masters.
+      updates: a tree like ``params`` (``None`` leaves keep their parameter).
+      key: PRNG key for stochastic rounding of narrow masters (one stream per leaf).
+      impl: how the stochastically rounded writes are computed, passed to the cast kernel:
+        ``"auto"`` (Triton only where CUDA runs it and ``kernels/auto_table.json`` measured it
+        faster than XLA), ``"reference"`` or ``"triton"`` (a RuntimeError where Triton cannot
+        run).
+
+    Returns:
+      The new parameters, each in its old dtype.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -174,6 +189,8 @@ def apply_updates(params: Any, updates: Any, *, key: jax.Array | None = None) ->
       >>> abs(float(stochastic["w"].astype(jnp.float32).mean()) - 1.001) < 2e-4
       True
     """
+    # Refused up front (not only where a narrow master needs the kernel), as the optimizer does.
+    _dispatch.resolve(impl, "master write")
     leaves, treedef = jax.tree.flatten(params)
     try:
         update_leaves = treedef.flatten_up_to(updates)
@@ -190,7 +207,9 @@ def apply_updates(params: Any, updates: Any, *, key: jax.Array | None = None) ->
             continue
         total = param.astype(jnp.float32) + update.astype(jnp.float32)
         if jnp.finfo(param.dtype).bits < 32 and leaf_key is not None:
-            out.append(cast_kernel.cast(total, param.dtype, rounding="stochastic", key=leaf_key))
+            out.append(
+                cast_kernel.cast(total, param.dtype, rounding="stochastic", key=leaf_key, impl=impl)
+            )
         else:
             out.append(total.astype(param.dtype))
     return jax.tree.unflatten(treedef, out)

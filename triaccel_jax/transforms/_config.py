@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from triaccel_jax._src import validation
+from triaccel_jax.kernels import _dispatch
 from triaccel_jax.precision import _policy as policy_lib
 
 ESTIMATORS = ("fisher", "hutchinson")
@@ -65,6 +66,12 @@ class TriAccelConfig:
       state_dtype: dtype of the moments: None (float32, or float64 for float64 params),
         ``"float32"`` or ``"bfloat16"`` (a dtype is stored as its name; bfloat16 writes are
         stochastically rounded), or a :class:`triaccel_jax.PrecisionPolicy` giving each leaf's.
+      impl: how the moments' narrow writes are computed: ``"auto"`` (default: the Triton cast
+        kernel only where CUDA runs it and ``kernels/auto_table.json`` measured it faster than
+        XLA, else the pure-JAX reference), ``"reference"`` (always the reference; bit for bit
+        what ``triaccel`` computed before this option) or ``"triton"`` (refused with a
+        RuntimeError at the first update where Triton cannot run). See
+        :mod:`triaccel_jax.kernels._dispatch`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -84,9 +91,11 @@ class TriAccelConfig:
     rho: float = 0.01
     num_samples: int = 1
     state_dtype: Any = None
+    impl: str = "auto"
 
     def __post_init__(self) -> None:
         validation.check_choice("estimator", self.estimator, ESTIMATORS)
+        validation.check_choice("impl", self.impl, _dispatch.IMPLS)
         validation.check_integer("block_size", self.block_size, 1)
         validation.check_in_range("rho", self.rho, 0.0, 1.0, low_inclusive=False)
         validation.check_integer("num_samples", self.num_samples, 1)

@@ -29,6 +29,7 @@ from jax import lax
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
 from triaccel_jax.kernels import _adam as adam
+from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import cast as cast_kernel
 from triaccel_jax.precision import _dtypes as dtypes
 from triaccel_jax.precision import _policy as policy_lib
@@ -59,9 +60,13 @@ def _make_estimator(estimator: str, num_samples: int, seed: int):
     return curvature_lib.fisher_diagonal()
 
 
-def _write(value: jax.Array, dtype: jnp.dtype, key: jax.Array) -> jax.Array:
-    """Casts a freshly computed float32 moment to its state dtype, stochastically when narrower."""
-    return cast_kernel.cast_reference(value, dtype, rounding="stochastic", key=key)
+def _write(value: jax.Array, dtype: jnp.dtype, key: jax.Array, impl: str) -> jax.Array:
+    """Casts a freshly computed float32 moment to its state dtype, stochastically when narrower.
+
+    Through the cast kernel's dispatch (``impl``): ``"reference"`` is the pure-JAX rounding,
+    ``"auto"`` the Triton kernel only where the measured table says it beats XLA.
+    """
+    return cast_kernel.cast(value, dtype, rounding="stochastic", key=key, impl=impl)
 
 
 def scale_by_triaccel(
@@ -156,6 +161,7 @@ def scale_by_triaccel(
     validation.check_not_above("min_scale", min_scale, "max_scale", max_scale)
     estimator = config.estimator
     state_dtype = config.state_dtype
+    impl = config.impl
     estimator_tx = _make_estimator(estimator, config.num_samples, seed)
 
     def init_fn(params: Any) -> ScaleByTriAccelState:
@@ -221,6 +227,9 @@ def scale_by_triaccel(
             loss_fn = curvature_lib.resolve_loss_fn(loss_fn, obj_fn=obj_fn, value_fn=value_fn)
             if loss_fn is None:
                 raise ValueError(curvature_lib._LOSS_FN_HELP)
+        # Checked on every trace, also for float32 moments (which no kernel writes), so that
+        # impl="triton" where Triton cannot run is refused wherever it is asked for.
+        _dispatch.resolve(impl, "moment write")
         grads, treedef = jax.tree.flatten(updates)
         mu = _flatten_like_updates(treedef, state.mu)
         active = _trained_leaves(updates, grads, mu)
@@ -244,8 +253,8 @@ def scale_by_triaccel(
             moments = adam.adam_moments(grads[i], mu[i], nu[i], scalars)
             m_hat[i], v_hat[i], direction[i] = moments.m_hat, moments.v_hat, moments.direction
             leaf_key = jax.random.fold_in(step_key, i)
-            new_mu[i] = _write(moments.mu, mu[i].dtype, jax.random.fold_in(leaf_key, 0))
-            new_nu[i] = _write(moments.nu, nu[i].dtype, jax.random.fold_in(leaf_key, 1))
+            new_mu[i] = _write(moments.mu, mu[i].dtype, jax.random.fold_in(leaf_key, 0), impl)
+            new_nu[i] = _write(moments.nu, nu[i].dtype, jax.random.fold_in(leaf_key, 1), impl)
 
         # Every `curvature_every` steps: a curvature estimate folded into the compressed EMA, and
         # from it the per-leaf signals and step-size scales. They change only then, so the other
