@@ -1,9 +1,10 @@
 """``Controller``: the host-side loop that adapts batch size and precision (docs/design.md §5).
 
 Plain Python around pure jitted functions, and a thin orchestrator over parts with one job each:
-its settings (:mod:`._config`), the data (:mod:`._feeding`), the compiled steps (:mod:`._compile_cache`),
-the learning rate (:mod:`._learning_rate`), the out-of-memory retry (:mod:`._out_of_memory`), the
-re-plan (:mod:`._replan`) and the state record (:mod:`._state_record`). Each decision is a pure
+its settings (:mod:`._config`), the data (:mod:`._feeding`), the compiled steps (:mod:`._compile_cache`,
+:mod:`._step_compiler`), running a step (:mod:`._step_runner`), the memory check
+(:mod:`._memory_check`), the learning rate (:mod:`._learning_rate`), the out-of-memory retry
+(:mod:`._out_of_memory`), the re-plan (:mod:`._replan`) and the state record (:mod:`._state_record`). Each decision is a pure
 function of measured figures (:func:`triaccel_jax.controller.decide_bucket`,
 :func:`triaccel_jax.plan_precision`); the parts return decisions and figures, and only the
 controller logs them, as :class:`triaccel_jax.controller.Event` records.
@@ -11,29 +12,28 @@ controller logs them, as :class:`triaccel_jax.controller.Event` records.
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from triaccel_jax._src import validation
-from triaccel_jax.controller import _agreement as agreement
 from triaccel_jax.controller import _bucket_tracker as bucket_tracker
 from triaccel_jax.controller import _compile_cache as compile_cache
 from triaccel_jax.controller import _config as config_lib
 from triaccel_jax.controller import _events as events_lib
 from triaccel_jax.controller import _feeding as feeding
 from triaccel_jax.controller import _learning_rate as learning_rate
+from triaccel_jax.controller import _memory_check as memory_check
 from triaccel_jax.controller import _memory_probe as memory_probe
 from triaccel_jax.controller import _out_of_memory as out_of_memory
 from triaccel_jax.controller import _replan as replan_lib
 from triaccel_jax.controller import _sampler as sampler_lib
 from triaccel_jax.controller import _state_record as state_record
+from triaccel_jax.controller import _step_compiler as step_compiler
+from triaccel_jax.controller import _step_runner as step_runner
 from triaccel_jax.controller import _train_state_bridge as bridge
 from triaccel_jax.controller import _train_step as train_step
 from triaccel_jax.precision import _policy as policy_lib
@@ -267,42 +267,7 @@ class Controller:
 
     def step(self) -> StepInfo:
         """Runs one training step (checks and re-plans first when they are due)."""
-        start = time.perf_counter()
-        spent_before = self.timings["step"] + self.timings["compile"] + self.timings["data"]
-        first_event = len(self.events)
-        if self.step_count > 0 and self.step_count % self.config.check_every == 0:
-            self._check_memory()
-        every = self.config.replan_every
-        if every and self.step_count > 0 and self.step_count % every == 0:
-            self._replan()
-        indices = self.sampler.take(self.batch_size)
-        metrics = self._run_with_retry(indices)
-        self.step_count += 1
-        if self._lr.factor != self._lr.factor_for(self.batch_size):
-            # An out-of-memory retry shrank the batch: the retried step kept the rate of the
-            # samples it trained; the steps from now on train the smaller batch.
-            self._set_learning_rate()
-        # A non-finite loss is a step the loss scaling skipped: it changed nothing, and the
-        # planner's relative budget needs a finite loss, so the last finite one is kept.
-        if math.isfinite(metrics["loss"]):
-            self._last_loss = metrics["loss"]
-        seconds = time.perf_counter() - start
-        spent = self.timings["step"] + self.timings["compile"] + self.timings["data"] - spent_before
-        self.timings["control"] += seconds - spent
-        info = StepInfo(
-            self.step_count,
-            len(indices),  # the samples this step trained, also when an OOM shrank the bucket
-            self._micro,
-            metrics["loss"],
-            metrics,
-            self._known_peaks().get(self._micro),
-            self._bucket.limit,
-            tuple(self.events[first_event:]),
-            seconds,
-        )
-        if self._callback is not None:
-            self._callback(info)
-        return info
+        return step_runner.run_step(self)
 
     def run(self, num_steps: int) -> list[StepInfo]:
         """Runs ``num_steps`` steps; returns their :class:`StepInfo`."""
@@ -340,24 +305,11 @@ class Controller:
     def state_dict(self) -> dict[str, Any]:
         """The controller's own state as JSON-ready data, to save beside params and optimizer state.
 
-        It holds the bucket, ceiling, hysteresis counters, memory figures, policy and the
-        planner's pending streaks, learning-rate factor, step counter and the sampler's cursor;
-        the per-step ``rng`` is derived from ``seed`` and the step, so a controller restored with
-        :meth:`load_state_dict` (and the params and optimizer state of the same step) takes the
-        same decisions.
+        See :func:`triaccel_jax.controller._state_record.controller_state_dict` for what it
+        holds; a controller restored with :meth:`load_state_dict` (and the params and optimizer
+        state of the same step) takes the same decisions.
         """
-        record = state_record.ControllerRecord(
-            step=self.step_count,
-            **self._bucket.record(),
-            compiled_peaks=self._compiled.peaks_record(),
-            last_loss=self._last_loss,
-            lr_factor=self._lr.factor,
-            loss_scale=self.loss_scale,
-            policy=self.policy,
-            pending=dict(self.plan.pending) if self.plan is not None else {},
-            sampler=self.sampler.state_dict(),
-        )
-        return state_record.to_state_dict(record, self._identity())
+        return state_record.controller_state_dict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from :meth:`state_dict`'s output (same data, seed and buckets).
@@ -365,16 +317,7 @@ class Controller:
         Raises:
           ValueError: the state is malformed or was saved by a controller configured differently.
         """
-        record = state_record.from_state_dict(state, self._identity())
-        self.sampler.load_state_dict(record.sampler)
-        self.step_count, self._last_loss = record.step, record.last_loss
-        self._bucket.restore(record)
-        self._compiled.load_peaks_record(record.compiled_peaks)
-        if record.loss_scale is not None:  # absent from states saved before it existed
-            self.loss_scale = self._place(record.loss_scale)
-        if record.policy is not None:
-            record.policy.check_matches(self.params)
-            self.plan = policy_lib.PrecisionPlan(record.policy, record.pending)
+        state_record.load_controller_state(self, state)
         self._log("restore", None, self.step_count, "controller state loaded")
         self._set_learning_rate()
 
@@ -385,35 +328,7 @@ class Controller:
         return self._bucket.known_peaks(self._compiled.peaks(self._policy_signature()))
 
     def _check_memory(self) -> None:
-        reading = self.probe.read(batch_size=self._micro)
-        peak, limit = agreement.agree_on_memory(reading.peak_bytes, reading.limit_bytes)
-        state = (self.params, self.opt_state, self.model_state)
-        decision = self._bucket.check(
-            peak,
-            limit,
-            compiled_peaks=self._compiled.peaks(self._policy_signature()),
-            fixed_bytes=self._bucket.fixed_bytes(state, self.params),
-        )
-        if decision.kind == "keep":
-            return
-        figures = {"peak_bytes": self._known_peaks().get(self._micro), "limit_bytes": limit}
-        if decision.kind == "grow":
-            self._compiled_step(decision.bucket, self._num_micro(decision.bucket))
-            compiled = self._compiled.peaks(self._policy_signature())
-            refused = self._bucket.over_high_water(decision.bucket, compiled)
-            if refused is not None:
-                self._log(
-                    "reject",
-                    self._micro,
-                    decision.bucket,
-                    refused,
-                    compiled_peak_bytes=compiled[decision.bucket],
-                    limit_bytes=limit,
-                )
-                return
-        self._log(decision.kind, self._micro, decision.bucket, decision.reason, **figures)
-        self._bucket.micro = decision.bucket
-        self._set_learning_rate()
+        memory_check.check_memory(self)
 
     def _replan(self) -> None:
         result = replan_lib.replan(
@@ -459,77 +374,8 @@ class Controller:
         return "none" if self.policy is None else self.policy.signature
 
     def _compiled_step(self, micro: int, num_micro: int) -> Any:
-        key = (micro, num_micro, self.policy)
-        executable = self._compiled.get(key)
-        if executable is not None:
-            return executable
-        scaling = train_step.loss_scaling_for(self.policy, self._loss_scaling, self.opt_state)
-        step = train_step.make_train_step(
-            self._loss,
-            self.tx,
-            policy=self.policy,
-            num_micro=num_micro,
-            seed=self._seed,
-            loss_scaling=scaling,
-        )
-        args = train_step.abstract_step_arguments(
-            (self.params, self.opt_state, self.model_state),
-            self._feeder.abstract_batch(num_micro, micro),
-            self.loss_scale,
-        )
-        new = self._compiled.compile(key, step, args)
-        if new.peak_bytes is not None and num_micro == self._num_micro(micro):
-            self._compiled.record_peak(self._policy_signature(), micro, new.peak_bytes)
-        self.timings["compile"] += new.seconds
-        self._log(
-            "compile",
-            None,
-            f"{num_micro}x{micro}",
-            f"first step with micro-batch {micro} x {num_micro}, policy {self._policy_signature()}",
-            compiled_peak_bytes=new.peak_bytes,
-            policy=self._policy_signature(),
-            seconds=round(new.seconds, 3),
-        )
-        return new.executable
-
-    def _run_with_retry(self, indices: np.ndarray) -> dict[str, float]:
-        tried = []
-        while True:
-            micro = self._micro
-            num_micro = self._num_micro(micro) if self._keep_global else len(indices) // micro
-            compiled = self._compiled_step(micro, num_micro)
-            start = time.perf_counter()
-            batch = self._feeder.device_batch(indices, num_micro, micro)
-            self.timings["data"] += time.perf_counter() - start
-            start = time.perf_counter()
-            try:
-                out = compiled(
-                    self.params,
-                    self.opt_state,
-                    self.model_state,
-                    batch,
-                    np.int32(self.step_count),
-                    np.float32(self._lr.update_multiplier()),
-                    self.loss_scale,
-                )
-                metrics = {k: float(v) for k, v in jax.device_get(out.metrics).items()}
-            except jax.errors.JaxRuntimeError as error:
-                self.timings["step"] += time.perf_counter() - start
-                if not is_out_of_memory(error):
-                    raise
-                tried.append(f"{num_micro}x{micro}")
-                self._on_out_of_memory(micro, tried, error)
-                continue
-            # Replacing the state frees the previous step's buffers, as in any training loop,
-            # so it is timed as part of the step, not as the controller's own work.
-            self.params, self.opt_state, self.model_state, self.loss_scale = (
-                out.params,
-                out.opt_state,
-                out.model_state,
-                out.loss_scale,
-            )
-            self.timings["step"] += time.perf_counter() - start
-            return metrics
+        """The step compiled for ``micro`` x ``num_micro`` under the policy in force."""
+        return step_compiler.compiled_step(self, micro, num_micro)
 
     def _on_out_of_memory(self, micro: int, tried: list[str], error: BaseException) -> None:
         decision = self._bucket.retry_after_out_of_memory(

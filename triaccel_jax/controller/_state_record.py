@@ -137,3 +137,49 @@ def _loss_scale(record: Mapping[str, Any] | None) -> loss_scaling_lib.LossScaleS
         jnp.int32(record["good_steps"]),
         jnp.int32(record["skipped_steps"]),
     )
+
+
+def controller_state_dict(controller: Any) -> dict[str, Any]:
+    """A :class:`triaccel_jax.controller.Controller`'s own state as JSON-ready data.
+
+    It holds the bucket, ceiling, hysteresis counters, memory figures, policy and the planner's
+    pending streaks, learning-rate factor, loss scale, step counter and the sampler's cursor;
+    the per-step ``rng`` is derived from ``seed`` and the step, so it is not saved.
+
+    Args:
+      controller: the controller (its steps in flight already read).
+
+    Returns:
+      :func:`to_state_dict`'s output for the controller's record and identity.
+    """
+    plan = controller.plan
+    record = ControllerRecord(
+        step=controller.step_count,
+        **controller._bucket.record(),
+        compiled_peaks=controller._compiled.peaks_record(),
+        last_loss=controller._last_loss,
+        lr_factor=controller._lr.factor,
+        loss_scale=controller.loss_scale,
+        policy=controller.policy,
+        pending=dict(plan.pending) if plan is not None else {},
+        sampler=controller.sampler.state_dict(),
+    )
+    return to_state_dict(record, controller._identity())
+
+
+def load_controller_state(controller: Any, state: Mapping[str, Any]) -> None:
+    """Restores :func:`controller_state_dict`'s output into ``controller`` (no event logged).
+
+    Raises:
+      ValueError: the state is malformed or was saved by a controller configured differently.
+    """
+    record = from_state_dict(state, controller._identity())
+    controller.sampler.load_state_dict(record.sampler)
+    controller.step_count, controller._last_loss = record.step, record.last_loss
+    controller._bucket.restore(record)
+    controller._compiled.load_peaks_record(record.compiled_peaks)
+    if record.loss_scale is not None:  # absent from states saved before it existed
+        controller.loss_scale = controller._place(record.loss_scale)
+    if record.policy is not None:
+        record.policy.check_matches(controller.params)
+        controller.plan = policy_lib.PrecisionPlan(record.policy, record.pending)
