@@ -21,7 +21,8 @@ def tiny_job(tmp_path_factory):
     output = tmp_path_factory.mktemp("main_job")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main_job.main([*TINY, "--output-dir", str(output)]) == 0
+        cache = ["--compilation-cache", str(output / "jax_cache")]  # not the user's cache
+        assert main_job.main([*TINY, *cache, "--output-dir", str(output)]) == 0
     return printed.getvalue(), output
 
 
@@ -43,6 +44,8 @@ def test_main_job_writes_the_table_and_plots(tiny_job):
     assert list(table) == ["FP32 AdamW", "static bf16 AdamW", "Tri-Accel"]
     for row in table.values():
         assert float(row["wall s"]) > 0 and int(row["steps"]) == 6
+        assert float(row["step s"]) > 0 and float(row["samples/s"]) > 0
+        assert float(row["wall s"]) >= float(row["compile s"])
         assert float(row["memory_report MiB at common batch"]) > 0
         assert 0 <= float(row["test accuracy"].rstrip("%")) <= 100
     # bf16 compute copies and bf16 residuals: less memory than FP32 (memory_report, exact).

@@ -87,6 +87,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--test-subset", type=int, default=None, help="use only the first N test samples"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--compilation-cache",
+        type=pathlib.Path,
+        default=None,
+        metavar="DIR",
+        help="JAX's persistent compilation cache folder; default: $TRIACCEL_COMPILATION_CACHE "
+        "(0 or off: no cache), else $XDG_CACHE_HOME/triaccel_jax/jax (~/.cache/...)",
+    )
+    parser.add_argument(
+        "--no-compilation-cache",
+        action="store_true",
+        help="compile everything afresh (no persistent compilation cache)",
+    )
     args = parser.parse_args(argv)
     for name in ("epochs", "batch_size", "max_batch", "replan_every", "check_every"):
         if getattr(args, name) < 1:
@@ -98,4 +111,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--lr must be a positive number")
     if args.budget_mib is not None and not args.budget_mib > 0:
         parser.error("--budget-mib must be positive")
+    if args.compilation_cache is not None and args.no_compilation_cache:
+        parser.error("--compilation-cache and --no-compilation-cache contradict each other")
     return args

@@ -12,6 +12,9 @@ from typing import Any
 RESULT_COLUMNS = (
     "run",
     "wall s",
+    "compile s",
+    "step s",
+    "samples/s",
     "steps",
     "final batch",
     "trained at batch",
@@ -28,7 +31,9 @@ RESULT_COLUMNS = (
 def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
     """The side-by-side table, in Markdown.
 
-    Memory is given at two batches, each in its own labelled columns: the largest batch the run
+    Wall time (without evaluations) is split into compile seconds (or loading from the
+    persistent cache) and step seconds; samples/s is over the wall time less compiles. Memory
+    is given at two batches, each in its own labelled columns: the largest batch the run
     trained at, and the common batch of all runs, where the "vs FP32" ratio is taken (the FP32
     run's figure at the same batch), so that a run that grew its batch is not credited with the
     memory of a smaller one.
@@ -59,6 +64,9 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
         cells = (
             labels[r.name],
             f"{r.seconds:.1f}",
+            f"{r.compile_seconds:.2f}",
+            f"{r.step_seconds:.2f}",
+            f"{r.samples_per_second:.0f}",
             str(r.steps),
             str(r.final_batch),
             str(r.run_batch),

@@ -40,10 +40,18 @@ class RunResult:
     ``run_batch`` is the largest batch the run trained at; ``common_batch`` the batch every run's
     memory is also measured at (``--batch-size``). The ``*_mib`` figures are ``memory_report``'s
     total and XLA's compiled figure of one step under the run's final policy at that batch.
+    ``seconds`` is the run's wall time without its evaluations; of it, ``compile_seconds`` went
+    to compiling (or loading from the persistent cache) and ``step_seconds`` to running steps
+    (the controller's ``timings``). ``samples_per_second`` is training samples over the wall
+    time less compiles. Each of ``evals`` holds ``seconds`` and ``compile_seconds`` so far, from
+    which the time to an accuracy is read with or without compiles.
     """
 
     name: str
     seconds: float
+    compile_seconds: float
+    step_seconds: float
+    samples_per_second: float
     steps: int
     final_batch: int
     run_batch: int
@@ -73,6 +81,7 @@ class _RunLog:
     epoch_accuracy: list[float] = dataclasses.field(default_factory=list)
     evals: list[dict[str, float]] = dataclasses.field(default_factory=list)
     policies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    eval_seconds: float = 0.0  # spent evaluating: not training time
 
 
 def build_controller(
@@ -136,8 +145,11 @@ def _train_epochs(
 ) -> _RunLog:
     """Steps ``controller`` through ``args.epochs`` epochs (or ``--max-steps``), recording."""
     log = _RunLog()
+    start = time.perf_counter()
 
     def record_eval() -> float:
+        seconds = time.perf_counter() - start - log.eval_seconds
+        eval_start = time.perf_counter()
         accuracy = task.evaluate(
             loss_fn, controller.params, controller.model_state, controller.policy, data.test
         )
@@ -146,8 +158,11 @@ def _train_epochs(
                 "step": controller.step_count,
                 "samples": controller.sampler.samples_seen,
                 "accuracy": accuracy,
+                "seconds": seconds,
+                "compile_seconds": controller.timings["compile"],
             }
         )
+        log.eval_seconds += time.perf_counter() - eval_start
         return accuracy
 
     max_steps = args.max_steps if args.max_steps is not None else math.inf
@@ -196,7 +211,8 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
     controller = build_controller(run, model, has_state, loss_fn, data, args)
     start = time.perf_counter()
     log = _train_epochs(run, controller, loss_fn, data, args, progress)
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start - log.eval_seconds
+    compile_seconds = controller.timings["compile"]
 
     # Memory of one step under the run's final policy, at the largest batch the run trained at
     # and at the common batch: a run that grew its batch needs more than the common figure says.
@@ -209,6 +225,9 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
     return RunResult(
         name=run,
         seconds=seconds,
+        compile_seconds=compile_seconds,
+        step_seconds=controller.timings["step"],
+        samples_per_second=controller.sampler.samples_seen / max(seconds - compile_seconds, 1e-9),
         steps=controller.step_count,
         final_batch=controller.batch_size,
         run_batch=run_batch,
