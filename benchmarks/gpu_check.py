@@ -26,14 +26,26 @@ For a machine with an NVIDIA GPU (written for an H200), ``jax[cuda12]`` and the 
    in its own process, because the peak is a process-wide high-water mark, with XLA's autotuner
    off (its scratch buffers would set the peak); the compiled memory analysis is printed beside it.
 
+5. **End to end** (issue 14): the main job three times, each run in its own process, ResNet-18
+   on 32x32x3 images (CIFAR-10 when its archive and tensorflow-datasets are present, else
+   Fashion-MNIST padded to 32x32 and replicated to three channels): FP32 AdamW and static bf16
+   AdamW at batch 128, Tri-Accel (planner, batch growing into free memory up to 1024). Prints
+   steady-state samples/s, compile seconds, ``peak_bytes_in_use`` at the batch each run trained
+   at and at 128, the wall time to FP32's final accuracy with and without compiles, the final
+   accuracy, and issue 14's targets as ratios ("met"/"missed"). See
+   :mod:`triaccel_jax.cli._end_to_end`. Budget on an H200: one epoch of 30,000 images per run,
+   each run's process stopped after 95 s, so the section takes at most about 5 minutes.
+
 Usage::
 
     python benchmarks/gpu_check.py              # on the GPU machine
     python benchmarks/gpu_check.py --dry-run    # anywhere: tiny sizes, reference kernels only
+    python benchmarks/gpu_check.py --quick      # --dry-run, and a tiny end-to-end section (CPU)
     python benchmarks/gpu_check.py --sections fused-parity bandwidth   # some checks only
 
-Exit status: 0 when every parity check passed, 1 when one failed, 2 when the Triton kernels
-cannot run here (no CUDA backend or no jax_triton) and ``--dry-run`` was not given.
+Exit status: 0 when every parity check passed (and every end-to-end run finished), 1 when one
+failed, 2 when the Triton kernels cannot run here (no CUDA backend or no jax_triton) and
+``--dry-run`` (or ``--quick``) was not given. Missed targets are reported, not failures.
 """
 
 from __future__ import annotations
@@ -43,9 +55,11 @@ import functools
 import importlib.metadata
 import json
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +84,7 @@ FUSED_CASES = (
     (jnp.bfloat16, jnp.float32, jnp.float16, jnp.float16, "stochastic", None),
 )
 HYPER = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-2)
-SECTIONS = ("cast-parity", "fused-parity", "bandwidth", "memory")
+SECTIONS = ("cast-parity", "fused-parity", "bandwidth", "memory", "end-to-end")
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -531,6 +545,40 @@ def memory(batch_size: int, dry_run: bool) -> None:
         _print("(peak_bytes_in_use is not reported by this backend: on CPU memory_stats() is None)")
 
 
+# --- 5. end to end ------------------------------------------------------------------------------
+
+
+def _end_to_end_dataset() -> str:
+    """CIFAR-10 when its archive (or prepared set) and tensorflow-datasets are here, else the
+    main job's ``auto`` (Fashion-MNIST if installed, else digits)."""
+    import importlib.util
+
+    data_dir = pathlib.Path(os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets").expanduser()
+    present = (data_dir / "cifar10").exists() or (
+        data_dir / "downloads" / "manual" / "cifar-10-binary.tar.gz"
+    ).exists()
+    return "cifar10" if present and importlib.util.find_spec("tensorflow_datasets") else "auto"
+
+
+def end_to_end(quick: bool, output: str | None) -> bool:
+    """The end-to-end section; False if a run failed."""
+    from triaccel_jax.cli import _end_to_end as e2e
+
+    if quick:
+        settings = e2e.QUICK
+    else:
+        # One epoch of 30,000 images: 234 steps at batch 128; 95 s per process at most.
+        settings = e2e.Settings(
+            dataset=_end_to_end_dataset(), train_subset=30_000, eval_every=39, timeout_s=95.0
+        )
+    _print(
+        f"\n== end to end: {settings.model} on {settings.dataset} as {settings.image_shape}, "
+        f"batch {settings.batch_size} (Tri-Accel up to {settings.max_batch}), one process per run"
+    )
+    folder = pathlib.Path(output or tempfile.mkdtemp(prefix="gpu_check_e2e_"))
+    return e2e.end_to_end(settings, folder, echo=_print)
+
+
 # --- main ----------------------------------------------------------------------------------------
 
 
@@ -550,6 +598,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dry-run",
         action="store_true",
         help="tiny sizes and the reference implementation: runs anywhere (CPU)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="--dry-run, and the end-to-end section with a tiny model, data and steps (CPU)",
+    )
+    parser.add_argument(
+        "--output-dir",
+        default=None,
+        help="folder for the end-to-end runs' output (default: a new temporary folder)",
     )
     parser.add_argument(
         "--parity-size",
@@ -591,7 +649,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--memory-child", choices=("fp32", "static-bf16", "planned"), help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
-    dry = args.dry_run
+    args.dry_run = dry = args.dry_run or args.quick
     if args.parity_size is None:
         args.parity_size = 4099 if dry else 2**20 + 123
     if args.bandwidth_log2 is None:
@@ -629,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth(2**args.bandwidth_log2, impl, args.iterations)
     if "memory" in sections:
         memory(args.batch_size, args.dry_run)
+    if "end-to-end" in sections:
+        results.append(end_to_end(args.quick, args.output_dir))
     failed = results.count(False)
     _print(
         f"\nparity: {len(results) - failed} passed, {failed} failed; "

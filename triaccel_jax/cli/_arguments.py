@@ -28,6 +28,17 @@ def check_output_dir(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def image_shape(text: str) -> tuple[int, int, int]:
+    """``"32x32x3"`` as ``(32, 32, 3)`` (``argparse`` type of ``--image-shape``)."""
+    try:
+        height, width, channels = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HxWxC, like 32x32x3, got {text!r}") from None
+    if min(height, width, channels) < 1:
+        raise argparse.ArgumentTypeError(f"every size must be >= 1, got {text!r}")
+    return height, width, channels
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The parsed, checked arguments (``argparse`` exits with a message on a bad one)."""
     parser = argparse.ArgumentParser(
@@ -86,7 +97,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--test-subset", type=int, default=None, help="use only the first N test samples"
     )
+    parser.add_argument(
+        "--image-shape",
+        type=image_shape,
+        default=None,
+        metavar="HxWxC",
+        help="pad images (zeros, centred) and replicate one channel to this shape, e.g. "
+        "32x32x3 for Fashion-MNIST into a CIFAR ResNet-18",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     parser.add_argument(
         "--compilation-cache",
         type=pathlib.Path,

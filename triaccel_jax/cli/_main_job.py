@@ -41,7 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             data_dir=args.data_dir,
             train_subset=args.train_subset,
             test_subset=args.test_subset,
+            image_shape=args.image_shape,
         )
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except (FileNotFoundError, ImportError) as error:
         print(f"error: data set {args.dataset!r} is not available: {error}", file=sys.stderr)
         return 2
@@ -70,9 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = results_lib.results_table(results, RUN_LABELS)
     print("\n" + table)
 
-    from triaccel_jax.cli import _plots as plots
+    pictures = []
+    if not args.no_plots:
+        from triaccel_jax.cli import _plots as plots
 
-    pictures = plots.write_plots(results, output, labels=RUN_LABELS)
+        pictures = plots.write_plots(results, output, labels=RUN_LABELS)
     platform = jax.devices()[0].platform
     written = results_lib.write_results(output, table, args, data.name, platform, results)
     print("\nwrote " + ", ".join(str(p) for p in [*written, *pictures]))

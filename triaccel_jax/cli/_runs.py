@@ -49,6 +49,10 @@ class RunResult:
 
     name: str
     seconds: float
+    # The devices' ``peak_bytes_in_use`` (None where the backend has no memory_stats, as on CPU):
+    # at the end of the run, and after its last step at the common batch (before it grew).
+    peak_bytes_in_use_mib: float | None
+    common_batch_peak_bytes_in_use_mib: float | None
     compile_seconds: float
     step_seconds: float
     samples_per_second: float
@@ -82,6 +86,7 @@ class _RunLog:
     evals: list[dict[str, float]] = dataclasses.field(default_factory=list)
     policies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     eval_seconds: float = 0.0  # spent evaluating: not training time
+    common_batch_peak_bytes: int | None = None
 
 
 def build_controller(
@@ -166,10 +171,15 @@ def _train_epochs(
         return accuracy
 
     max_steps = args.max_steps if args.max_steps is not None else math.inf
+    grown = False
     for epoch in range(args.epochs):
         while controller.sampler.epoch <= epoch and controller.step_count < max_steps:
             info = controller.step()
             log.history.append(_history_row(info, controller))
+            # The high-water mark at the common batch: read until the batch first grows.
+            grown = grown or info.batch_size > args.batch_size
+            if not grown:
+                log.common_batch_peak_bytes = device_peak_bytes()
             replanned = any(e.kind == "replan" for e in info.events)
             if run == "triaccel" and (not log.policies or replanned):
                 leaves = {path: controller.policy.compute(path) for path in controller.policy}
@@ -225,6 +235,8 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
     return RunResult(
         name=run,
         seconds=seconds,
+        peak_bytes_in_use_mib=_mib(device_peak_bytes()),
+        common_batch_peak_bytes_in_use_mib=_mib(log.common_batch_peak_bytes),
         compile_seconds=compile_seconds,
         step_seconds=controller.timings["step"],
         samples_per_second=controller.sampler.samples_seen / max(seconds - compile_seconds, 1e-9),
@@ -264,6 +276,16 @@ def step_memory(
         )[0]
 
     return memory.memory_report(controller.params, controller.opt_state, policy, step_fn, batch)
+
+
+def device_peak_bytes() -> int | None:
+    """The largest ``peak_bytes_in_use`` of the local devices, or None without memory_stats."""
+    peaks = []
+    for device in jax.local_devices():
+        stats = device.memory_stats() or {}
+        if "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
 
 
 def _mib(value: int | None) -> float | None:

@@ -33,10 +33,37 @@ class Data:
     channel_stats: tuple[Any, Any] | None  # CIFAR: (mean, std); crop, flip and normalise
 
 
+def to_image_shape(images: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:
+    """``images`` (N, H, W, C) zero-padded (centred) to ``shape[:2]`` and, from one channel,
+    replicated to ``shape[2]``: Fashion-MNIST as 32x32x3, the input of a CIFAR ResNet-18.
+
+    Example::
+
+      >>> to_image_shape(np.ones((2, 28, 28, 1), np.float32), (32, 32, 3)).shape
+      (2, 32, 32, 3)
+    """
+    height, width, channels = shape
+    _, h, w, c = images.shape
+    if h > height or w > width or c not in (1, channels):
+        raise ValueError(
+            f"cannot make images of shape {images.shape[1:]} into {shape}: only padding, and "
+            "replicating one channel, are done"
+        )
+    top, left = (height - h) // 2, (width - w) // 2
+    padded = np.pad(images, ((0, 0), (top, height - h - top), (left, width - w - left), (0, 0)))
+    return np.repeat(padded, channels // c, axis=-1) if c == 1 else padded
+
+
 def load_data(
-    name: str, *, data_dir: str | None, train_subset: int | None, test_subset: int | None
+    name: str,
+    *,
+    data_dir: str | None,
+    train_subset: int | None,
+    test_subset: int | None,
+    image_shape: tuple[int, int, int] | None = None,
 ):
-    """The data set ``name`` ("auto": Fashion-MNIST if installed, else digits)."""
+    """The data set ``name`` ("auto": Fashion-MNIST if installed, else digits), its images
+    padded and replicated to ``image_shape`` if given (see :func:`to_image_shape`)."""
     from triaccel_jax import data as data_lib
 
     if name == "auto":
@@ -61,7 +88,10 @@ def load_data(
         images, labels = split.images, split.labels
         if limit is not None:
             images, labels = images[:limit], labels[:limit]
-        return {"image": np.asarray(images, np.float32), "label": np.asarray(labels, np.int32)}
+        images = np.asarray(images, np.float32)
+        if image_shape is not None:
+            images = to_image_shape(images, image_shape)
+        return {"image": images, "label": np.asarray(labels, np.int32)}
 
     return Data(name, as_dict(train, train_subset), as_dict(test, test_subset), classes, stats)
 

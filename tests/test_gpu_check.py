@@ -1,0 +1,84 @@
+"""benchmarks/gpu_check.py runs end to end on CPU in its reduced mode, and reports what it should."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+from triaccel_jax.cli import _end_to_end as e2e
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_quick_mode_runs_end_to_end_on_cpu(tmp_path):
+    # The bandwidth and memory sections' --dry-run is the same code with tiny sizes, checked by
+    # hand; the parity and end-to-end sections are what a first use on the GPU machine exercises.
+    command = [sys.executable, "benchmarks/gpu_check.py", "--quick", "--output-dir", str(tmp_path)]
+    command += ["--sections", "cast-parity", "end-to-end"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=400)
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    assert "== end to end" in out and re.search(r"parity: \d+ passed, 0 failed", out)
+    for label in e2e.LABELS.values():
+        row = re.search(
+            rf"^{re.escape(label)} +(\d+) +([\d.]+) +(\d+) .*%  memory_report$", out, re.M
+        )
+        assert row, out
+        assert int(row.group(1)) > 0  # samples/s
+    # Tri-Accel grew its batch into free memory; the fixed runs kept theirs.
+    assert re.search(r"^Tri-Accel: \d+ steps, final batch 32,", out, re.M), out
+    assert re.search(r"^FP32 AdamW: \d+ steps, final batch 16,", out, re.M), out
+    targets = out[out.index("targets (ratios):") :].splitlines()[1:6]
+    assert all(re.search(r"\(target <= [\d.]+\) (met|missed)$", t) for t in targets), targets
+    # Each run wrote its own results in its own folder (one process per run).
+    assert all((tmp_path / run / "results.json").exists() for run in e2e.RUNS)
+
+
+def test_a_failed_run_fails_the_section(tmp_path):
+    lines = []
+    settings = e2e.Settings(dataset="no_such_data_set", model="small_cnn", timeout_s=120)
+    assert not e2e.end_to_end(settings, tmp_path, runs=("fp32",), echo=lines.append)
+    assert lines[0].startswith("FAIL fp32: exit 2") and "invalid choice" in lines[0]
+
+
+def _record(accuracy, evals, memory, peak=None, batch=128):
+    return {
+        "accuracy": accuracy,
+        "evals": [{"accuracy": a, "seconds": s, "compile_seconds": c} for a, s, c in evals],
+        "samples_per_second": 1000.0,
+        "compile_seconds": evals[-1][2],
+        "run_batch": batch,
+        "run_batch_memory_mib": memory * batch / 128,
+        "common_batch_memory_mib": memory,
+        "peak_bytes_in_use_mib": None if peak is None else peak * batch / 128,
+        "common_batch_peak_bytes_in_use_mib": peak,
+    }
+
+
+def test_the_targets_are_ratios_met_or_missed():
+    runs = {
+        "fp32": _record(0.9, [(0.5, 5.0, 2.0), (0.9, 10.0, 2.0)], 100.0, peak=200.0),
+        "bf16": _record(0.91, [(0.9, 8.0, 3.0)], 55.0, peak=110.0),
+        "triaccel": _record(
+            0.92, [(0.85, 4.0, 2.0), (0.95, 7.0, 2.0)], 50.0, peak=100.0, batch=512
+        ),
+    }
+    lines = e2e.report(runs)
+    assert lines[0] == "target: FP32's final test accuracy 90.00%"
+    text = "\n".join(lines)
+    # Tri-Accel reached 90% at 7 s (5 s without compiles); FP32 at 10 s; bf16 at 8 s.
+    assert re.search(r"^Tri-Accel .* 7\.0 +5\.0 +92\.00%  peak_bytes_in_use$", text, re.M), text
+    assert "Tri-Accel / FP32 time to FP32's accuracy: 0.700 (target <= 0.9) met" in text
+    assert "Tri-Accel / static bf16 time to FP32's accuracy: 0.875 (target <= 1) met" in text
+    assert "stretch: Tri-Accel / FP32 time to FP32's accuracy: 0.700 (target <= 0.5) missed" in text
+    # Memory at the common batch, from peak_bytes_in_use where the device reports it.
+    assert "static bf16 / FP32 peak_bytes_in_use at the common batch: 0.550" in text
+    assert "Tri-Accel / static bf16 peak_bytes_in_use at the common batch: 0.909" in text
+    # A run that never reaches the target has no time, and its ratio is missed.
+    runs["triaccel"]["evals"] = [{"accuracy": 0.5, "seconds": 1.0, "compile_seconds": 0.5}]
+    text = "\n".join(e2e.report(runs))
+    assert "Tri-Accel / FP32 time to FP32's accuracy: n/a (target <= 0.9) missed" in text
