@@ -75,6 +75,10 @@ class ControllerConfig:
         computes a leaf in fp16 or fp8.
       data_axis: the mesh axis the batch is split over.
       seed: seed of the sampler's permutations and of the per-step ``rng``.
+      steps_in_flight: steps :meth:`Controller.run` dispatches before reading a step's metrics,
+        so the device never waits for the host between steps (0: read each step at once, as
+        :meth:`Controller.step` always does). Each step in flight keeps its input state alive
+        for an out-of-memory retry: one more copy of the training state per step.
 
     Example:
       >>> from triaccel_jax.controller import ControllerConfig
@@ -109,6 +113,7 @@ class ControllerConfig:
     loss_scaling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     data_axis: str = "data"
     seed: int = 0
+    steps_in_flight: int = 1
 
     def __post_init__(self) -> None:
         validation.check_in_range(
@@ -117,6 +122,7 @@ class ControllerConfig:
         validation.check_in_range("high_water", self.high_water, self.target, 1.0)
         validation.check_integer("patience", self.patience, 1)
         validation.check_integer("check_every", self.check_every, 1)
+        validation.check_integer("steps_in_flight", self.steps_in_flight, 0)
         if self.replan_every is not None:
             validation.check_integer("replan_every", self.replan_every, 1)
         validation.check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)

@@ -25,6 +25,7 @@ from triaccel_jax.controller import _compile_cache as compile_cache
 from triaccel_jax.controller import _config as config_lib
 from triaccel_jax.controller import _events as events_lib
 from triaccel_jax.controller import _feeding as feeding
+from triaccel_jax.controller import _in_flight as in_flight
 from triaccel_jax.controller import _learning_rate as learning_rate
 from triaccel_jax.controller import _memory_check as memory_check
 from triaccel_jax.controller import _memory_probe as memory_probe
@@ -199,6 +200,7 @@ class Controller:
         self._compiled = compile_cache.CompileCache()
         self.events: list[events_lib.Event] = []
         self._train_state: tuple[Any, int] | None = None
+        self._in_flight = in_flight.InFlight()
         self.timings = {"step": 0.0, "compile": 0.0, "data": 0.0, "control": 0.0}
         self._check_loss_structure()
         self._log("start", None, self.batch_size, "controller created", buckets=list(self.buckets))
@@ -239,6 +241,7 @@ class Controller:
         if self._train_state is None:
             raise AttributeError("this controller was not made with Controller.from_train_state")
         template, start = self._train_state
+        in_flight.flush(self)
         return bridge.train_state_of(self, template, start, self._lr.tuned(self.opt_state))
 
     @property
@@ -266,13 +269,22 @@ class Controller:
         return len(self._compiled)
 
     def step(self) -> StepInfo:
-        """Runs one training step (checks and re-plans first when they are due)."""
+        """Runs one training step (checks and re-plans first when they are due) and reads it."""
+        in_flight.flush(self)
         return step_runner.run_step(self)
 
     def run(self, num_steps: int) -> list[StepInfo]:
-        """Runs ``num_steps`` steps; returns their :class:`StepInfo`."""
+        """Runs ``num_steps`` steps; returns their :class:`StepInfo`.
+
+        With ``steps_in_flight`` > 0 (the default), step ``n + 1`` is dispatched before step
+        ``n``'s metrics are read, so the device never waits for the host; the callback gets each
+        :class:`StepInfo` in order, that many steps late, while the controller's state is the
+        last dispatched step's (docs/design.md §8).
+        """
         validation.check_integer("num_steps", num_steps, 0)
-        return [self.step() for _ in range(num_steps)]
+        if self.config.steps_in_flight == 0:
+            return [self.step() for _ in range(num_steps)]
+        return in_flight.run_steps(self, num_steps, self.config.steps_in_flight)
 
     def set_policy(self, policy: policy_lib.PrecisionPolicy | None) -> None:
         """Switches the precision policy (the optimizer state's moments are converted).
@@ -309,6 +321,7 @@ class Controller:
         holds; a controller restored with :meth:`load_state_dict` (and the params and optimizer
         state of the same step) takes the same decisions.
         """
+        in_flight.flush(self)  # the state of the last step read, params and all
         return state_record.controller_state_dict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -317,6 +330,7 @@ class Controller:
         Raises:
           ValueError: the state is malformed or was saved by a controller configured differently.
         """
+        in_flight.flush(self)
         state_record.load_controller_state(self, state)
         self._log("restore", None, self.step_count, "controller state loaded")
         self._set_learning_rate()
@@ -376,6 +390,9 @@ class Controller:
     def _compiled_step(self, micro: int, num_micro: int) -> Any:
         """The step compiled for ``micro`` x ``num_micro`` under the policy in force."""
         return step_compiler.compiled_step(self, micro, num_micro)
+
+    def _read_metrics(self, metrics: Any) -> dict[str, float]:
+        return step_runner.read_metrics(metrics)
 
     def _on_out_of_memory(self, micro: int, tried: list[str], error: BaseException) -> None:
         decision = self._bucket.retry_after_out_of_memory(

@@ -81,24 +81,14 @@ def run_with_retry(controller: Any, indices: np.ndarray) -> dict[str, float]:
         micro = controller._micro
         keep_global = controller._keep_global
         num_micro = controller._num_micro(micro) if keep_global else len(indices) // micro
-        compiled = controller._compiled_step(micro, num_micro)
-        start = time.perf_counter()
-        batch = controller._feeder.device_batch(indices, num_micro, micro)
-        timings["data"] += time.perf_counter() - start
-        start = time.perf_counter()
+        start = None  # the dispatch times itself; the read is timed here
         try:
-            out = compiled(
-                controller.params,
-                controller.opt_state,
-                controller.model_state,
-                batch,
-                np.int32(controller.step_count),
-                np.float32(controller._lr.update_multiplier()),
-                controller.loss_scale,
-            )
-            metrics = {k: float(v) for k, v in jax.device_get(out.metrics).items()}
+            out = dispatch_step(controller, indices, micro, num_micro)
+            start = time.perf_counter()
+            metrics = controller._read_metrics(out.metrics)
         except jax.errors.JaxRuntimeError as error:
-            timings["step"] += time.perf_counter() - start
+            if start is not None:
+                timings["step"] += time.perf_counter() - start
             if not out_of_memory.is_out_of_memory(error):
                 raise
             tried.append(f"{num_micro}x{micro}")
@@ -114,3 +104,37 @@ def run_with_retry(controller: Any, indices: np.ndarray) -> dict[str, float]:
         )
         timings["step"] += time.perf_counter() - start
         return metrics
+
+
+def dispatch_step(controller: Any, indices: np.ndarray, micro: int, num_micro: int) -> Any:
+    """Gathers ``indices`` as ``num_micro`` x ``micro`` and dispatches the compiled step on them.
+
+    Returns:
+      The step's :class:`triaccel_jax.controller._train_step.StepOutput`, on the device (JAX
+      dispatches asynchronously: nothing waits for the step to run).
+
+    Raises:
+      jax.errors.JaxRuntimeError: XLA's error when the step fails at dispatch (e.g. out of memory).
+    """
+    compiled = controller._compiled_step(micro, num_micro)
+    start = time.perf_counter()
+    batch = controller._feeder.device_batch(indices, num_micro, micro)
+    controller.timings["data"] += time.perf_counter() - start
+    start = time.perf_counter()
+    try:
+        return compiled(
+            controller.params,
+            controller.opt_state,
+            controller.model_state,
+            batch,
+            np.int32(controller.step_count),
+            np.float32(controller._lr.update_multiplier()),
+            controller.loss_scale,
+        )
+    finally:
+        controller.timings["step"] += time.perf_counter() - start
+
+
+def read_metrics(metrics: Any) -> dict[str, float]:
+    """The step's metrics as floats (a transfer that waits for the step to finish)."""
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
