@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one run: bash tools/device_check.sh [OUTPUT_DIR [GPU_CHECK_ARGS...]]
-#   e.g. SKIP_MAIN_JOB=1 bash tools/device_check.sh out --sections fused-parity bandwidth
+#   e.g. SKIP_END_TO_END=1 bash tools/device_check.sh out --sections fused-parity bandwidth
 #
 # For a machine with an NVIDIA GPU whose python3 already has JAX with CUDA, flax, optax,
 # orbax-checkpoint and triton (no network needed). Wheels found in .whl/ (jax-triton, say) are
@@ -8,12 +8,19 @@
 # present, are copied to Debian's location so that the main job trains on them. The project runs
 # from this checkout (no install): triaccel_jax/ and kernels/ are assembled under a temporary folder.
 #
-# What runs, each under its own time limit, all output appended to OUTPUT_DIR/device.log:
-#   1. versions and the GPU (nvidia-smi -L);
-#   2. benchmarks/gpu_check.py GPU_CHECK_ARGS: kernel parity through jax-triton, bandwidth, fused against
-#      unfused, peak_bytes_in_use of a ResNet-18 step (fp32, static bf16, planned);
-#   3. unless SKIP_MAIN_JOB=1, the main job (python -m triaccel_jax): FP32, static bf16 and Tri-Accel on Fashion-MNIST,
-#      results and plots in OUTPUT_DIR/main/.
+# What runs, each under its own time limit (together at most 30 + 200 + 240 = 470 s, under the 8
+# minutes a device check may take), all output appended to OUTPUT_DIR/device.log:
+#   1. versions and the GPU (nvidia-smi -L), 30 s;
+#   2. benchmarks/gpu_check.py GPU_CHECK_ARGS (default: every section but end-to-end), 200 s:
+#      kernel parity through jax-triton, bandwidth, fused against unfused, peak_bytes_in_use of a
+#      ResNet-18 step (fp32, static bf16, planned);
+#   3. unless SKIP_END_TO_END=1, gpu_check.py --sections end-to-end, 240 s: the main job three
+#      times, one process per run (FP32 and static bf16 AdamW at batch 128, Tri-Accel growing
+#      its batch), ResNet-18 on 32x32x3 Fashion-MNIST (CIFAR-10 when its archive is in
+#      ~/tensorflow_datasets/downloads/manual/); its runs' results in OUTPUT_DIR/end_to_end/.
+#      Each fixed run's process is stopped after 55 s and Tri-Accel's after 120 s, so the step
+#      cannot overrun its limit. (This replaces the separate main-job step: the end-to-end runs
+#      are the main job, at ResNet-18 scale.)
 # The exit status is the first failing step's.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -37,6 +44,10 @@ export PYTHONPATH="$site"
 if compgen -G ".data/fashion-mnist/*.gz" >/dev/null; then
     mkdir -p /usr/share/datasets/fashion-mnist && cp .data/fashion-mnist/*.gz /usr/share/datasets/fashion-mnist/
 fi
+if [[ -f .data/cifar-10-binary.tar.gz ]]; then  # the end-to-end section then trains on CIFAR-10
+    manual="${TFDS_DATA_DIR:-$HOME/tensorflow_datasets}/downloads/manual"
+    mkdir -p "$manual" && cp .data/cifar-10-binary.tar.gz "$manual/"
+fi
 
 status=0
 step() {  # step SECONDS NAME COMMAND...
@@ -49,7 +60,7 @@ step() {  # step SECONDS NAME COMMAND...
     if ((rc != 0 && status == 0)); then status=$rc; fi
 }
 
-step 60 versions bash -c 'nvidia-smi -L; python3 -c "
+step 30 versions bash -c 'nvidia-smi -L; python3 -c "
 import importlib.metadata as m, jax
 print(\"devices:\", jax.devices())
 for p in (\"jax\", \"jaxlib\", \"flax\", \"optax\", \"orbax-checkpoint\", \"triton\", \"jax-triton\"):
@@ -58,8 +69,8 @@ for p in (\"jax\", \"jaxlib\", \"flax\", \"optax\", \"orbax-checkpoint\", \"trit
     except m.PackageNotFoundError:
         print(p, \"-\")
 "'
-step 300 gpu_check python3 benchmarks/gpu_check.py "$@"
-if [[ "${SKIP_MAIN_JOB:-0}" != 1 ]]; then
-    step 180 main_job python3 -P -m triaccel_jax --no-progress --output-dir "$out/main"
+step 200 gpu_check python3 benchmarks/gpu_check.py "$@"
+if [[ "${SKIP_END_TO_END:-0}" != 1 ]]; then
+    step 240 end_to_end python3 benchmarks/gpu_check.py --sections end-to-end --output-dir "$out/end_to_end"
 fi
 exit "$status"
