@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from triaccel_jax.kernels import _jax_triton
+from triaccel_jax.kernels import _launch
 from triaccel_jax.kernels import _triton_common as common
 
 
@@ -61,6 +62,7 @@ def launch_arguments(
     rounding: str,
     words: jax.Array | None,
     scale: jax.Array | None,
+    launch: _launch.LaunchConfig = _launch.DEFAULT,
 ) -> tuple[tuple, dict, jax.ShapeDtypeStruct]:
     """The kernel's runtime arguments (before the output), metaparameters and output type.
 
@@ -79,7 +81,7 @@ def launch_arguments(
         "FORMAT": common.format_code(dtype),
         "STOCHASTIC": rounding == "stochastic" and words is not None,
         "HAS_SCALE": scale is not None,
-        "BLOCK": common.BLOCK,
+        "BLOCK": launch.block,
     }
     out_type = jax.ShapeDtypeStruct((flat.size,), common.storage_dtype(dtype))
     return arguments, metaparameters, out_type
@@ -92,6 +94,7 @@ def cast(
     rounding: str,
     words: jax.Array | None,
     scale: jax.Array | None,
+    launch: _launch.LaunchConfig = _launch.DEFAULT,
 ) -> jax.Array:
     """:func:`triaccel_jax.kernels.cast.cast`'s Triton path on validated arguments.
 
@@ -101,6 +104,7 @@ def cast(
       rounding: ``"nearest"`` or ``"stochastic"``.
       words: the Philox key words (uint32[2]) for stochastic rounding, else None.
       scale: a float32 scalar dividing ``x``, or None.
+      launch: elements per program and warps (:data:`_launch.CANDIDATES`).
 
     Returns:
       The rounded array, shaped like ``x``.
@@ -108,14 +112,14 @@ def cast(
     if x.size == 0:
         return x.astype(dtype)
     arguments, metaparameters, out_type = launch_arguments(
-        x, dtype, rounding=rounding, words=words, scale=scale
+        x, dtype, rounding=rounding, words=words, scale=scale, launch=launch
     )
     out = _jax_triton.triton_call(
         *arguments,
         kernel=cast_kernel,
         out_type=out_type,
-        grid=common.grid(x.size),
-        num_warps=common.NUM_WARPS,
+        grid=common.grid(x.size, launch.block),
+        num_warps=launch.num_warps,
         enable_fp_fusion=False,  # round like the reference: no a * b + c contracted to an FMA
         **metaparameters,
     )

@@ -26,6 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from triaccel_jax.kernels import _launch
+
 IMPLS = ("auto", "reference", "triton")
 CHOICES = ("triton", "xla")
 AUTO_TABLE_PATH = pathlib.Path(__file__).with_name("auto_table.json")
@@ -77,7 +79,8 @@ def parse_auto_table(table: Any, path: pathlib.Path | str) -> dict[str, str]:
     Args:
       table: the decoded JSON object: ``device_kind`` and ``date`` (strings) and ``ops``, a map
         from names in :data:`OPS` to ``{"choice": "triton" | "xla", "triton_copy_fraction":
-        float | null, "xla_copy_fraction": float | null}``.
+        float | null, "xla_copy_fraction": float | null}``, with an optional ``"launch":
+        {"block": int, "num_warps": int}`` (one of the compiled launch candidates).
       path: where it came from, named in every error.
 
     Returns:
@@ -105,8 +108,19 @@ def parse_auto_table(table: Any, path: pathlib.Path | str) -> dict[str, str]:
             raise ValueError(f"{path}: {op} needs a 'choice' in {CHOICES}, got {entry!r}")
         for name in ("triton_copy_fraction", "xla_copy_fraction"):
             _fraction(path, op, name, entry.get(name))
+        if entry.get("launch") is not None:
+            _launch.parse_launch(entry["launch"], f"{path}: {op}")
         choices[op] = entry["choice"]
     return choices
+
+
+def _read_table(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        table = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: the auto table is not valid JSON: {error}") from None
+    parse_auto_table(table, path)
+    return table
 
 
 def load_auto_table(path: pathlib.Path | str = AUTO_TABLE_PATH) -> dict[str, str]:
@@ -117,19 +131,15 @@ def load_auto_table(path: pathlib.Path | str = AUTO_TABLE_PATH) -> dict[str, str
       OSError: the file cannot be read.
     """
     path = pathlib.Path(path)
-    try:
-        table = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: the auto table is not valid JSON: {error}") from None
-    return parse_auto_table(table, path)
+    return parse_auto_table(_read_table(path), path)
 
 
 @functools.cache
-def _auto_table() -> dict[str, str]:
-    """The checked-in table, read once per process (a missing file lists no operation)."""
+def _auto_table() -> dict[str, Any]:
+    """The checked-in table's ops, read once per process (a missing file lists no operation)."""
     if not AUTO_TABLE_PATH.exists():
         return {}
-    return load_auto_table(AUTO_TABLE_PATH)
+    return _read_table(AUTO_TABLE_PATH)["ops"]
 
 
 def auto_choice(op: str) -> str:
@@ -138,7 +148,20 @@ def auto_choice(op: str) -> str:
     An operation the table does not list gets ``"xla"`` (the reference): Triton is used only
     where a measurement showed it faster.
     """
-    return _auto_table().get(op, "xla")
+    return _auto_table().get(op, {}).get("choice", "xla")
+
+
+def launch_config(op: str) -> _launch.LaunchConfig:
+    """How the Triton kernel for ``op`` is launched: the table's measured ``"launch"``, if any.
+
+    Returns:
+      The table entry's ``launch`` (one of :data:`triaccel_jax.kernels._launch.CANDIDATES`), or
+      :data:`triaccel_jax.kernels._launch.DEFAULT` (1024 elements, 4 warps) without one.
+    """
+    launch = _auto_table().get(op, {}).get("launch")
+    if launch is None:
+        return _launch.DEFAULT
+    return _launch.parse_launch(launch, f"{AUTO_TABLE_PATH}: {op}")
 
 
 def write_auto_table(
@@ -152,7 +175,8 @@ def write_auto_table(
     """Writes an auto table from measured rows, choosing per op what the figures justify.
 
     A row ``{"op", "triton_copy_fraction", "xla_copy_fraction"}`` (fractions of a measured device
-    copy's bytes per second) gets ``"triton"`` when the Triton kernel reaches at least
+    copy's bytes per second; optionally ``"launch": {"block", "num_warps"}``, the fastest of
+    :data:`triaccel_jax.kernels._launch.CANDIDATES` that the Triton figure was measured with) gets ``"triton"`` when the Triton kernel reaches at least
     ``min_copy_fraction`` of the copy (0.8 unless the row says otherwise) and at least XLA's
     figure for the same op; ``"xla"`` otherwise (also when a figure is missing).
 
@@ -194,6 +218,8 @@ def write_auto_table(
             "triton_copy_fraction": triton,
             "xla_copy_fraction": xla,
         }
+        if row.get("launch") is not None:  # the fastest candidate, measured: _launch.CANDIDATES
+            ops[op]["launch"] = dict(_launch.parse_launch(row["launch"], f"{path}: {op}")._asdict())
     table = {
         "device_kind": device_kind,
         "date": date or datetime.datetime.now(datetime.UTC).date().isoformat(),

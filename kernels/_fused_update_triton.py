@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from triaccel_jax.kernels import _jax_triton
+from triaccel_jax.kernels import _launch
 from triaccel_jax.kernels import _triton_common as common
 from triaccel_jax.kernels import fused_update as fused_update_lib
 
@@ -115,6 +116,7 @@ def launch_arguments(
     *,
     compute_dtype: jnp.dtype,
     rounding: str,
+    launch: _launch.LaunchConfig = _launch.DEFAULT,
 ) -> tuple[tuple, dict, tuple]:
     """The kernel's runtime arguments, metaparameters and output types (shared with the tests).
 
@@ -136,7 +138,7 @@ def launch_arguments(
         "COMPUTE_FORMAT": common.format_code(compute_dtype),
         "COMPUTE_STOCHASTIC": rounding == "stochastic",
         "NEEDS_BITS": words is not None,
-        "BLOCK": common.BLOCK,
+        "BLOCK": launch.block,
     }
     out_types = tuple(
         jax.ShapeDtypeStruct((n,), common.storage_dtype(dtype))
@@ -155,6 +157,7 @@ def fused_update(
     *,
     compute_dtype: jnp.dtype,
     rounding: str,
+    launch: _launch.LaunchConfig = _launch.DEFAULT,
 ) -> fused_update_lib.FusedUpdate:
     """:func:`fused_update.fused_update`'s Triton path on validated arguments.
 
@@ -167,19 +170,28 @@ def fused_update(
       words: the Philox key words (uint32[2]) when something is stochastically rounded.
       compute_dtype: dtype of the compute copy.
       rounding: rounding of the compute copy.
+      launch: elements per program and warps (:data:`_launch.CANDIDATES`).
 
     Returns:
       The :class:`fused_update.FusedUpdate`, shaped like ``master``.
     """
     arguments, metaparameters, out_types = launch_arguments(
-        grad, mu, nu, master, s, words, compute_dtype=compute_dtype, rounding=rounding
+        grad,
+        mu,
+        nu,
+        master,
+        s,
+        words,
+        compute_dtype=compute_dtype,
+        rounding=rounding,
+        launch=launch,
     )
     outputs = _jax_triton.triton_call(
         *arguments,
         kernel=fused_update_kernel,
         out_type=out_types,
-        grid=common.grid(grad.size),
-        num_warps=common.NUM_WARPS,
+        grid=common.grid(grad.size, launch.block),
+        num_warps=launch.num_warps,
         enable_fp_fusion=False,  # round like the reference: no a * b + c contracted to an FMA
         **metaparameters,
     )

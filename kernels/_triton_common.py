@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from triaccel_jax.kernels import _launch
 from triaccel_jax.kernels import _rounding
 
 # Format codes passed to the kernels as ``tl.constexpr``. The constants of each format inside
@@ -37,8 +38,10 @@ _CODES = {
     "float8_e4m3fn": FLOAT8_E4M3FN,
 }
 
-BLOCK = 1024  # elements per program: 8 per thread with 4 warps, enough for full-width accesses
-NUM_WARPS = 4
+# The default launch (_launch.DEFAULT): 8 elements per thread with 4 warps, enough for full-width
+# accesses; a measured table may pick another of _launch.CANDIDATES per operation.
+BLOCK = _launch.DEFAULT.block
+NUM_WARPS = _launch.DEFAULT.num_warps
 
 
 def format_code(dtype: jnp.dtype) -> int:
@@ -67,9 +70,9 @@ def from_storage(out: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(out, dtype)
 
 
-def grid(n: int) -> tuple[int]:
-    """One program per :data:`BLOCK` elements."""
-    return (triton.cdiv(n, BLOCK),)
+def grid(n: int, block: int = BLOCK) -> tuple[int]:
+    """One program per ``block`` elements (:data:`BLOCK` by default)."""
+    return (triton.cdiv(n, block),)
 
 
 @triton.jit

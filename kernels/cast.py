@@ -199,7 +199,10 @@ def _forward(
     if use == "triton" and not _rounding.is_exact(jnp.float32, dtype):
         from triaccel_jax.kernels import _cast_triton  # lazy: imports triton and jax_triton
 
-        return _cast_triton.cast(x, dtype, rounding=rounding, words=words, scale=scale)
+        launch = _dispatch.launch_config(_dispatch.cast_op(dtype, rounding))
+        return _cast_triton.cast(
+            x, dtype, rounding=rounding, words=words, scale=scale, launch=launch
+        )
     return _reference(x, dtype, rounding, words, scale)
 
 

@@ -315,7 +315,8 @@ def fused_update(
         compute_scale=compute_scale,
     )
     moments = "bfloat16" if jnp.bfloat16 in (mu.dtype, nu.dtype) else "float32"
-    use = _dispatch.resolve(impl, "fused update", _dispatch.fused_update_op(moments))
+    op = _dispatch.fused_update_op(moments)
+    use = _dispatch.resolve(impl, "fused update", op)
     s = scalars(
         count=count,
         learning_rate=learning_rate,
@@ -331,6 +332,14 @@ def fused_update(
         from triaccel_jax.kernels import _fused_update_triton  # lazy: imports triton
 
         return _fused_update_triton.fused_update(
-            grad, mu, nu, master, s, words, compute_dtype=compute_dtype, rounding=rounding
+            grad,
+            mu,
+            nu,
+            master,
+            s,
+            words,
+            compute_dtype=compute_dtype,
+            rounding=rounding,
+            launch=_dispatch.launch_config(op),
         )
     return reference(grad, mu, nu, master, s, words, compute_dtype=compute_dtype, rounding=rounding)

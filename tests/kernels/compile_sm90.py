@@ -1,6 +1,8 @@
 """Compiles every Triton kernel variant for an sm_90 (H100/H200) target on this machine, no GPU.
 
-Run as a script (``python tests/kernels/compile_sm90.py``) WITHOUT ``TRITON_INTERPRET``: it
+Run as a script (``python tests/kernels/compile_sm90.py [--candidates]``) WITHOUT
+``TRITON_INTERPRET`` (``--candidates``: the widest variant of each kernel at every launch
+candidate of ``triaccel_jax.kernels._launch``, instead of every variant at the default): it
 prints one JSON line per variant with the stages the compiler produced (``ttir``, ``ttgir``,
 ``llir``, ``ptx`` and, with the ptxas that ships in the triton wheel, ``cubin``) and exits 1 if
 any variant fails. ``test_kernel_compile_sm90.py`` runs it in a subprocess.
@@ -24,6 +26,7 @@ from triton.backends.compiler import GPUTarget
 
 from triaccel_jax.kernels import _cast_triton
 from triaccel_jax.kernels import _fused_update_triton
+from triaccel_jax.kernels import _launch
 from triaccel_jax.kernels import _triton_common as common
 
 # sm_90 (H100/H200). The third field is the warp size: 32 on NVIDIA GPUs, as Triton's CUDA driver
@@ -125,21 +128,50 @@ def fused_variants():
         )
 
 
-def compile_variant(kernel, signature: dict, constexprs: dict):
+def candidate_variants():
+    """The widest variant of each kernel (bf16 stochastic, scaled; bf16 moments, fp8 copy) at
+    every launch candidate of ``_launch.CANDIDATES`` other than the default, which the variants
+    above already compile: the GPU run may pick any of them."""
+    widest = {
+        "cast": next(v for v in cast_variants() if v[0].startswith("cast[bfloat16,stochastic,sc")),
+        "fused": list(fused_variants())[4],
+    }
+    for launch in _launch.CANDIDATES:
+        if launch == _launch.DEFAULT:
+            continue
+        for name, kernel, signature, constexprs in widest.values():
+            yield (
+                f"{name}@block={launch.block},num_warps={launch.num_warps}",
+                kernel,
+                signature,
+                {**constexprs, "BLOCK": launch.block},
+                launch.num_warps,
+            )
+
+
+def compile_variant(kernel, signature: dict, constexprs: dict, num_warps: int = common.NUM_WARPS):
     """``triton.compile`` for sm_90 with the options the jax-triton calls use."""
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    options = {"num_warps": common.NUM_WARPS, "enable_fp_fusion": False}
+    options = {"num_warps": num_warps, "enable_fp_fusion": False}
     return triton.compile(source, target=TARGET, options=options)
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    """Compiles the kernel variants, or with ``--candidates`` the launch candidates."""
+    if "--candidates" in argv:
+        variants = candidate_variants()
+    else:
+        variants = (
+            (*variant, common.NUM_WARPS)
+            for variant in itertools.chain(cast_variants(), fused_variants())
+        )
     failures = 0
-    for name, kernel, signature, constexprs in itertools.chain(cast_variants(), fused_variants()):
+    for name, kernel, signature, constexprs, num_warps in variants:
         start = time.perf_counter()
         record = {"variant": name}
         try:
-            compiled = compile_variant(kernel, signature, constexprs)
+            compiled = compile_variant(kernel, signature, constexprs, num_warps)
         except Exception:
             failures += 1
             record.update(ok=False, error=traceback.format_exc(limit=3))
@@ -158,4 +190,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -130,3 +130,39 @@ def test_write_auto_table_chooses_triton_only_for_a_measured_win(tmp_path):
     }
     with pytest.raises(ValueError, match="unknown operation"):
         _dispatch.write_auto_table(path, [{"op": "cast/x/y"}], device_kind="cpu")
+
+
+def test_launch_config_reads_the_tables_launch_and_refuses_an_uncompiled_one(cuda_with_table):
+    from triaccel_jax.kernels import _launch
+
+    ops = {
+        "cast/float16/nearest": {**_entry("triton"), "launch": {"block": 4096, "num_warps": 8}},
+        "cast/float16/stochastic": _entry("triton"),
+    }
+    cuda_with_table.write_text(json.dumps(_table(ops)))
+    assert _dispatch.launch_config("cast/float16/nearest") == _launch.LaunchConfig(4096, 8)
+    assert _dispatch.launch_config("cast/float16/nearest").elements_per_thread == 16
+    assert _dispatch.launch_config("cast/float16/stochastic") == _launch.DEFAULT
+    assert _dispatch.launch_config("fused_update/float32") == _launch.DEFAULT
+    _dispatch._auto_table.cache_clear()
+    ops["cast/float16/nearest"]["launch"] = {"block": 3000, "num_warps": 8}
+    cuda_with_table.write_text(json.dumps(_table(ops)))
+    with pytest.raises(ValueError, match="not one of the compiled candidates") as error:
+        _dispatch.launch_config("cast/float16/nearest")
+    assert str(cuda_with_table) in str(error.value)
+
+
+def test_write_auto_table_records_the_measured_launch(tmp_path):
+    path = tmp_path / "auto_table.json"
+    row = {
+        "op": "fused_update/float32",
+        "triton_copy_fraction": 0.9,
+        "xla_copy_fraction": 0.85,
+        "launch": {"block": 2048, "num_warps": 8},
+    }
+    table = _dispatch.write_auto_table(path, [row], device_kind="NVIDIA H200")
+    assert table["ops"]["fused_update/float32"]["launch"] == {"block": 2048, "num_warps": 8}
+    with pytest.raises(ValueError, match="compiled candidates"):
+        _dispatch.write_auto_table(
+            path, [{**row, "launch": {"block": 100, "num_warps": 3}}], device_kind="x"
+        )

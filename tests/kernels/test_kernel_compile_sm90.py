@@ -39,3 +39,25 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
         assert "cubin" in record["stages"] and record["cubin_bytes"] > 0, record
         assert record["approximate"] == 0, record  # div_rn / sqrt_rn, as XLA computes them
         assert record["fma"] == 0, record  # enable_fp_fusion=False
+
+
+def test_every_launch_candidate_compiles_for_sm90(tmp_path):
+    from triaccel_jax.kernels import _launch
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--candidates"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    failed = [r for r in records if not r["ok"]]
+    assert result.returncode == 0 and not failed, (failed, result.stderr[-3000:])
+    # Two kernels at every candidate but the default, which the test above compiles.
+    assert len(records) == 2 * (len(_launch.CANDIDATES) - 1)
+    for record in records:
+        assert "cubin" in record["stages"] and record["cubin_bytes"] > 0, record
+        assert record["approximate"] == 0 and record["fma"] == 0, record

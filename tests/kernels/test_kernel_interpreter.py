@@ -304,7 +304,7 @@ def _interpreted_jax_triton():
     def triton_call(
         *args, kernel, out_type=None, grid, num_warps=None, backend_options=None, **metaparams
     ):
-        calls.append({"backend_options": backend_options, "num_warps": num_warps})
+        calls.append({"backend_options": backend_options, "num_warps": num_warps, "grid": grid})
         single = not isinstance(out_type, list | tuple)
         out_types = [out_type] if single else list(out_type)
         positions = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
