@@ -18,8 +18,9 @@ classes, testable without a device; the public ones are exported here:
 * out-of-memory handling: :func:`is_out_of_memory`, :class:`OutOfMemoryError`.
 
 Private modules hold the other parts: batch feeding and placement (``_feeding``), the compile
-cache and compiled peaks (``_compile_cache``), compiling a step (``_step_compiler``), running one
-(``_step_runner``), the periodic memory check (``_memory_check``), the bucket and its memory
+cache and compiled peaks (``_compile_cache``), compiling a step (``_step_compiler``), compiling a
+bigger bucket in the background (``_background_compile``), running one (``_step_runner``),
+keeping steps in flight (``_in_flight``), the periodic memory check (``_memory_check``), the bucket and its memory
 figures (``_bucket_tracker``), learning-rate scaling (``_learning_rate``), the out-of-memory retry
 (``_out_of_memory``), the state record (``_state_record``), the train step (``_train_step``) and
 the Flax train-state bridge (``_train_state_bridge``).

@@ -26,6 +26,11 @@ class CompiledStep(NamedTuple):
     seconds: float
 
 
+def build(step: Callable[..., Any], abstract_args: tuple) -> Any:
+    """``step`` jitted and compiled for ``abstract_args`` (shapes only: no data touched)."""
+    return jax.jit(step).lower(*abstract_args).compile()
+
+
 class CompileCache:
     """Compiled steps by ``(micro, num_micro, policy)`` and compiled peak bytes by policy.
 
@@ -56,10 +61,13 @@ class CompileCache:
     ) -> CompiledStep:
         """Compiles ``step`` for ``abstract_args`` (no data touched) and keeps it under ``key``."""
         start = time.perf_counter()
-        executable = jax.jit(step).lower(*abstract_args).compile()
+        executable = build(step, abstract_args)
+        return self.store(key, executable, time.perf_counter() - start)
+
+    def store(self, key: tuple[int, int, Any], executable: Any, seconds: float) -> CompiledStep:
+        """Keeps ``executable`` (built by :func:`build`, e.g. in a background thread) under ``key``."""
         self._steps[key] = executable
-        peak = memory_probe.compiled_peak_bytes(executable)
-        return CompiledStep(executable, peak, time.perf_counter() - start)
+        return CompiledStep(executable, memory_probe.compiled_peak_bytes(executable), seconds)
 
     def record_peak(self, signature: str, micro: int, peak: int) -> None:
         """Notes the compiled peak bytes of bucket ``micro`` under policy ``signature``."""

@@ -20,6 +20,7 @@ import jax
 import optax
 
 from triaccel_jax._src import validation
+from triaccel_jax.controller import _background_compile as background_compile
 from triaccel_jax.controller import _bucket_tracker as bucket_tracker
 from triaccel_jax.controller import _compile_cache as compile_cache
 from triaccel_jax.controller import _config as config_lib
@@ -201,6 +202,7 @@ class Controller:
         self.events: list[events_lib.Event] = []
         self._train_state: tuple[Any, int] | None = None
         self._in_flight = in_flight.InFlight()
+        self._background = background_compile.BackgroundCompiler()
         self.timings = {"step": 0.0, "compile": 0.0, "data": 0.0, "control": 0.0}
         self._check_loss_structure()
         self._log("start", None, self.batch_size, "controller created", buckets=list(self.buckets))
@@ -345,25 +347,7 @@ class Controller:
         memory_check.check_memory(self)
 
     def _replan(self) -> None:
-        result = replan_lib.replan(
-            self.opt_state,
-            self.params,
-            self.plan,
-            loss=self._last_loss,
-            planner_options=self.config.planner_options,
-        )
-        if result.changed:
-            self._log(
-                "replan",
-                self.policy.signature,
-                result.plan.policy.signature,
-                "the planner chose another policy",
-                leaves_by_dtype=result.leaves_by_dtype,
-                loss=self._last_loss,
-            )
-            self.opt_state = self._place(result.opt_state)
-            self._bucket.measured = {}  # measured peaks were for the old policy
-        self.plan = result.plan
+        replan_lib.replan_controller(self)
 
     def _set_learning_rate(self) -> None:
         change = self._lr.follow(self.opt_state, self.batch_size)
@@ -391,6 +375,9 @@ class Controller:
         """The step compiled for ``micro`` x ``num_micro`` under the policy in force."""
         return step_compiler.compiled_step(self, micro, num_micro)
 
+    def _build_step(self, step: Callable[..., Any], abstract_args: tuple) -> Any:
+        return compile_cache.build(step, abstract_args)  # also on the background thread
+
     def _read_metrics(self, metrics: Any) -> dict[str, float]:
         return step_runner.read_metrics(metrics)
 
@@ -399,6 +386,7 @@ class Controller:
             step=self.step_count, tried=tried, error=error
         )
         self._log("oom", micro, decision.bucket, decision.reason, ceiling=decision.ceiling)
+        self._background.cancel_switch()  # a grow decided before the OOM is not taken
 
     # -- helpers ----------------------------------------------------------------------------------
 

@@ -82,6 +82,7 @@ def dispatch(controller: Any) -> None:
     An out-of-memory error at dispatch reads every queued step, then runs this one through the
     synchronous retry (:func:`triaccel_jax.controller._step_runner.run_with_retry`).
     """
+    controller._background.poll(controller)  # a grow whose compile is ready switches now
     flight, count = controller._in_flight, controller.step_count
     every = controller.config.replan_every
     check_due = count > 0 and count % controller.config.check_every == 0

@@ -29,9 +29,15 @@ def check_memory(controller: Any) -> None:
         compiled_peaks=controller._compiled.peaks(controller._policy_signature()),
         fixed_bytes=tracker.fixed_bytes(state, controller.params),
     )
-    if decision.kind == "keep":
+    background = controller._background
+    if decision.kind == "keep" or (decision.kind == "grow" and background.busy):
         return
+    if decision.kind == "shrink":
+        background.cancel_switch()  # a grow decided before memory tightened is not taken
     figures = {"peak_bytes": controller._known_peaks().get(micro), "limit_bytes": limit}
+    if decision.kind == "grow" and controller.config.compile_in_background:
+        controller._background.start_grow(controller, decision.bucket, decision.reason, figures)
+        return
     if decision.kind == "grow":
         controller._compiled_step(decision.bucket, controller._num_micro(decision.bucket))
         compiled = controller._compiled.peaks(controller._policy_signature())

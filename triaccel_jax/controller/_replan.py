@@ -82,3 +82,33 @@ def replan(
         compute = plan.policy.compute(path)
         counts[compute] = counts.get(compute, 0) + 1
     return Replan(plan, opt_state, changed, counts)
+
+
+def replan_controller(controller: Any) -> None:
+    """:func:`replan` for a :class:`triaccel_jax.controller.Controller`, logged as an event.
+
+    A changed policy replaces the optimizer state (converted) and forgets the measured peaks,
+    which were for the old policy.
+
+    Args:
+      controller: the controller (its steps in flight read, so its last loss is current).
+    """
+    result = replan(
+        controller.opt_state,
+        controller.params,
+        controller.plan,
+        loss=controller._last_loss,
+        planner_options=controller.config.planner_options,
+    )
+    if result.changed:
+        controller._log(
+            "replan",
+            controller.policy.signature,
+            result.plan.policy.signature,
+            "the planner chose another policy",
+            leaves_by_dtype=result.leaves_by_dtype,
+            loss=controller._last_loss,
+        )
+        controller.opt_state = controller._place(result.opt_state)
+        controller._bucket.measured = {}  # measured peaks were for the old policy
+    controller.plan = result.plan

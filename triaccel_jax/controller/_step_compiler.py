@@ -8,6 +8,7 @@ the memory-growth decision checks (docs/design.md §5).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from triaccel_jax.controller import _train_step as train_step
@@ -28,11 +29,21 @@ def compiled_step(controller: Any, micro: int, num_micro: int) -> Any:
       The compiled step, called as ``(params, opt_state, model_state, batch, step, lr_factor,
       loss_scale)``.
     """
-    policy = controller.policy
-    key = (micro, num_micro, policy)
-    executable = controller._compiled.get(key)
+    executable = controller._compiled.get((micro, num_micro, controller.policy))
     if executable is not None:
         return executable
+    key, step, args = step_to_compile(controller, micro, num_micro)
+    start = time.perf_counter()
+    executable = controller._build_step(step, args)
+    return keep_compiled(controller, key, executable, time.perf_counter() - start)
+
+
+def step_to_compile(controller: Any, micro: int, num_micro: int) -> tuple[tuple, Any, tuple]:
+    """``(cache key, step function, abstract arguments)`` for ``micro`` x ``num_micro``.
+
+    Nothing is traced or compiled here, so it is cheap to call for a step already cached.
+    """
+    policy = controller.policy
     scaling = train_step.loss_scaling_for(policy, controller._loss_scaling, controller.opt_state)
     step = train_step.make_train_step(
         controller._loss,
@@ -47,8 +58,19 @@ def compiled_step(controller: Any, micro: int, num_micro: int) -> Any:
         controller._feeder.abstract_batch(num_micro, micro),
         controller.loss_scale,
     )
-    new = controller._compiled.compile(key, step, args)
-    signature = controller._policy_signature()
+    return (micro, num_micro, policy), step, args
+
+
+def keep_compiled(
+    controller: Any, key: tuple, executable: Any, seconds: float, *, background: bool = False
+) -> Any:
+    """Caches a newly built step, records its compiled peak and logs a ``"compile"`` event.
+
+    ``background`` (the event's figure) says the compile ran on a worker thread, not in a step.
+    """
+    micro, num_micro, policy = key
+    new = controller._compiled.store(key, executable, seconds)
+    signature = "none" if policy is None else policy.signature
     if new.peak_bytes is not None and num_micro == controller._num_micro(micro):
         controller._compiled.record_peak(signature, micro, new.peak_bytes)
     controller.timings["compile"] += new.seconds
@@ -60,5 +82,6 @@ def compiled_step(controller: Any, micro: int, num_micro: int) -> Any:
         compiled_peak_bytes=new.peak_bytes,
         policy=signature,
         seconds=round(new.seconds, 3),
+        background=background,
     )
     return new.executable

@@ -31,6 +31,7 @@ def run_step(controller: Any) -> events_lib.StepInfo:
     start = time.perf_counter()
     spent_before = timings["step"] + timings["compile"] + timings["data"]
     first_event = len(controller.events)
+    controller._background.poll(controller)  # a grow whose compile is ready switches now
     if controller.step_count > 0 and controller.step_count % controller.config.check_every == 0:
         controller._check_memory()
     every = controller.config.replan_every
