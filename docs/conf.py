@@ -7,11 +7,11 @@ import sys
 
 sys.path.insert(0, os.path.abspath(".."))
 
-import triaccel_jax  # noqa: E402
+import triaccel_jax
 
 project = "triaccel_jax"
 author = "The triaccel_jax authors"
-copyright = "2026, The triaccel_jax authors"  # noqa: A001 (Sphinx's name)
+copyright = "2026, The triaccel_jax authors"
 release = triaccel_jax.__version__
 version = release
 
