@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import jax
@@ -22,13 +21,26 @@ def _on_event(event: str, duration: float, **kwargs) -> None:
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
 
-# TRIACCEL_STRICT_PROMOTION=1 makes accidental promotions (a bfloat16 moment times a float32
-# array, an int32 count times a float) fail instead of silently widening. Not the default: under
-# strict promotion Flax's own avg_pool and normalisation layers fail (they mix int or float32
-# constants with the input's dtype), as do optax's updates of the integer leaves that the tests
-# pass through, so the check is run on purpose, not on every test run.
-if os.environ.get("TRIACCEL_STRICT_PROMOTION") == "1":
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+# Every test runs under JAX's strict dtype promotion, so that an accidental promotion in the library
+# (a bfloat16 moment times a float32 array, an int32 count times a float) fails instead of
+# silently widening. A test that goes through a promotion inside optax or Flax themselves (optax's
+# updates of the integer leaves the tests pass through, Flax's avg_pool and normalisation layers,
+# which mix int or float32 constants with the input's dtype) is marked
+# `standard_promotion(reason)` and runs under standard promotion.
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "standard_promotion(reason): run under JAX's standard dtype promotion because optax or "
+        "Flax promote internally",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _dtype_promotion(request: pytest.FixtureRequest):
+    marker = request.node.get_closest_marker("standard_promotion")
+    with jax.numpy_dtype_promotion("standard" if marker is not None else "strict"):
+        yield
 
 
 class CompileCounter:

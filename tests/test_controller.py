@@ -378,7 +378,10 @@ def test_replanning_converts_the_state_and_passes_the_policy_to_the_loss():
 def test_model_state_flows_through_micro_batches_and_aux_metrics_are_averaged():
     def counting_loss(params, batch, *, policy, rng, model_state):
         loss = loss_fn(params, batch, policy=policy, rng=rng)
-        return loss, {"model_state": model_state + 1, "mean_id": jnp.mean(batch["id"] * 1.0)}
+        return loss, {
+            "model_state": model_state + 1,
+            "mean_id": jnp.mean(batch["id"].astype(jnp.float32)),
+        }
 
     controller = make_controller(
         FaultyController,

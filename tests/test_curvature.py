@@ -68,7 +68,7 @@ def test_hutchinson_handles_integer_and_none_leaves():
     params = {"x": jnp.ones(3), "count": jnp.array(2, jnp.int32), "skip": None}
 
     def loss_fn(p):
-        return jnp.sum(p["x"] ** 2) * p["count"]
+        return jnp.sum(p["x"] ** 2) * p["count"].astype(jnp.float32)
 
     grads = {"x": jnp.ones(3), "count": jnp.zeros((), jnp.int32), "skip": None}
     diag, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p, loss_fn=loss_fn))(grads, params)

@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
+import pytest
 
 import triaccel_jax
 from triaccel_jax.data import load_digits
@@ -72,6 +73,9 @@ def accuracies():
     return float(np.mean(adamw)), float(np.mean(ours))
 
 
+@pytest.mark.standard_promotion(
+    "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
+)
 def test_triaccel_matches_adamw_on_digits():
     adamw, ours = accuracies()
     assert ours >= adamw - 0.01, (ours, adamw)

@@ -70,6 +70,7 @@ def test_grads_of_another_structure_are_rejected():
         state.apply_gradients(grads={"Dense_0": state.params["Dense_0"]})
 
 
+@pytest.mark.standard_promotion("Flax's avg_pool, normalisation and Dense promote internally")
 def test_policy_keeps_a_compute_copy_and_updates_in_master_precision():
     def policy(params):
         return triaccel_jax.PrecisionPolicy.from_patterns(params, {"*/kernel": "bf16"})

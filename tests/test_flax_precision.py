@@ -256,6 +256,7 @@ def test_nnx_layers_compute_in_their_dtype_once_set_from_the_policy():
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(grads)} == {jnp.dtype(F32)}
 
 
+@pytest.mark.standard_promotion("Flax's avg_pool, normalisation and Dense promote internally")
 def test_norm_layers_follow_the_dtype_of_their_input():
     class ConvNorm(nn.Module):
         @nn.compact

@@ -123,6 +123,9 @@ def test_abstract_init_matches_concrete(variant):
     assert_trees_equal_types(jax.eval_shape(tx.init, params), tx.init(params))
 
 
+@pytest.mark.standard_promotion(
+    "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
+)
 @variants
 def test_update_dtype_is_gradient_dtype(variant):
     tx = variant.make(1e-2)
@@ -180,6 +183,9 @@ def test_inject_hyperparams_changes_learning_rate_without_retracing(variant, cou
     assert "conv" in triaccel_jax.signals(new_state)
 
 
+@pytest.mark.standard_promotion(
+    "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
+)
 @variants
 def test_multisteps_accumulates(variant):
     tx = optax.MultiSteps(variant.make(1e-1), every_k_schedule=2)

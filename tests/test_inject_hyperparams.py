@@ -141,6 +141,9 @@ def test_a_dtype_type_injected_as_a_schedule_is_explained():
         tx.init(PARAMS)
 
 
+@pytest.mark.standard_promotion(
+    "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
+)
 def test_hyperparameters_rounded_to_bfloat16_params_are_explained():
     # inject_hyperparams keeps hyperparameters in the params' dtype: b2 = 0.999 becomes 1.0.
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), PARAMS)

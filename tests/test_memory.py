@@ -120,6 +120,9 @@ def test_residuals_exclude_params_and_compute_copies_but_count_casts_of_the_batc
     assert report.compute_copies == (16 * 4 + 4) * BF16
 
 
+@pytest.mark.standard_promotion(
+    "the test multiplies a bf16 activation by an fp32 upcast copy on purpose"
+)
 def test_a_compute_copy_made_in_a_jitted_helper_is_not_counted_twice_but_an_upcast_is():
     params = {"w1": jnp.ones((8, 16)), "w2": jnp.ones((16, 4))}
     policy = triaccel_jax.PrecisionPolicy.uniform(params, "bf16")

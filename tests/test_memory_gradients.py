@@ -36,6 +36,9 @@ def _bytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+@pytest.mark.standard_promotion(
+    "optax.apply_updates adds float32 updates to float16 or fp8-carried masters"
+)
 @pytest.mark.parametrize("compute", ["bf16", "fp16", "fp8_e4m3"])
 @pytest.mark.parametrize("master_dtype", ["fp32", "policy"])
 def test_gradient_bytes_equal_those_the_compiled_step_hands_the_optimizer(compute, master_dtype):

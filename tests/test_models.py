@@ -91,6 +91,7 @@ def test_models_are_exported():
     assert models.__all__ == ["BatchNorm", "EfficientNetB0", "ResNet18", "ResNet20", "SmallCNN"]
 
 
+@pytest.mark.standard_promotion("Flax's avg_pool, normalisation and Dense promote internally")
 def test_small_cnn_logits_shape_and_jit():
     model = SmallCNN(num_classes=7)
     x = _images((5, 28, 28, 1), seed=0)
@@ -104,6 +105,7 @@ def test_small_cnn_logits_shape_and_jit():
     np.testing.assert_array_equal(jax.jit(model.apply)(variables, x, train=True), logits)
 
 
+@pytest.mark.standard_promotion("Flax's avg_pool, normalisation and Dense promote internally")
 def test_small_cnn_param_count_and_layout():
     variables = _abstract_variables(SmallCNN(), jnp.zeros((1, 28, 28, 1)))
     # conv 3*3*1*32+32, conv 3*3*32*64+64, dense 7*7*64*128+128, dense 128*10+10.
@@ -112,6 +114,7 @@ def test_small_cnn_param_count_and_layout():
     assert variables["params"]["Dense_0"]["kernel"].shape == (7 * 7 * 64, 128)
 
 
+@pytest.mark.standard_promotion("Flax's avg_pool, normalisation and Dense promote internally")
 def test_small_cnn_configurable_widths():
     model = SmallCNN(num_classes=3, features=(8, 8, 16), dense=32)
     variables = _abstract_variables(model, jnp.zeros((1, 32, 32, 3)))
@@ -119,6 +122,7 @@ def test_small_cnn_configurable_widths():
     assert jax.eval_shape(model.apply, variables, jnp.zeros((2, 32, 32, 3))).shape == (2, 3)
 
 
+@pytest.mark.standard_promotion("Flax's avg_pool, normalisation and Dense promote internally")
 def test_small_cnn_bfloat16_compute_keeps_float32_params():
     model = SmallCNN(dtype=jnp.bfloat16)
     x = jnp.zeros((2, 28, 28, 1))
@@ -504,6 +508,9 @@ def test_cifar_model_batch_stats_update_in_train_mode_only(cifar_step):
     assert all(jax.tree.leaves(unchanged))
 
 
+@pytest.mark.standard_promotion(
+    "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
+)
 @pytest.mark.parametrize("name", list(_CIFAR_MODELS))
 def test_cifar_model_bfloat16_compute_keeps_float32_params(name):
     model = _cifar_model(name, 10, dtype=jnp.bfloat16)

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck
 from hypothesis import example
 from hypothesis import given
@@ -214,6 +215,9 @@ CANCELLING = tuple(
     example=optimizer_examples(spec_trees()),
     name=st.sampled_from(["fp32", "fp32-every-step"]),
 )
+@pytest.mark.standard_promotion(
+    "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
+)
 @example(example=CANCELLING, name="fp32-every-step")
 def test_triaccel_on_random_trees(example, name):
     params, g1, g2 = example
@@ -273,6 +277,9 @@ def assert_close_updates(jitted: Any, eager: Any, grads: Any, params: Any) -> No
     # integer gradients only: each template then compiles once per optimizer
     example=optimizer_examples(st.sampled_from(TEMPLATES), cast_int_grads=False),
     name=st.sampled_from(["fp32", "bf16-every-step"]),
+)
+@pytest.mark.standard_promotion(
+    "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
 )
 def test_triaccel_jit_agrees_with_eager(example, name):
     params, g1, g2 = example

@@ -27,6 +27,9 @@ PATHS = {"encoder/layers/0/kernel", "encoder/layers/1/kernel"}
     ],
     ids=["alias", "chain", "inject_hyperparams", "MultiSteps", "masked"],
 )
+@pytest.mark.standard_promotion(
+    "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
+)
 def test_signals_found_in_wrapped_states(make):
     tx = make()
     state = tx.init(PARAMS)

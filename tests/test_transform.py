@@ -84,6 +84,9 @@ def test_step_scale_is_clipped():
     assert scales == pytest.approx({"a": 2.0, "b": 1.0, "c": 0.5})
 
 
+@pytest.mark.standard_promotion(
+    "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
+)
 def test_alpha_zero_is_adamw():
     params = {"w": jax.random.normal(jax.random.key(0), (5, 3)), "b": jnp.zeros(3)}
     grads = jax.tree.map(lambda p: jnp.cos(p) + 0.1, params)
