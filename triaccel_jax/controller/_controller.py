@@ -1,13 +1,9 @@
 """``Controller``: the host-side loop that adapts batch size and precision (docs/design.md §5).
 
-Plain Python around pure jitted functions, and a thin orchestrator over parts with one job each:
-its settings (:mod:`._config`), the data (:mod:`._feeding`), the compiled steps (:mod:`._compile_cache`,
-:mod:`._step_compiler`), running a step (:mod:`._step_runner`), the memory check
-(:mod:`._memory_check`), the learning rate (:mod:`._learning_rate`), the out-of-memory retry
-(:mod:`._out_of_memory`), the re-plan (:mod:`._replan`) and the state record (:mod:`._state_record`). Each decision is a pure
-function of measured figures (:func:`triaccel_jax.controller.decide_bucket`,
-:func:`triaccel_jax.plan_precision`); the parts return decisions and figures, and only the
-controller logs them, as :class:`triaccel_jax.controller.Event` records.
+A thin orchestrator over parts with one job each (settings, feeding, compile cache, step
+compiler and runner, memory check, learning rate, out-of-memory retry, re-plan, state record).
+Each decision is a pure function of measured figures; the parts return decisions and figures,
+and only the controller logs them, as :class:`triaccel_jax.controller.Event` records.
 """
 
 from __future__ import annotations
