@@ -24,6 +24,7 @@ from triaccel_jax.controller import _events as events_lib
 from triaccel_jax.controller import _feeding as feeding
 from triaccel_jax.controller import _in_flight as in_flight
 from triaccel_jax.controller import _learning_rate as learning_rate
+from triaccel_jax.controller import _logging as logging_lib
 from triaccel_jax.controller import _memory_check as memory_check
 from triaccel_jax.controller import _memory_probe as memory_probe
 from triaccel_jax.controller import _out_of_memory as out_of_memory
@@ -190,7 +191,7 @@ class Controller:
             self.opt_state, config.lr_hyperparam, config.lr_scaling, layout.reference_batch
         )
         self.probe = memory_probe.prepare_probe(probe)
-        self._callback = callback
+        self._callback = logging_lib.logging_callback(callback)  # logs each step at DEBUG
 
         self.step_count = 0
         self._last_loss: float | None = None
@@ -398,3 +399,4 @@ class Controller:
 
     def _log(self, kind: str, old: Any, new: Any, reason: str, **figures: Any) -> None:
         self.events.append(events_lib.Event(self.step_count, kind, old, new, reason, figures))
+        logging_lib.log_event(self.events[-1])
