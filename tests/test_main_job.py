@@ -13,6 +13,8 @@ from triaccel_jax.cli import _main_job as main_job
 
 TINY = ["--dataset", "digits", "--epochs", "2", "--max-steps", "6", "--batch-size", "32"]
 TINY += ["--max-batch", "64", "--check-every", "2", "--replan-every", "3", "--no-progress"]
+# The grow compiles synchronously here so that it happens within the six steps.
+TINY += ["--no-compile-in-background"]
 
 
 @pytest.fixture(scope="module")

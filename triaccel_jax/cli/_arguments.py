@@ -79,6 +79,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--check-every", type=int, default=10, help="steps between memory checks")
     parser.add_argument(
+        "--compile-in-background",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile a grown batch's step on a worker thread while training goes on (Tri-Accel)",
+    )
+    parser.add_argument(
         "--output-dir",
         type=pathlib.Path,
         default=pathlib.Path("triaccel_output"),

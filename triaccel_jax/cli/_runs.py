@@ -119,6 +119,8 @@ def build_controller(
             probe=probe,
             replan_every=args.replan_every,
             lr_scaling="sqrt",
+            # A grow's bigger step compiles on a worker thread while training goes on.
+            compile_in_background=args.compile_in_background,
         )
     else:
         tx = optax.adamw(args.lr, weight_decay=1e-4)
@@ -143,6 +145,19 @@ def _history_row(info: Any, controller: Any) -> dict[str, float]:
         "peak_mib": math.nan if info.peak_bytes is None else info.peak_bytes / 2**20,
         "limit_mib": math.nan if info.limit_bytes is None else info.limit_bytes / 2**20,
     }
+
+
+_MAX_CHUNK = 64  # steps per Controller.run call: bounds the overshoot when the batch grows
+
+
+def _chunk_steps(controller: Any, args: Any, max_steps: float) -> int:
+    """Steps to the epoch's end, the next evaluation or the step limit, at the current batch."""
+    sampler = controller.sampler
+    left_in_epoch = -(-(sampler.num_examples - sampler.cursor) // controller.batch_size)
+    steps = min(left_in_epoch, _MAX_CHUNK, max_steps - controller.step_count)
+    if args.eval_every:
+        steps = min(steps, args.eval_every - controller.step_count % args.eval_every)
+    return max(int(steps), 1)
 
 
 def _train_epochs(
@@ -174,25 +189,29 @@ def _train_epochs(
     grown = False
     for epoch in range(args.epochs):
         while controller.sampler.epoch <= epoch and controller.step_count < max_steps:
-            info = controller.step()
-            log.history.append(_history_row(info, controller))
+            # Steps run in chunks through Controller.run, which keeps a step in flight (the
+            # device never waits for the host to read metrics); a chunk ends at the epoch's end,
+            # the next evaluation or the step limit at the current batch (a batch that grows
+            # inside a chunk may end it a few steps into the next epoch).
+            for info in controller.run(_chunk_steps(controller, args, max_steps)):
+                log.history.append(_history_row(info, controller))
+                grown = grown or info.batch_size > args.batch_size
+                replanned = any(e.kind == "replan" for e in info.events)
+                if run == "triaccel" and (not log.policies or replanned):
+                    leaves = {path: controller.policy.compute(path) for path in controller.policy}
+                    log.policies.append({"step": info.step - 1, "leaves": leaves})
+                progress.update(info.batch_size)
+                progress.set_postfix(
+                    run=run,
+                    loss=f"{info.loss:.3f}",
+                    batch=info.batch_size,
+                    mem=f"{(info.peak_bytes or 0) / 2**20:.0f}MiB",
+                )
             # The high-water mark at the common batch: read until the batch first grows.
-            grown = grown or info.batch_size > args.batch_size
             if not grown:
                 log.common_batch_peak_bytes = device_peak_bytes()
-            replanned = any(e.kind == "replan" for e in info.events)
-            if run == "triaccel" and (not log.policies or replanned):
-                leaves = {path: controller.policy.compute(path) for path in controller.policy}
-                log.policies.append({"step": info.step - 1, "leaves": leaves})
             if args.eval_every and controller.step_count % args.eval_every == 0:
                 record_eval()
-            progress.update(info.batch_size)
-            progress.set_postfix(
-                run=run,
-                loss=f"{info.loss:.3f}",
-                batch=info.batch_size,
-                mem=f"{(info.peak_bytes or 0) / 2**20:.0f}MiB",
-            )
         # The end of each epoch is evaluated too (once, if --eval-every just did).
         last = log.evals[-1] if log.evals else None
         if last is not None and last["step"] == controller.step_count:
