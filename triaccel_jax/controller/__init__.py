@@ -15,6 +15,9 @@ classes, testable without a device; the public ones are exported here:
 * the data: :class:`ElasticSampler` serves any batch size without dropping or repeating a
   sample;
 * the log: :class:`Event` and :func:`event_records`; :class:`StepInfo` for progress callbacks;
+  :class:`MetricWriterCallback` writes steps and events to a ``clu.metric_writers`` writer
+  (TensorBoard; the ``clu`` extra), and every event also goes to the ``triaccel_jax.controller``
+  logger (``_logging``);
 * out-of-memory handling: :func:`is_out_of_memory`, :class:`OutOfMemoryError`.
 
 Private modules hold the other parts: batch feeding and placement (``_feeding``), the compile
@@ -45,6 +48,7 @@ from triaccel_jax.controller._memory_probe import MemoryProbe
 from triaccel_jax.controller._memory_probe import MemoryReading
 from triaccel_jax.controller._memory_probe import compiled_peak_bytes
 from triaccel_jax.controller._memory_probe import default_memory_probe
+from triaccel_jax.controller._metric_writer import MetricWriterCallback
 from triaccel_jax.controller._out_of_memory import OutOfMemoryError
 from triaccel_jax.controller._out_of_memory import is_out_of_memory
 from triaccel_jax.controller._replan import Replan
@@ -63,6 +67,7 @@ __all__ = (
     "FakeMemoryProbe",
     "MemoryProbe",
     "MemoryReading",
+    "MetricWriterCallback",
     "OutOfMemoryError",
     "Replan",
     "StepInfo",
