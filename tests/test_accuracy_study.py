@@ -90,7 +90,7 @@ def test_the_precision_row_updates_as_adamw():
     states = adamw.init(params), flat.init(params)
     for step in range(5):
         key = jax.random.fold_in(jax.random.key(0), step)
-        grads = jax.tree.map(lambda p: jax.random.normal(key, p.shape) * (1 + p), params)
+        grads = {k: jax.random.normal(key, p.shape) * (1 + p) for k, p in params.items()}
         expected, adamw_state = adamw.update(grads, states[0], params)
         got, flat_state = flat.update(grads, states[1], params)
         states = adamw_state, flat_state
