@@ -1,0 +1,195 @@
+"""MetricWriterCallback: a controller's steps and decisions written to a clu metric writer.
+
+The callback is tested against a recording writer (always), and against clu's real default
+writer, its TensorBoard files read back with TensorBoard's own reader, where the ``clu`` extra
+(clu with TensorFlow and TensorBoard) is installed.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import subprocess
+import sys
+
+import pytest
+from test_controller import make_controller
+
+from triaccel_jax.controller import Event
+from triaccel_jax.controller import MetricWriterCallback
+
+STEP_SCALARS = {
+    "loss",
+    "loss_scale",
+    "skipped",
+    "batch_size",
+    "micro_batch",
+    "seconds",
+    "samples_per_second",
+}  # and peak_bytes and limit_bytes, once measured
+
+
+class RecordingWriter:
+    """A metric writer that keeps what it is given: ``scalars[step]``, ``texts[step]``."""
+
+    def __init__(self):
+        self.scalars: dict[int, dict[str, float]] = {}
+        self.texts: dict[int, list[tuple[str, str]]] = collections.defaultdict(list)
+        self.flushes = 0
+        self.closed = False
+
+    def write_scalars(self, step, scalars):
+        assert step not in self.scalars, f"step {step} written twice"
+        self.scalars[step] = dict(scalars)
+
+    def write_texts(self, step, texts):
+        self.texts[step].extend(texts.items())
+
+    def flush(self):
+        self.flushes += 1
+
+    def close(self):
+        self.closed = True
+
+
+def test_every_step_and_every_decision_is_written():
+    writer = RecordingWriter()
+    callback = MetricWriterCallback(writer)
+    controller = make_controller(callback=callback)
+    callback.write_events(controller.events)
+    infos = controller.run(8)
+    callback.close()
+    assert writer.closed and writer.flushes == 1
+
+    assert sorted(writer.scalars) == list(range(1, 9))
+    for info in infos:
+        scalars = writer.scalars[info.step]
+        assert set(scalars) >= STEP_SCALARS, STEP_SCALARS - set(scalars)
+        assert scalars["loss"] == info.loss
+        assert scalars["batch_size"] == info.batch_size
+        assert scalars["micro_batch"] == info.micro_batch
+        assert scalars["loss_scale"] == info.metrics["loss_scale"]
+        assert scalars.get("peak_bytes") == info.peak_bytes
+        assert scalars.get("limit_bytes") == info.limit_bytes
+        assert all(isinstance(v, float) and math.isfinite(v) for v in scalars.values())
+    # The batch grew, and the learning-rate factor written follows the controller's events.
+    assert writer.scalars[1]["batch_size"] < writer.scalars[8]["batch_size"]
+    assert writer.scalars[8]["limit_bytes"] == 20_000 and writer.scalars[8]["peak_bytes"] > 0
+    changes = [e for e in controller.events if e.kind == "learning_rate"]
+    assert changes
+    for step, scalars in writer.scalars.items():
+        # An event taken at step k (before step k + 1 ran) comes with step k + 1's info.
+        known = [e.new for e in changes if e.step < step]
+        assert scalars.get("learning_rate_factor") == (known[-1] if known else None), step
+
+    # Every event, the start-up ones included, as a text at its step.
+    written = sorted((step, tag) for step, items in writer.texts.items() for tag, _ in items)
+    assert written == sorted((e.step, f"events/{e.kind}") for e in controller.events)
+    grow = next(e for e in controller.events if e.kind == "grow")
+    text = dict(writer.texts[grow.step])["events/grow"]
+    assert text.startswith(f"{grow.old} -> {grow.new}: {grow.reason}")
+    assert f"limit_bytes={grow.figures['limit_bytes']}" in text
+
+
+def test_every_thins_the_scalars_but_not_the_events():
+    writer = RecordingWriter()
+    controller = make_controller(callback=MetricWriterCallback(writer, every=3, prefix="train/"))
+    controller.run(10)
+    assert sorted(writer.scalars) == [3, 6, 9]
+    assert all(name.startswith("train/") for s in writer.scalars.values() for name in s)
+    assert {"train/loss", "train/batch_size"} <= set(writer.scalars[3])
+    tags = [tag for items in writer.texts.values() for tag, _ in items]
+    stepped = [e for e in controller.events if e.kind != "start"]  # start came before step 1
+    assert sorted(tags) == sorted(f"train/events/{e.kind}" for e in stepped)
+
+
+def test_a_loss_metric_is_written_and_a_non_number_is_not():
+    writer = RecordingWriter()
+    callback = MetricWriterCallback(writer)
+    info = (
+        make_controller(steps_in_flight=0)
+        .step()
+        ._replace(
+            metrics={"loss": 0.5, "loss_scale": 1.0, "skipped": 0.0, "accuracy": 0.75, "note": "x"}
+        )
+    )
+    callback(info)
+    assert writer.scalars[1]["accuracy"] == 0.75
+    assert "note" not in writer.scalars[1]
+
+
+@pytest.mark.parametrize("missing", ["clu", "clu.metric_writers"])
+def test_without_clu_a_folder_is_an_import_error_naming_the_extra(monkeypatch, tmp_path, missing):
+    # None in sys.modules makes the import fail, as when clu (or, for clu.metric_writers, the
+    # TensorFlow it imports) is not installed.
+    monkeypatch.setitem(sys.modules, missing, None)
+    with pytest.raises(ImportError, match=r"pip install 'triaccel-jax\[clu\]'"):
+        MetricWriterCallback(tmp_path / "logs")
+    # A writer given as an object needs no clu.
+    MetricWriterCallback(RecordingWriter())
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="lacks write_texts, flush"):
+        MetricWriterCallback(object.__new__(type("W", (), {"write_scalars": print})))
+    with pytest.raises(ValueError, match="every"):
+        MetricWriterCallback(RecordingWriter(), every=0)
+    with pytest.raises(TypeError, match="prefix"):
+        MetricWriterCallback(RecordingWriter(), prefix=1)
+    with pytest.raises(TypeError, match="Event objects"):
+        MetricWriterCallback(RecordingWriter()).write_events([("grow", 1, 2)])
+
+
+def test_importing_triaccel_jax_and_the_callback_imports_neither_clu_nor_tensorflow():
+    code = (
+        "import sys, triaccel_jax; "
+        "from triaccel_jax.controller import MetricWriterCallback; "
+        "print(sorted(m for m in ('clu', 'tensorflow', 'tensorboard') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def read_tensorboard(logdir) -> dict[str, dict[int, object]]:
+    """Every value in ``logdir``'s event files, by tag and step, read by TensorBoard's reader."""
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    accumulator = event_accumulator.EventAccumulator(
+        str(logdir), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    accumulator.Reload()
+    values = collections.defaultdict(dict)
+    for tag in accumulator.Tags()["tensors"]:
+        for event in accumulator.Tensors(tag):
+            value = tensor_util.make_ndarray(event.tensor_proto)
+            values[tag][event.step] = value.item() if value.size == 1 else value
+    return values
+
+
+def test_clu_default_writer_writes_tensorboard_files_that_read_back(tmp_path):
+    try:
+        from clu import metric_writers  # noqa: F401
+    except ImportError as error:
+        pytest.skip(
+            f"the clu extra is not installed ({error}): clu's metric writers import TensorFlow "
+            "and TensorBoard; pip install 'triaccel-jax[clu]'"
+        )
+    logdir = tmp_path / "logs"
+    callback = MetricWriterCallback(logdir, prefix="train/")
+    controller = make_controller(callback=callback)
+    callback.write_events(controller.events)
+    infos = controller.run(6)
+    callback.close()
+    assert list(logdir.glob("events.out.tfevents.*"))
+
+    values = read_tensorboard(logdir)
+    for name in STEP_SCALARS:
+        assert sorted(values[f"train/{name}"]) == list(range(1, 7)), name
+    for info in infos:
+        assert values["train/loss"][info.step] == pytest.approx(info.loss, rel=1e-6)
+        assert values["train/batch_size"][info.step] == info.batch_size
+    for event in controller.events:
+        text = values[f"train/events/{event.kind}"][event.step]
+        assert isinstance(text, bytes) and event.reason in text.decode()
+    assert isinstance(controller.events[0], Event) and "train/events/start" in values
