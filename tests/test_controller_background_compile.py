@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 
+import jax
+import jax.numpy as jnp
 from test_controller import linear_probe
 from test_controller import make_controller
 
@@ -71,3 +73,67 @@ def test_steps_run_between_the_grow_decision_and_the_switch(count_compiles):
     assert synchronous.micro_batch == 16
     assert controller.compile_count == synchronous.compile_count == 2
     assert count_compiles.of("controller_step") == sync_count.of("controller_step")
+
+
+REPLAN_SETTINGS = {
+    "min_batch": 8,
+    "max_batch": 8,
+    "replan_every": 5,
+    "planner_options": {"budget": float("inf"), "min_size": 0},
+}
+
+
+def test_steps_run_between_the_replan_decision_and_the_switch(count_compiles):
+    controller = make_controller(
+        GatedCompileController, **REPLAN_SETTINGS, compile_in_background=True
+    )
+    with count_compiles():
+        decided = []
+        while not decided and controller.step_count < 30:
+            controller.step()  # until a re-plan is decided and its step compiling
+            decided = [e for e in controller.events if e.kind == "replan_decided"]
+        assert len(decided) == 1 and not [e for e in controller.events if e.kind == "replan"]
+        old_policy = controller.policy
+        new_signature = decided[0].new
+        assert new_signature != old_policy.signature
+        for _ in range(STEPS_WHILE_COMPILING - 1):
+            controller.step()  # training goes on under the old policy
+            assert controller.policy == old_policy
+        controller.gate.set()
+        controller._background.job.future.result()
+        controller.step()  # the first step after the compile is ready switches
+        controller.run(3)
+    switched = [e for e in controller.events if e.kind == "replan"]
+    assert [(e.step, e.old, e.new) for e in switched] == [
+        (decided[0].step + STEPS_WHILE_COMPILING, old_policy.signature, new_signature)
+    ]
+    assert controller.policy.signature == new_signature
+    # The moments were converted from the state as trained meanwhile, to the new policy's dtypes.
+    state_dtypes = {leaf.dtype for leaf in jax.tree.leaves(controller.opt_state)}
+    assert jnp.dtype(jnp.bfloat16) in state_dtypes
+    background = [e.figures["background"] for e in controller.events if e.kind == "compile"]
+    assert background == [False, True]
+
+    synchronous = make_controller(**REPLAN_SETTINGS)
+    with count_compiles() as sync_count:
+        synchronous.run(controller.step_count)
+    assert [e.new for e in synchronous.events if e.kind == "replan"] == [new_signature]
+    assert controller.compile_count == synchronous.compile_count == 2
+    assert count_compiles.of("controller_step") == sync_count.of("controller_step")
+
+
+def test_a_replan_to_a_policy_already_compiled_switches_at_once():
+    controller = make_controller(**REPLAN_SETTINGS, compile_in_background=True)
+    first = controller.policy
+    while not controller._background.busy and controller.step_count < 30:
+        controller.step()  # until a re-plan is decided and compiling (not gated here)
+    controller._background.job.future.result()
+    controller.step()
+    assert controller.policy != first
+    # Back to a policy whose step is cached: no background compile, the switch is immediate.
+    controller.set_policy(first)
+    controller._background.job = None
+    result_events = len(controller.events)
+    controller.run(10)  # the planner moves to the cached new policy again
+    kinds = [e.kind for e in controller.events[result_events:]]
+    assert "replan" in kinds and "replan_decided" not in kinds and "compile" not in kinds

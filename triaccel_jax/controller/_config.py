@@ -79,9 +79,9 @@ class ControllerConfig:
         so the device never waits for the host between steps (0: read each step at once, as
         :meth:`Controller.step` always does). Each step in flight keeps its input state alive
         for an out-of-memory retry: one more copy of the training state per step.
-      compile_in_background: compile a bigger bucket's step on a worker thread while training
-        continues on the current one, and switch at the first step after it is ready (False:
-        compile in the step that decides to grow, which is deterministic).
+      compile_in_background: compile the step a grown bucket or a re-planned policy needs on a
+        worker thread while training continues on the current one, and switch at the first step
+        after it is ready (False: compile in the step that decides, which is deterministic).
 
     Example:
       >>> from triaccel_jax.controller import ControllerConfig

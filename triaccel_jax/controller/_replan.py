@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
+from triaccel_jax.controller import _background_compile as background_compile
 from triaccel_jax.precision import _planner as planner
 from triaccel_jax.precision import _policy as policy_lib
 from triaccel_jax.transforms import _signals as signals_lib
@@ -88,11 +89,17 @@ def replan_controller(controller: Any) -> None:
     """:func:`replan` for a :class:`triaccel_jax.controller.Controller`, logged as an event.
 
     A changed policy replaces the optimizer state (converted) and forgets the measured peaks,
-    which were for the old policy.
+    which were for the old policy. With ``compile_in_background`` the new policy's step compiles
+    on a worker thread first and the switch comes at the first step after it is ready
+    (:mod:`triaccel_jax.controller._background_compile`); while another background compile is
+    waiting, the re-plan is skipped until the next one is due.
 
     Args:
       controller: the controller (its steps in flight read, so its last loss is current).
     """
+    background = controller._background
+    if background.busy:
+        return
     result = replan(
         controller.opt_state,
         controller.params,
@@ -100,15 +107,20 @@ def replan_controller(controller: Any) -> None:
         loss=controller._last_loss,
         planner_options=controller.config.planner_options,
     )
-    if result.changed:
-        controller._log(
-            "replan",
-            controller.policy.signature,
-            result.plan.policy.signature,
-            "the planner chose another policy",
-            leaves_by_dtype=result.leaves_by_dtype,
-            loss=controller._last_loss,
-        )
-        controller.opt_state = controller._place(result.opt_state)
-        controller._bucket.measured = {}  # measured peaks were for the old policy
-    controller.plan = result.plan
+    if not result.changed:
+        controller.plan = result.plan  # the hysteresis streaks move on
+        return
+    figures = {"leaves_by_dtype": result.leaves_by_dtype, "loss": controller._last_loss}
+    micro = controller._micro
+    key = (micro, controller._num_micro(micro), result.plan.policy)
+    cached = controller._compiled.get(key) is not None
+    if controller.config.compile_in_background and not cached:
+        background.start_replan(controller, result.plan, result.opt_state, figures)
+        return
+    background_compile.switch_policy(
+        controller,
+        result.plan,
+        "the planner chose another policy",
+        figures,
+        opt_state=result.opt_state,
+    )

@@ -38,13 +38,32 @@ def compiled_step(controller: Any, micro: int, num_micro: int) -> Any:
     return keep_compiled(controller, key, executable, time.perf_counter() - start)
 
 
-def step_to_compile(controller: Any, micro: int, num_micro: int) -> tuple[tuple, Any, tuple]:
+def step_to_compile(
+    controller: Any,
+    micro: int,
+    num_micro: int,
+    *,
+    policy: Any = None,
+    opt_state: Any = None,
+) -> tuple[tuple, Any, tuple]:
     """``(cache key, step function, abstract arguments)`` for ``micro`` x ``num_micro``.
 
     Nothing is traced or compiled here, so it is cheap to call for a step already cached.
+
+    Args:
+      controller: the :class:`triaccel_jax.controller.Controller`.
+      micro: the micro-batch.
+      num_micro: micro-batches per step.
+      policy: the policy to compile for; default the one in force. A re-plan compiling ahead
+        passes the new policy together with ``opt_state`` converted to it.
+      opt_state: the optimizer state whose shapes and dtypes the step takes; default the
+        controller's.
     """
-    policy = controller.policy
-    scaling = train_step.loss_scaling_for(policy, controller._loss_scaling, controller.opt_state)
+    if policy is None:
+        policy = controller.policy
+    if opt_state is None:
+        opt_state = controller.opt_state
+    scaling = train_step.loss_scaling_for(policy, controller._loss_scaling, opt_state)
     step = train_step.make_train_step(
         controller._loss,
         controller.tx,
@@ -54,7 +73,7 @@ def step_to_compile(controller: Any, micro: int, num_micro: int) -> tuple[tuple,
         loss_scaling=scaling,
     )
     args = train_step.abstract_step_arguments(
-        (controller.params, controller.opt_state, controller.model_state),
+        (controller.params, opt_state, controller.model_state),
         controller._feeder.abstract_batch(num_micro, micro),
         controller.loss_scale,
     )
