@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -21,24 +20,17 @@ import triaccel_jax
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _load_study():
-    spec = importlib.util.spec_from_file_location(
-        "accuracy_study", ROOT / "benchmarks" / "accuracy.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses look their module up in sys.modules while the class is made.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-study = _load_study()
+# The study's parts are the package benchmarks/accuracy/ (benchmarks/ is not a package).
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from accuracy import runs  # noqa: E402
+from accuracy import stats  # noqa: E402
+from accuracy import tuning  # noqa: E402
 
 
 def test_paired_interval_on_hand_made_numbers():
     # Differences 1, 2, 3: mean 2, sample sd 1, t(0.975, 2 dof) = 4.302653;
     # half width = 4.302653 / sqrt(3) = 2.484138.
-    mean, low, high = study.paired_interval([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
+    mean, low, high = stats.paired_interval([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
     assert mean == pytest.approx(2.0)
     assert low == pytest.approx(2.0 - 2.484138, abs=1e-5)
     assert high == pytest.approx(2.0 + 2.484138, abs=1e-5)
@@ -48,36 +40,36 @@ def test_paired_interval_pairs_by_seed():
     # The seeds differ by a lot but each pair by 0.1 +- 0.1: an unpaired interval would be
     # about +-25 wide, the paired one is 4.302653 * 0.1 / sqrt(3) = 0.248414 on each side.
     a, b = [10.1, 20.2, 30.0], [10.0, 20.0, 30.0]
-    mean, low, high = study.paired_interval(a, b)
+    mean, low, high = stats.paired_interval(a, b)
     assert mean == pytest.approx(0.1)
     assert (high - low) / 2 == pytest.approx(0.248414, abs=1e-5)
     # Five pairs: t(0.975, 4 dof) = 2.776445.
     diffs = np.array([0.5, 1.0, -0.2, 0.3, 0.9])
-    mean, low, high = study.paired_interval(list(diffs), [0.0] * 5)
+    mean, low, high = stats.paired_interval(list(diffs), [0.0] * 5)
     assert (high - low) / 2 == pytest.approx(2.776445 * diffs.std(ddof=1) / math.sqrt(5), 1e-5)
     # One pair says nothing about the spread.
-    assert study.paired_interval([1.0], [0.0]) == (1.0, -math.inf, math.inf)
+    assert stats.paired_interval([1.0], [0.0]) == (1.0, -math.inf, math.inf)
     with pytest.raises(ValueError):
-        study.paired_interval([1.0, 2.0], [1.0])
+        stats.paired_interval([1.0, 2.0], [1.0])
 
 
 def test_mean_std_is_the_sample_standard_deviation():
-    assert study.mean_std([1.0, 2.0, 3.0, 4.0]) == pytest.approx((2.5, math.sqrt(5 / 3)))
-    assert study.mean_std([0.7]) == (0.7, 0.0)
+    assert stats.mean_std([1.0, 2.0, 3.0, 4.0]) == pytest.approx((2.5, math.sqrt(5 / 3)))
+    assert stats.mean_std([0.7]) == (0.7, 0.0)
 
 
 def test_first_reaching_reads_the_first_evaluation_at_the_target():
     evals = [{"step": s, "accuracy": a} for s, a in ((10, 0.5), (20, 0.8), (30, 0.79), (40, 0.9))]
-    assert study.first_reaching(evals, 0.8)["step"] == 20
-    assert study.first_reaching(evals, 0.95) is None
+    assert stats.first_reaching(evals, 0.8)["step"] == 20
+    assert stats.first_reaching(evals, 0.95) is None
 
 
 def test_both_optimizers_get_the_same_number_of_tuning_trials():
     for trials in (2, 3, 4, 6, 9):
-        adamw, learning_rates, variants = study.tuning_trials(trials, (1e-3, 1e-2))
+        adamw, learning_rates, variants = tuning.tuning_trials(trials, (1e-3, 1e-2))
         assert len(adamw) == learning_rates + variants == trials
         assert adamw[0].lr == pytest.approx(1e-3) and adamw[-1].lr == pytest.approx(1e-2)
-    assert study.log_grid(1e-3, 1e-1, 3) == pytest.approx([1e-3, 1e-2, 1e-1])
+    assert tuning.log_grid(1e-3, 1e-1, 3) == pytest.approx([1e-3, 1e-2, 1e-1])
 
 
 @pytest.mark.standard_promotion("optax.adamw's bias correction mixes its int32 count with floats")
@@ -104,13 +96,13 @@ def test_quick_mode_writes_the_table_and_the_raw_numbers(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
-    report = json.loads((tmp_path / "accuracy.json").read_text())
-    (workload,) = report["workloads"]
+    raw = json.loads((tmp_path / "accuracy.json").read_text())
+    (workload,) = raw["workloads"]
     assert workload["workload"] == "digits_mlp"
-    assert set(workload["runs"]) == set(study.ROWS)
-    for row, runs in workload["runs"].items():
-        assert [r["seed"] for r in runs] == [0, 1], row
-        for run in runs:
+    assert set(workload["runs"]) == set(runs.ROWS)
+    for row, row_runs in workload["runs"].items():
+        assert [r["seed"] for r in row_runs] == [0, 1], row
+        for run in row_runs:
             assert 0.0 <= run["accuracy"] <= 1.0 and run["memory_mib"] > 0
             assert run["evals"][-1]["accuracy"] == run["accuracy"]
     # The same number of tuning trials for both optimizers.
@@ -124,10 +116,10 @@ def test_quick_mode_writes_the_table_and_the_raw_numbers(tmp_path):
     assert lines[0].startswith("| configuration | test accuracy")
     body = lines[2:]
     assert [line.split(" | ")[0][2:] for line in body] == [
-        study.ROW_LABELS[row] for row in study.ROWS
+        runs.ROW_LABELS[row] for row in runs.ROWS
     ]
     # The table's paired difference is the one recomputed from the raw numbers.
     fp32 = [r["accuracy"] for r in workload["runs"]["fp32"]]
     tri = [r["accuracy"] for r in workload["runs"]["triaccel"]]
-    mean, low, high = (100 * x for x in study.paired_interval(tri, fp32))
-    assert f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]" in body[study.ROWS.index("triaccel")]
+    mean, low, high = (100 * x for x in stats.paired_interval(tri, fp32))
+    assert f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]" in body[runs.ROWS.index("triaccel")]
