@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,7 +81,7 @@ def test_ema_of_block_means_is_exact_and_outliers_follow_ema():
     # The largest EMA entry is kept, and its value is the exact EMA when it was an outlier before.
     top = int(np.argmax(exact_ema))
     assert top in np.asarray(store.outlier_indices).tolist()
-    assert store.block_means.dtype == jnp.float32 and store.outlier_indices.dtype == jnp.int32
+    chex.assert_type([store.block_means, store.outlier_indices], [jnp.float32, jnp.int32])
 
 
 @pytest.mark.parametrize("shape", [(70,), (3, 3, 4, 5), (5, 13)])
@@ -91,8 +92,7 @@ def test_partitioned_update_is_the_reference_on_one_device(shape):
     store = triaccel_jax.transforms.compress_diagonal(old, block_size=8, rho=0.1)
     expected = jax.jit(compression.update_compressed_ema)(store, h, 0.9)
     got = jax.jit(compression_sharded.update_compressed_ema)(store, h, 0.9)
-    for a, b in zip(got, expected, strict=True):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(got, expected)
 
 
 def test_partitioned_update_under_vmap_is_the_batched_reference():
@@ -105,5 +105,4 @@ def test_partitioned_update_under_vmap_is_the_batched_reference():
     for i in range(3):
         store_i = jax.tree.map(lambda x, i=i: x[i], stores)
         expected = compression.update_compressed_ema(store_i, h[i], 0.5)
-        for a, b in zip(got, expected, strict=True):
-            np.testing.assert_array_equal(a[i], b)
+        chex.assert_trees_all_equal(jax.tree.map(lambda x, i=i: x[i], got), expected)

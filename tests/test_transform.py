@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,8 +43,8 @@ def test_empty_pytree():
 def test_state_holds_arrays_with_int32_counters():
     tx = triaccel_jax.scale_by_triaccel(state_dtype=jnp.bfloat16)
     state = tx.init({"w": jnp.ones((4, 4))})
-    assert state.count.dtype == jnp.int32 and state.curvature_count.dtype == jnp.int32
-    assert state.mu["w"].dtype == state.nu["w"].dtype == jnp.bfloat16
+    chex.assert_type([state.count, state.curvature_count], jnp.int32)
+    chex.assert_type([state.mu["w"], state.nu["w"]], jnp.bfloat16)
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
 
 
@@ -57,7 +58,7 @@ def test_counters_saturate():
     )
     updates, state = tx.update(params, state, params)
     assert int(state.count) == top and int(state.curvature_count) == top
-    assert bool(jnp.all(jnp.isfinite(updates["w"])))
+    chex.assert_tree_all_finite(updates)
 
 
 def test_first_update_is_adam_times_step_scale():
@@ -96,8 +97,7 @@ def test_alpha_zero_is_adamw():
     for _ in range(5):
         u1, s1 = ours.update(grads, s1, params)
         u2, s2 = adamw.update(grads, s2, params)
-        for x, y in zip(jax.tree.leaves(u1), jax.tree.leaves(u2), strict=True):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
+        chex.assert_trees_all_close(u1, u2, rtol=1e-5, atol=1e-8)
 
 
 def test_bf16_state_keeps_small_increments_with_stochastic_rounding():
@@ -185,13 +185,13 @@ def test_deprecated_shape_keywords_still_work_when_injected():
         )
         params = {"w": jnp.arange(16.0)}
         state = tx.init(params)
-        assert state.inner_state[0].curvature["w"].block_means.shape == (2,)
-        assert state.inner_state[0].curvature["w"].outlier_values.shape == (4,)
+        store = state.inner_state[0].curvature["w"]
+        chex.assert_shape([store.block_means, store.outlier_values], [(2,), (4,)])
         loss_fn = lambda p: jnp.sum(p["w"] ** 2)
         update = jax.jit(lambda g, s: tx.update(g, s, params, loss_fn=loss_fn))
         updates, state = update(params, state)
     np.testing.assert_allclose(triaccel_jax.signals(state)["w"]["mean_curvature"], 2.0, rtol=1e-5)
-    assert updates["w"].shape == (16,)
+    chex.assert_shape(updates["w"], (16,))
 
 
 def test_deprecated_shape_keywords_traced_at_init_are_explained():
