@@ -6,9 +6,9 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
@@ -51,14 +51,10 @@ def test_impl_reference_equals_the_pure_jax_rounding_bit_for_bit(monkeypatch, st
         triaccel_jax.TriAccelConfig(state_dtype=state_dtype, impl="reference")
     )
     for expected in (old_updates, ref_updates):
-        for a, b in zip(jax.tree.leaves(got_updates), jax.tree.leaves(expected), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        chex.assert_trees_all_equal(got_updates, expected)
     moments = (got_state.mu, got_state.nu), (old_state.mu, old_state.nu)
-    for a, b in zip(*map(jax.tree.leaves, moments), strict=True):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(
-            np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
-        )
+    chex.assert_trees_all_equal_dtypes(*moments)
+    chex.assert_trees_all_equal(*moments)
 
 
 def test_the_moment_writes_go_through_the_cast_dispatch_with_the_configs_impl(monkeypatch):
@@ -99,9 +95,8 @@ def test_apply_updates_impl_reference_equals_the_default_and_triton_is_refused()
     key = jax.random.key(3)
     expected = triaccel_jax.apply_updates(params, updates, key=key)
     got = triaccel_jax.apply_updates(params, updates, key=key, impl="reference")
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    chex.assert_trees_all_equal_dtypes(got, expected)
+    chex.assert_trees_all_equal(got, expected)
     with pytest.raises(ValueError, match="impl"):
         triaccel_jax.apply_updates(params, updates, key=key, impl="cuda")
     if not ON_CUDA:

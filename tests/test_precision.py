@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,9 +76,10 @@ def test_master_params():
     fp32 = triaccel_jax.master_params(PARAMS, POLICY)
     assert fp32["conv"].dtype == jnp.float32
     low = triaccel_jax.master_params(PARAMS, POLICY, "policy")
-    assert low["conv"].dtype == jnp.bfloat16
-    assert low["dense"]["kernel"].dtype == jnp.bfloat16  # never an fp8 master
-    assert low["dense"]["bias"].dtype == jnp.float32 and low["step"].dtype == jnp.int32
+    chex.assert_type(
+        [low["conv"], low["dense"]["kernel"], low["dense"]["bias"], low["step"]],
+        [jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.int32],  # the kernel: never an fp8 master
+    )
     with pytest.raises(ValueError, match="master_dtype"):
         triaccel_jax.master_params(PARAMS, POLICY, "fp16")
 
@@ -98,12 +100,13 @@ def test_policy_masters_train_with_stochastic_updates():
 def test_triaccel_state_dtypes_follow_the_policy():
     tx = triaccel_jax.triaccel(1e-2, state_dtype=POLICY)
     state = tx.init(PARAMS)
-    assert state[0].mu["conv"].dtype == jnp.bfloat16
-    assert state[0].nu["dense"]["kernel"].dtype == jnp.bfloat16
-    assert state[0].mu["dense"]["bias"].dtype == jnp.float32
+    chex.assert_type(
+        [state[0].mu["conv"], state[0].nu["dense"]["kernel"], state[0].mu["dense"]["bias"]],
+        [jnp.bfloat16, jnp.bfloat16, jnp.float32],
+    )
     grads = jax.tree.map(jnp.ones_like, PARAMS)
     _, new_state = jax.jit(tx.update)(grads, state, PARAMS)
-    assert jax.tree.map(lambda x: x.dtype, new_state) == jax.tree.map(lambda x: x.dtype, state)
+    chex.assert_trees_all_equal_dtypes(new_state, state)
     partial = triaccel_jax.PrecisionPolicy.uniform({"conv": PARAMS["conv"]}, "bf16")
     with pytest.raises(ValueError, match="dense/bias"):
         triaccel_jax.triaccel(1e-2, state_dtype=partial).init(PARAMS)
@@ -124,12 +127,7 @@ def test_convert_state_recasts_moments_and_keeps_everything_else():
     )
     np.testing.assert_array_equal(after.mu["dense"]["bias"], before.mu["dense"]["bias"])
     for field in ("count", "curvature_count", "curvature", "leaf_signals", "rounding_key"):
-        for a, b in zip(
-            jax.tree.leaves(getattr(before, field)),
-            jax.tree.leaves(getattr(after, field)),
-            strict=True,
-        ):
-            np.testing.assert_array_equal(a, b)
+        chex.assert_trees_all_equal(getattr(before, field), getattr(after, field))
     # The converted state keeps training with the policy's optimizer.
     policy_tx = optax.chain(optax.clip(1.0), triaccel_jax.triaccel(1e-2, state_dtype=POLICY))
     _, resumed = jax.jit(policy_tx.update)(grads, converted, PARAMS)
