@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,10 +41,10 @@ def test_the_snippet_from_the_issue_needs_no_static_args():
     state = jax.jit(tx.init)(PARAMS)
     assert set(state.hyperparams) == NUMERIC | {"learning_rate", "weight_decay"}
     updates, state = jax.jit(tx.update)(jax.grad(_loss)(PARAMS), state, PARAMS)
-    assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+    chex.assert_tree_all_finite(updates)
     # The defaults' layout: one block of 16 (block_size 64), ceil(0.01 * 16) = 1 outlier.
     store = state.inner_state[0].curvature["w"]
-    assert store.block_means.shape == (1,) and store.outlier_values.shape == (1,)
+    chex.assert_shape([store.block_means, store.outlier_values], (1,))
 
 
 def test_scale_by_triaccel_under_inject_hyperparams_with_jitted_init():
@@ -51,7 +52,7 @@ def test_scale_by_triaccel_under_inject_hyperparams_with_jitted_init():
     state = jax.jit(tx.init)(PARAMS)
     assert set(state.hyperparams) == NUMERIC
     updates, _ = jax.jit(tx.update)(jax.grad(_loss)(PARAMS), state, PARAMS)
-    assert updates["w"].shape == (4, 4)
+    chex.assert_shape(updates["w"], (4, 4))
 
 
 def test_config_sets_layout_estimator_and_state_dtype_under_jit():
@@ -61,9 +62,9 @@ def test_config_sets_layout_estimator_and_state_dtype_under_jit():
     tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=0.1, config=config)
     state = jax.jit(tx.init)(PARAMS)
     inner = state.inner_state[0]
-    assert inner.curvature["w"].block_means.shape == (2,)
-    assert inner.curvature["w"].outlier_values.shape == (4,)
-    assert inner.mu["w"].dtype == jnp.bfloat16
+    store = inner.curvature["w"]
+    chex.assert_shape([store.block_means, store.outlier_values], [(2,), (4,)])
+    chex.assert_type(inner.mu["w"], jnp.bfloat16)
     update = jax.jit(lambda g, s: tx.update(g, s, PARAMS, loss_fn=_loss))
     _, state = update(jax.grad(_loss)(PARAMS), state)
     # Hutchinson on a quadratic: the Hessian diagonal 2 * (1..16) exactly, whose mean is 17.
@@ -124,8 +125,7 @@ def test_old_keywords_still_work_with_a_deprecation_warning():
         old = triaccel_jax.triaccel(0.1, block_size=8, rho=0.25)
     new = triaccel_jax.triaccel(0.1, config=triaccel_jax.TriAccelConfig(block_size=8, rho=0.25))
     old_state, new_state = old.init(PARAMS), new.init(PARAMS)
-    for a, b in zip(jax.tree.leaves(old_state), jax.tree.leaves(new_state), strict=True):
-        assert a.shape == b.shape and a.dtype == b.dtype
+    chex.assert_trees_all_equal_shapes_and_dtypes(old_state, new_state)
     # estimator= and state_dtype= are never numbers, so they remain plain keywords.
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
