@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import platform
 import sys
@@ -47,7 +48,7 @@ import jax
 # The study's parts are the package benchmarks/accuracy/, imported from this folder.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from accuracy.report import markdown_table
+from accuracy.report import section
 from accuracy.runs import ROWS
 from accuracy.runs import train
 from accuracy.tuning import tune
@@ -126,6 +127,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--margin", type=float, default=0.005, help="target = FP32 mean - margin")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("accuracy_output"))
     parser.add_argument("--quick", action="store_true", help="digits only, 2 seeds, 1 epoch")
+    parser.add_argument(
+        "--from-json",
+        type=pathlib.Path,
+        nargs="+",
+        default=None,
+        help="only write the tables from these accuracy.json files (no training)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.workloads = args.workloads or ["digits_mlp"]
@@ -143,6 +151,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, flush=True)
 
+    if args.from_json is not None:
+        # Re-renders the tables from raw figures already measured: nothing is trained.
+        report = {"workloads": []}
+        for path in args.from_json:
+            loaded = json.loads(path.read_text())
+            report = {**loaded, "workloads": report["workloads"] + loaded["workloads"]}
+        report["margin"] = args.margin
+        write_markdown(report, args.out / "accuracy.md", log)
+        return 0
+
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     start = time.perf_counter()
     # Every seed compiles the same programs again; a persistent cache compiles each once.
@@ -155,24 +173,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "benchmarks/accuracy.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "started": started,
         "seconds": time.perf_counter() - start,
-        "machine": f"{platform.machine()}, {jax.device_count()} {jax.default_backend()} device(s)",
+        "machine": (
+            f"{platform.machine()}, {os.cpu_count()} CPU cores, "
+            f"{jax.device_count()} {jax.default_backend()} device(s)"
+        ),
         "jax": jax.__version__,
         "margin": args.margin,
         "workloads": results,
     }
     (args.out / "accuracy.json").write_text(json.dumps(report, indent=1))
-    sections = [
-        f"## {r['workload']}: {r['description']}\n\n"
-        f"{r['train_images']} train / {r['validation_images']} validation / {r['test_images']} "
-        f"test images, {r['epochs']} epochs, batch {r['batch']} (elastic up to {r['max_batch']}), "
-        f"seeds {args.seeds}, {r['trials']} tuning trials per optimizer.\n\n"
-        + markdown_table(r, args.margin)
-        for r in results
-    ]
-    (args.out / "accuracy.md").write_text("\n\n".join(sections) + "\n")
-    log("\n\n".join(sections))
-    log(f"wrote {args.out / 'accuracy.json'} and {args.out / 'accuracy.md'}")
+    write_markdown(report, args.out / "accuracy.md", log)
     return 0
+
+
+def write_markdown(report: dict[str, Any], path: pathlib.Path, log: Callable[[str], None]) -> None:
+    """Writes (and logs) the markdown sections of every workload in ``report``."""
+    text = "\n\n".join(section(r, report["margin"]) for r in report["workloads"]) + "\n"
+    path.write_text(text)
+    log(text)
+    log(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -112,9 +112,12 @@ def test_quick_mode_writes_the_table_and_the_raw_numbers(tmp_path):
     assert max(r["run_batch"] for r in workload["runs"]["elastic"]) > workload["batch"]
 
     table = (tmp_path / "accuracy.md").read_text()
-    lines = [line for line in table.splitlines() if line.startswith("| ")]
-    assert lines[0].startswith("| configuration | test accuracy")
+    start = table.index("| configuration | test accuracy")
+    lines = table[start:].split("\n\n")[0].splitlines()
     body = lines[2:]
+    assert all(len(line.split(" | ")) == len(lines[0].split(" | ")) for line in body)
+    # The tuning trials are listed too, one line per trial.
+    assert table.count("| AdamW | ") == table.count("| Tri-Accel | ") == 2
     assert [line.split(" | ")[0][2:] for line in body] == [
         runs.ROW_LABELS[row] for row in runs.ROWS
     ]

@@ -75,3 +75,65 @@ def markdown_table(result: dict[str, Any], margin: float) -> str:
         f"alpha {tri['alpha']}, clip [{tri['min_scale']}, {tri['max_scale']}]."
     )
     return "\n".join(lines)
+
+
+def convergence(result: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """Per row, the mean change of test accuracy over the last quarter of training, and the
+    seed spread of the final accuracy: training was long enough where the first is well within
+    the second."""
+    changes = {}
+    for row, row_runs in result["runs"].items():
+        deltas = []
+        for run in row_runs:
+            evals = run["evals"]
+            earlier = evals[max(0, (3 * len(evals)) // 4 - 1)]
+            deltas.append(evals[-1]["accuracy"] - earlier["accuracy"])
+        changes[row] = (
+            statistics.mean(deltas),
+            mean_std([r["accuracy"] for r in row_runs])[1],
+        )
+    return changes
+
+
+def tuning_table(result: dict[str, Any]) -> str:
+    """Every tuning trial and its validation accuracy, in the order they ran."""
+    lines = [
+        "| optimizer | learning rate | alpha | scale clip | validation accuracy |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, label in (("fp32", "AdamW"), ("triaccel", "Tri-Accel")):
+        for trial in result["tuning"][name]:
+            hyper = trial["hyper"]
+            shape = (
+                ("—", "—")
+                if name == "fp32"
+                else (f"{hyper['alpha']}", f"[{hyper['min_scale']}, {hyper['max_scale']}]")
+            )
+            lines.append(
+                f"| {label} | {hyper['lr']:.3g} | {shape[0]} | {shape[1]} "
+                f"| {100 * trial['validation']:.2f}% |"
+            )
+    return "\n".join(lines)
+
+
+def section(result: dict[str, Any], margin: float) -> str:
+    """The workload's markdown section: its setting, the table, convergence and tuning."""
+    seeds = [run["seed"] for run in next(iter(result["runs"].values()))]
+    changes = convergence(result)
+    change_text = "; ".join(
+        f"{ROW_LABELS[row]} {100 * delta:+.2f} (seed std {100 * spread:.2f})"
+        for row, (delta, spread) in changes.items()
+    )
+    return (
+        f"### {result['workload']}: {result['description']}\n\n"
+        f"{result['train_images']} train / {result['validation_images']} validation / "
+        f"{result['test_images']} test images, {result['epochs']} epochs, batch "
+        f"{result['batch']} (elastic rows up to {result['max_batch']}), seeds {seeds}, "
+        f"{result['trials']} tuning trials per optimizer "
+        f"({result['tuning_seconds'] / 60:.1f} min of tuning).\n\n"
+        + markdown_table(result, margin)
+        + "\n\nChange of the mean test accuracy over the last quarter of training, points: "
+        + change_text
+        + ".\n\nTuning trials (tuning seed, validation split):\n\n"
+        + tuning_table(result)
+    )
