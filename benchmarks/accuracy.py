@@ -52,6 +52,7 @@ from accuracy.report import section
 from accuracy.runs import ROWS
 from accuracy.runs import train
 from accuracy.tuning import tune
+from accuracy.workloads import DEFAULT_WORKLOADS
 from accuracy.workloads import WORKLOADS
 from accuracy.workloads import Workload
 from accuracy.workloads import load_splits
@@ -114,7 +115,13 @@ def run_workload(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=None)
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=sorted(WORKLOADS),
+        default=None,
+        help=f"default: {' '.join(DEFAULT_WORKLOADS)}",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 3 4")
     parser.add_argument(
         "--trials",
@@ -139,7 +146,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.workloads = args.workloads or ["digits_mlp"]
         args.seeds = args.seeds or [0, 1]
         args.trials = args.trials or 2
-    args.workloads = args.workloads or list(WORKLOADS)
+    args.workloads = args.workloads or list(DEFAULT_WORKLOADS)
     args.seeds = args.seeds or [0, 1, 2, 3, 4]
     return args
 

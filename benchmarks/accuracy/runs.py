@@ -46,8 +46,10 @@ def build_controller(
 ) -> tuple[triaccel_jax.Controller, Callable[..., Any]]:
     """The controller and loss of ``row`` at ``hyper``: the same init and data order per seed."""
     model = workload.model()
-    loss_fn = task.make_loss(model, False, None)
-    params = model.init(jax.random.key(seed), data.train["image"][:2])["params"]
+    loss_fn = task.make_loss(model, workload.has_state, None)
+    init_kwargs = {"train": False} if workload.has_state else {}
+    variables = model.init(jax.random.key(seed), data.train["image"][:2], **init_kwargs)
+    params, model_state = variables["params"], variables.get("batch_stats")
     fixed = dict(min_batch=workload.batch, max_batch=workload.batch, lr_scaling="none")
     # A fixed budget, not the free RAM of a shared machine, so the batch decisions repeat.
     elastic = dict(
@@ -83,6 +85,7 @@ def build_controller(
         params,
         tx,
         data.train,
+        model_state=model_state,
         has_aux=True,
         seed=seed,
         reference_batch=workload.batch,
@@ -98,10 +101,12 @@ def analytic_memory_mib(controller: Any, loss_fn: Any, data: task.Data, batch: i
     """``memory_report``'s total (params, copies, gradients, state, residuals) of one step."""
     index = np.arange(batch) % len(data.train["label"])
     batch_arrays = {k: v[index] for k, v in data.train.items()}
-    policy = controller.policy
+    policy, model_state = controller.policy, controller.model_state
 
     def step_fn(params, arrays):
-        return loss_fn(params, arrays, policy=policy, rng=jax.random.key(0))[0]
+        return loss_fn(
+            params, arrays, policy=policy, rng=jax.random.key(0), model_state=model_state
+        )[0]
 
     report = triaccel_jax.memory_report(
         controller.params, controller.opt_state, policy, step_fn, batch_arrays, compiled=False

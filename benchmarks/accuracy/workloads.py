@@ -46,6 +46,7 @@ class Workload:
     lr_range: tuple[float, float]
     evals_per_epoch: int
     trials: int  # tuning trials per optimizer unless --trials says otherwise
+    has_state: bool = False  # the model has BatchNorm statistics (and takes ``train=``)
 
 
 WORKLOADS = {
@@ -79,7 +80,26 @@ WORKLOADS = {
         evals_per_epoch=1,
         trials=4,
     ),
+    # Not in the default study: on 2 CPU cores one ResNet-20 epoch of 10,000 images takes
+    # minutes, and the study needs 38 runs.
+    "fashion_resnet20": Workload(
+        "fashion_resnet20",
+        "ResNet-20 on Fashion-MNIST",
+        lambda: triaccel_jax.models.ResNet20(num_classes=10),
+        "fashion_mnist",
+        12_000,
+        2_000,
+        None,
+        epochs=5,
+        batch=128,
+        max_batch=512,
+        lr_range=(5e-4, 8e-3),
+        evals_per_epoch=1,
+        trials=4,
+        has_state=True,
+    ),
 }
+DEFAULT_WORKLOADS = ("digits_mlp", "fashion_cnn")
 
 
 @dataclasses.dataclass
