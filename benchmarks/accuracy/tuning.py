@@ -65,7 +65,7 @@ def tune(
     lr_trials = [Hyper(lr) for lr in log_grid(*workload.lr_range, lr_count)]
     scored = [(trial("triaccel", h), i, h) for i, h in enumerate(lr_trials)]
     for alpha, low, high in TRIACCEL_VARIANTS[:variant_count]:
-        best_lr = max(scored)[2].lr
+        best_lr = max(scored, key=lambda s: (s[0], -s[1]))[2].lr
         hyper = Hyper(best_lr, alpha, low, high)
         scored.append((trial("triaccel", hyper), len(scored), hyper))
     # Ties go to the earlier trial (the default shape first).
