@@ -6,21 +6,23 @@ host-side controller. One subpackage per stage of the data path::
     triaccel_jax.transforms   the optimizer: moments, curvature store, signals, loss scaling
     triaccel_jax.precision    dtypes, PrecisionPolicy, the planner, casts, memory_report
     triaccel_jax.controller   Controller and its parts: buckets, probes, sampler, events
-    triaccel_jax.flax         TrainState and the Linen precision interceptor (imports Flax)
-    triaccel_jax.checkpoint   Checkpointer (orbax)
+    triaccel_jax.flax         TrainState and the Linen precision interceptor (the flax extra)
+    triaccel_jax.checkpoint   Checkpointer (orbax, the checkpoint extra)
     triaccel_jax.data         Fashion-MNIST, digits, CIFAR; augmentation
     triaccel_jax.models       SmallCNN, ResNet-20/18, EfficientNet-B0
     triaccel_jax.kernels      cast and fused-update kernels (Triton) beside their references
     triaccel_jax.cli          the main job, ``python -m triaccel_jax``
 
 The names most code needs are re-exported here; the design is in ``docs/design.md``.
+``import triaccel_jax`` needs only jax, optax, numpy and psutil: the subpackages that need Flax,
+orbax, matplotlib or tensorflow-datasets are imported on first use, and one used without its
+extra raises an ``ImportError`` naming it (``pip install 'triaccel-jax[flax]'``, ``[checkpoint]``).
 """
 
 import importlib as _importlib
+import typing as _typing
 import warnings as _warnings
 
-from triaccel_jax.checkpoint import Checkpointer
-from triaccel_jax.checkpoint import CheckpointError
 from triaccel_jax.controller import BudgetMemoryProbe
 from triaccel_jax.controller import Controller
 from triaccel_jax.controller import DeviceMemoryProbe
@@ -40,6 +42,10 @@ from triaccel_jax.transforms import TriAccelConfig
 from triaccel_jax.transforms import scale_by_triaccel
 from triaccel_jax.transforms import signals
 from triaccel_jax.transforms import triaccel
+
+if _typing.TYPE_CHECKING:  # for type checkers; at run time they load on first use (__getattr__)
+    from triaccel_jax.checkpoint import Checkpointer
+    from triaccel_jax.checkpoint import CheckpointError
 
 __version__ = "0.1.0"
 
@@ -108,14 +114,22 @@ _MOVED = {
 }
 
 
-# Subpackages that pull in optional or heavy dependencies (Flax, matplotlib, tfds) are imported on
-# first use, so `import triaccel_jax` stays an optax-only import.
-_LAZY_SUBPACKAGES = frozenset({"cli", "data", "flax", "kernels", "models"})
+# Subpackages that pull in optional or heavy dependencies (Flax, orbax, matplotlib, tfds) are
+# imported on first use, so `import triaccel_jax` stays an optax-only import that works without
+# the flax and checkpoint extras.
+_LAZY_SUBPACKAGES = frozenset({"checkpoint", "cli", "data", "flax", "kernels", "models"})
+# Top-level names (in __all__) that live in a lazy subpackage: the checkpoint package needs orbax.
+_LAZY_NAMES = {
+    "CheckpointError": "triaccel_jax.checkpoint",
+    "Checkpointer": "triaccel_jax.checkpoint",
+}
 
 
 def __getattr__(name: str):
     if name in _LAZY_SUBPACKAGES:
         return _importlib.import_module(f"triaccel_jax.{name}")
+    if name in _LAZY_NAMES:
+        return getattr(_importlib.import_module(_LAZY_NAMES[name]), name)
     module = _MOVED.get(name)
     if module is None:
         raise AttributeError(f"module 'triaccel_jax' has no attribute {name!r}")
@@ -129,4 +143,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_MOVED, *_LAZY_SUBPACKAGES})
+    return sorted({*globals(), *_MOVED, *_LAZY_SUBPACKAGES, *_LAZY_NAMES})

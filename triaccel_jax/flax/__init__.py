@@ -8,8 +8,17 @@
 
 ``nnx.Optimizer(model, triaccel_jax.triaccel(...), wrt=nnx.Param)`` needs nothing from here: it
 forwards keyword arguments of ``update`` to ``tx.update`` already, and
-:func:`triaccel_jax.signals` reads its ``opt_state``. Importing this package imports Flax.
+:func:`triaccel_jax.signals` reads its ``opt_state``. Importing this package imports Flax; without
+it (``pip install 'triaccel-jax[flax]'`` installs it) the import raises an ``ImportError`` that
+names the extra.
 """
+
+from triaccel_jax._src import extras as _extras
+
+# Before the submodules import Flax: a missing Flax is an error naming the extra, not a bare
+# "No module named 'flax'" from deep inside. Hence imports after code:
+# ruff: noqa: E402
+_extras.require("flax", "triaccel_jax.flax")
 
 from triaccel_jax.flax._precision import apply_with_policy
 from triaccel_jax.flax._precision import precision_interceptor

@@ -1,0 +1,61 @@
+"""Optional dependencies: a feature used without its extra says which extra to install.
+
+``pip install triaccel-jax`` installs only what the optax transforms, the precision planner and
+the controller need (jax, optax, numpy, psutil). Flax (``triaccel_jax.flax``,
+``triaccel_jax.models``, the main job) and orbax (``triaccel_jax.checkpoint``) are extras; each
+subpackage that needs one calls :func:`require` before importing it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+# What each extra of pyproject.toml provides, for the messages: (top-level module, pip name).
+EXTRAS = {
+    "flax": ("flax", "Flax"),
+    "checkpoint": ("orbax.checkpoint", "orbax-checkpoint"),
+    "clu": ("clu", "clu"),
+}
+
+
+def is_installed(module: str) -> bool:
+    """Whether ``module`` can be imported, found without importing it (orbax takes ~1 s).
+
+    A module set to ``None`` in ``sys.modules`` counts as missing, as ``import`` treats it.
+    """
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        # For a dotted name this imports the parents (``orbax``, a namespace package: cheap).
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing or blocked
+        return False
+    except ValueError:  # loaded without a spec (a test stub, an embedded interpreter): present
+        return True
+
+
+def require(extra: str, feature: str) -> None:
+    """Raises ``ModuleNotFoundError`` naming ``extra`` when its package is not installed.
+
+    Args:
+      extra: the extra of pyproject.toml, a key of :data:`EXTRAS` (e.g. ``"flax"``).
+      feature: what needs it, for the message (e.g. ``"triaccel_jax.flax"``).
+
+    Raises:
+      ModuleNotFoundError: (an ``ImportError``) the package is missing; the message names the
+        extra, and ``name`` is the missing module, as Python's own error has it.
+
+    Example:
+      >>> from triaccel_jax._src import extras
+      >>> extras.require("flax", "triaccel_jax.flax")  # Flax is installed: nothing happens
+    """
+    if extra not in EXTRAS:
+        raise ValueError(f"unknown extra {extra!r}; choose one of {sorted(EXTRAS)}")
+    module, package = EXTRAS[extra]
+    if not is_installed(module):
+        raise ModuleNotFoundError(
+            f"{feature} needs {package}, which is not installed: "
+            f"pip install 'triaccel-jax[{extra}]'",
+            name=module,
+        )
