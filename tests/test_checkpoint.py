@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import pickle
 
@@ -11,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from test_controller import loss_fn
 from test_controller import make_controller
@@ -156,3 +158,125 @@ def test_a_folder_that_cannot_be_created_is_reported(tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(CheckpointError, match="cannot create checkpoint folder"):
         Checkpointer(blocker / "checkpoints")
+
+
+# -- orbax's options, verify= ----------------------------------------------------------------------
+
+
+def test_orbax_options_pass_through_interval_and_max_to_keep(tmp_path):
+    state = {"w": jnp.arange(4.0)}
+    options = ocp.CheckpointManagerOptions(save_interval_steps=3, max_to_keep=2)
+    with Checkpointer(tmp_path, options=options) as checkpointer:
+        saved = [checkpointer.save(step, {"w": state["w"] + step}) for step in range(10)]
+        checkpointer.wait_until_finished()
+        assert saved == [step % 3 == 0 for step in range(10)]
+        assert checkpointer.steps() == [6, 9]
+        restored, meta = checkpointer.restore(state)
+    assert meta["step"] == 9
+    np.testing.assert_array_equal(restored["w"], state["w"] + 9)
+
+
+def test_asynchronous_saves_are_complete_after_wait_and_close(tmp_path):
+    states = {step: trained(make_state(), steps=step) for step in (1, 2)}
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+    with Checkpointer(tmp_path, options=options) as checkpointer:
+        assert checkpointer.save(1, states[1])
+        checkpointer.wait_until_finished()
+        assert checkpointer.save(2, states[2], metadata={"epoch": 2})
+    with Checkpointer(tmp_path) as checkpointer:  # close() waited for the second save
+        assert checkpointer.steps() == [1, 2]
+        for step, state in states.items():
+            restored = checkpointer.restore_state(make_state(), step=step)
+            assert_trees_equal(restored.params, state.params)
+            assert_trees_equal(restored.opt_state, state.opt_state)
+        assert checkpointer.read_metadata(2)["metadata"] == {"epoch": 2}
+
+
+def test_the_json_item_is_read_through_orbax_whatever_the_step_folders_are_named(tmp_path):
+    # With a step prefix the step folder is "ckpt_5", not "5": only orbax knows where it is.
+    options = ocp.CheckpointManagerOptions(step_prefix="ckpt", enable_async_checkpointing=False)
+    state = {"w": jnp.arange(3.0)}
+    with Checkpointer(tmp_path, options=options) as checkpointer:
+        checkpointer.save(5, state, metadata={"note": "prefixed"})
+        assert (tmp_path / "ckpt_5").is_dir() and not (tmp_path / "5").exists()
+        assert checkpointer.read_metadata()["metadata"] == {"note": "prefixed"}
+        restored, _ = checkpointer.restore(state)
+        (tmp_path / "ckpt_5" / "meta" / "metadata").write_text("{not json")
+        with pytest.raises(CheckpointError, match=r"step 5 .* not valid JSON"):
+            checkpointer.read_metadata()
+    np.testing.assert_array_equal(restored["w"], state["w"])
+
+
+def test_verify_false_leaves_out_the_checksums_and_their_check(tmp_path, caplog):
+    state = {"w": jnp.arange(4.0), "n": jnp.int32(3), "key": jax.random.key(1)}
+    with Checkpointer(tmp_path, verify=False) as checkpointer:
+        assert checkpointer.save(1, state)
+        meta = checkpointer.read_metadata()
+        # Shapes and dtypes are still recorded (to name a mismatched template), without CRCs.
+        assert meta["arrays"]["['w']"] == {"shape": [4], "dtype": "float32"}
+        assert meta["arrays"]["['key']"] == {"shape": [2], "dtype": "uint32"}
+        restored, _ = checkpointer.restore(state)
+    assert_trees_equal(restored["w"], state["w"])
+    # A verifying checkpointer restores it too, and says it could not check it.
+    with Checkpointer(tmp_path) as checkpointer:
+        caplog.set_level(logging.WARNING, logger="triaccel_jax.checkpoint")
+        restored, _ = checkpointer.restore(state)
+    assert "saved with verify=False" in caplog.text
+    np.testing.assert_array_equal(restored["n"], 3)
+
+
+def test_verify_false_skips_the_check_that_verify_true_makes(tmp_path):
+    state = {"w": jnp.arange(4.0)}
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(1, state)
+    path = tmp_path / "1" / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    meta["arrays"]["['w']"]["crc32"] ^= 1  # as if the data had changed since the save
+    path.write_text(json.dumps(meta))
+    with Checkpointer(tmp_path) as checkpointer, pytest.raises(CheckpointError, match="corrupted"):
+        checkpointer.restore(state)
+    with Checkpointer(tmp_path, verify=False) as checkpointer:
+        restored, _ = checkpointer.restore(state)
+    np.testing.assert_array_equal(restored["w"], state["w"])
+
+
+def test_saving_a_step_not_after_the_latest_is_an_error_and_loses_nothing(tmp_path):
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(5, {"w": jnp.ones(2)})
+        for step in (5, 3):  # orbax would skip these without a word
+            with pytest.raises(CheckpointError, match=f"cannot save step {step} .* holds step 5"):
+                checkpointer.save(step, {"w": jnp.zeros(2)})
+        assert checkpointer.steps() == [5]
+        restored, _ = checkpointer.restore({"w": jnp.zeros(2)})
+        np.testing.assert_array_equal(restored["w"], np.ones(2))
+        assert checkpointer.save(np.int64(6), {"w": jnp.ones(2)})  # numpy and JAX ints are steps
+        assert checkpointer.save(jnp.int32(7), {"w": jnp.ones(2)})
+        for step in (-1, 2.5, "8", True):
+            with pytest.raises(ValueError, match="`step` must be an integer >= 0"):
+                checkpointer.save(step, {"w": jnp.ones(2)})
+        assert checkpointer.steps() == [5, 6, 7]
+
+
+def test_bad_options_are_named(tmp_path):
+    with pytest.raises(
+        TypeError, match=r"`options` must be an orbax\.checkpoint\.CheckpointManager"
+    ):
+        Checkpointer(tmp_path, options={"max_to_keep": 2})
+    with pytest.raises(ValueError, match="give `max_to_keep` in `options`"):
+        Checkpointer(tmp_path, max_to_keep=5, options=ocp.CheckpointManagerOptions())
+    with pytest.raises(TypeError, match="`verify` must be a bool"):
+        Checkpointer(tmp_path, verify="no")
+
+
+def test_save_controller_says_whether_it_saved(tmp_path):
+    controller = make_controller()
+    controller.run(2)
+    options = ocp.CheckpointManagerOptions(save_interval_steps=4)
+    with Checkpointer(tmp_path, options=options) as checkpointer:
+        assert checkpointer.save_controller(controller) is True  # orbax saves the first one
+        controller.run(1)
+        assert checkpointer.save_controller(controller) is False  # step 3: not due
+        controller.run(1)
+        assert checkpointer.save_controller(controller) is True  # step 4
+        checkpointer.wait_until_finished()
+        assert checkpointer.steps() == [2, 4]
