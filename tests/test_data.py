@@ -1,4 +1,5 @@
-"""The offline data sets: real Fashion-MNIST IDX files and scikit-learn's digits."""
+"""The offline data sets: real Fashion-MNIST IDX files (wherever they are) and scikit-learn's
+digits. The download is tested in test_data_download.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import numpy as np
 import pytest
 
 from triaccel_jax.data import FASHION_MNIST_DIR
+from triaccel_jax.data import _fashion_mnist as fashion_mnist
+from triaccel_jax.data import default_data_dir
+from triaccel_jax.data import find_fashion_mnist
 from triaccel_jax.data import load_digits
 from triaccel_jax.data import load_fashion_mnist
 
@@ -45,16 +49,53 @@ def test_truncated_or_foreign_files_are_clear_errors(tmp_path):
         load_fashion_mnist("test", tmp_path)
 
 
-def test_missing_files_say_how_to_install(tmp_path):
-    with pytest.raises(FileNotFoundError, match="apt-get install -y dataset-fashion-mnist"):
-        load_fashion_mnist("train", tmp_path)
+@pytest.fixture
+def no_fashion_mnist(tmp_path, monkeypatch):
+    """A machine without Fashion-MNIST anywhere: empty data folder, no Debian package."""
+    monkeypatch.setenv("TRIACCEL_DATA_DIR", str(tmp_path / "env"))
+    monkeypatch.setattr(fashion_mnist, "FASHION_MNIST_DIR", tmp_path / "debian")
+    return tmp_path
+
+
+def test_missing_files_list_every_way_to_get_them(no_fashion_mnist):
+    with pytest.raises(FileNotFoundError) as error:
+        load_fashion_mnist("train", no_fashion_mnist / "arg")
+    message = str(error.value)
+    for folder in ("arg", "arg/fashion-mnist", "env", "env/fashion-mnist", "debian"):
+        assert str(no_fashion_mnist / folder) in message, folder
+    assert "apt-get install -y dataset-fashion-mnist" in message  # 1. Debian's package
+    assert "TRIACCEL_DATA_DIR=" in message and "--data-dir" in message  # 2. a folder
+    assert "download_fashion_mnist()" in message and "--download" in message  # 3. download
+    assert "--dataset digits" in message  # 4. the main job's fallback
     with pytest.raises(ValueError, match="split"):
-        load_fashion_mnist("validation", tmp_path)
+        load_fashion_mnist("validation", no_fashion_mnist)
+
+
+def test_the_search_order_argument_then_environment_then_debian(no_fashion_mnist, monkeypatch):
+    images = np.zeros((1, 28, 28), np.uint8)
+    folders = {
+        "debian": no_fashion_mnist / "debian",
+        "env": no_fashion_mnist / "env" / "fashion-mnist",  # a data folder's subfolder
+        "arg": no_fashion_mnist / "arg",  # the files right in it
+    }
+    for label, (name, folder) in enumerate(folders.items()):
+        folder.mkdir(parents=True)
+        _write_idx(folder / "t10k-images-idx3-ubyte.gz", images)
+        _write_idx(folder / "t10k-labels-idx1-ubyte.gz", np.array([label], np.uint8))
+        assert find_fashion_mnist(no_fashion_mnist / "arg", "test") == folder, name
+        assert load_fashion_mnist("test", no_fashion_mnist / "arg").labels.tolist() == [label]
+    assert find_fashion_mnist(None, "test") == folders["env"]  # TRIACCEL_DATA_DIR is honoured
+    assert find_fashion_mnist(None, "train") is None  # only the test split is there
+    monkeypatch.delenv("TRIACCEL_DATA_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(no_fashion_mnist / "cache"))
+    assert default_data_dir() == no_fashion_mnist / "cache" / "triaccel_jax" / "data"
+    assert find_fashion_mnist(None, "test") == folders["debian"]
 
 
 @pytest.mark.skipif(
     not FASHION_MNIST_DIR.exists(),
-    reason="Debian's dataset-fashion-mnist is not installed (tools/test.sh installs it as root)",
+    reason="Debian's dataset-fashion-mnist is not installed (TRIACCEL_INSTALL_SYSTEM_DATA=1 "
+    "bash tools/test.sh installs it as root)",
 )
 def test_real_fashion_mnist():
     test = load_fashion_mnist("test")

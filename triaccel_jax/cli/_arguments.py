@@ -50,7 +50,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--dataset",
         choices=DATASETS,
         default="auto",
-        help="data set; auto: Fashion-MNIST if Debian's package is installed, else digits",
+        help="data set; auto: Fashion-MNIST if its files are found (see --data-dir), else digits",
     )
     parser.add_argument("--model", choices=MODELS, default="auto", help="model; auto: small_cnn")
     parser.add_argument("--epochs", type=int, default=2, help="training epochs per run")
@@ -90,7 +90,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=pathlib.Path("triaccel_output"),
         help="folder for results.md, results.json and the PNG plots",
     )
-    parser.add_argument("--data-dir", default=None, help="tensorflow-datasets data_dir for CIFAR")
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="data folder: Fashion-MNIST's IDX files are looked for in DIR and DIR/fashion-mnist "
+        "before $TRIACCEL_DATA_DIR and Debian's /usr/share/datasets/fashion-mnist; CIFAR's "
+        "tensorflow-datasets data_dir",
+    )
+    parser.add_argument(
+        "--download",
+        action="store_true",
+        help="download Fashion-MNIST from the official source (MD5-checked) into "
+        "DIR/fashion-mnist (--data-dir, else $TRIACCEL_DATA_DIR, else "
+        "~/.cache/triaccel_jax/data) when it is not found; never done without this flag",
+    )
     parser.add_argument(
         "--eval-every", type=int, default=None, help="also measure test accuracy every N steps"
     )
@@ -137,6 +151,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--lr must be a positive number")
     if args.budget_mib is not None and not args.budget_mib > 0:
         parser.error("--budget-mib must be positive")
+    if args.download and args.dataset not in ("auto", "fashion_mnist"):
+        parser.error(f"--download fetches Fashion-MNIST only, not --dataset {args.dataset}")
     if args.compilation_cache is not None and args.no_compilation_cache:
         parser.error("--compilation-cache and --no-compilation-cache contradict each other")
     return args

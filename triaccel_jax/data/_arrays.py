@@ -1,7 +1,9 @@
 """Small image-classification data sets that need no download, as NHWC float32 arrays.
 
-* Fashion-MNIST (Xiao et al., 2017; MIT licence), read from the IDX files that Debian's
-  ``dataset-fashion-mnist`` package installs (``apt-get install -y dataset-fashion-mnist``).
+* Fashion-MNIST (Xiao et al., 2017; MIT licence), read from its IDX files: in a folder given
+  as ``directory`` (the main job's ``--data-dir``), ``$TRIACCEL_DATA_DIR``, the folder
+  :func:`download_fashion_mnist` writes to, or Debian's ``dataset-fashion-mnist`` package
+  (``apt-get install -y dataset-fashion-mnist``); see :func:`find_fashion_mnist`.
 * scikit-learn's digits (8x8 grey images, bundled with scikit-learn), the embedded fallback.
 """
 
@@ -15,7 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-FASHION_MNIST_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
+from triaccel_jax.data import _fashion_mnist
+
+FASHION_MNIST_DIR = _fashion_mnist.FASHION_MNIST_DIR
 _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
@@ -46,29 +50,33 @@ def load_fashion_mnist(
 ) -> ArraySplit:
     """Fashion-MNIST ``"train"`` (60,000) or ``"test"`` (10,000) images, 28x28x1.
 
+    The IDX files are looked for in ``directory`` (and its ``fashion-mnist/``) first, then in
+    ``$TRIACCEL_DATA_DIR`` (else ``~/.cache/triaccel_jax/data``, where
+    :func:`download_fashion_mnist` writes), then in Debian's ``/usr/share/datasets/fashion-mnist``.
+    Nothing is downloaded here.
+
     Args:
       split: ``"train"`` or ``"test"``.
-      directory: folder of the IDX files; default Debian's ``/usr/share/datasets/fashion-mnist``.
+      directory: a data folder searched first: it, or its ``fashion-mnist/``, holds the files.
 
     Returns:
       The :class:`ArraySplit`.
 
     Raises:
-      FileNotFoundError: the files are missing; the message says how to install them.
+      FileNotFoundError: no folder holds the split's files; the message lists the folders
+        searched and every way to get the data set.
+      ValueError: a file is not an IDX file or is truncated.
+
+    Example:
+      >>> from triaccel_jax.data import find_fashion_mnist, load_fashion_mnist
+      >>> if find_fashion_mnist(split="test") is not None:  # e.g. Debian's package is installed
+      ...     assert load_fashion_mnist("test").images.shape == (10_000, 28, 28, 1)
     """
-    if split not in ("train", "test"):
-        raise ValueError(f"`split` must be 'train' or 'test', got {split!r}")
-    folder = pathlib.Path(directory) if directory is not None else FASHION_MNIST_DIR
-    prefix = "train" if split == "train" else "t10k"
-    images_path = folder / f"{prefix}-images-idx3-ubyte.gz"
-    labels_path = folder / f"{prefix}-labels-idx1-ubyte.gz"
-    for path in (images_path, labels_path):
-        if not path.exists():
-            raise FileNotFoundError(
-                f"Fashion-MNIST file {path} not found: install Debian's package "
-                "(apt-get update && apt-get install -y dataset-fashion-mnist, as root) or pass "
-                "`directory=` a folder holding the four *-idx?-ubyte.gz files"
-            )
+    names = _fashion_mnist.split_files(split)  # checks `split`
+    folder = _fashion_mnist.find_fashion_mnist(directory, split)
+    if folder is None:
+        raise FileNotFoundError(_fashion_mnist.not_found_message(directory, split))
+    images_path, labels_path = (folder / name for name in names)
     images = _read_idx(images_path)
     labels = _read_idx(labels_path)
     if images.shape[0] != labels.shape[0]:
