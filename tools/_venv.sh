@@ -1,7 +1,9 @@
 # shellcheck shell=bash
 # Shared setup for tools/*.sh: source it, then call `ensure_venv EXTRAS`.
 #
-#   ensure_venv test      -> .venv exists and holds `pip install -e ".[test]"`
+#   ensure_venv test      -> .venv exists and holds `pip install -e ".[test]"` (the test extra
+#                            includes the optional flax, checkpoint and clu extras' packages: the
+#                            suite tests those features; a plain `pip install triaccel-jax` lacks them)
 #   ensure_kernels_venv   -> .venv-kernels holds `pip install -e ".[kernels-dev,test]"` in the first
 #                            interpreter that can install it; $VENV_PY then points at it (or: returns 1)
 #
@@ -155,20 +157,44 @@ ensure_kernels_venv() {
     return "$ok"
 }
 
-# Fashion-MNIST, the real offline data set: Debian's dataset-fashion-mnist package (IDX files in
-# /usr/share/datasets/fashion-mnist, MIT licence). Installed when missing and we are root with
-# apt-get; otherwise we say how to get it (the code falls back to scikit-learn's digits).
+# Fashion-MNIST, the real offline data set. It is looked for where triaccel_jax.data looks:
+# $TRIACCEL_DATA_DIR (else ~/.cache/triaccel_jax/data), as is and its fashion-mnist/, then Debian's
+# /usr/share/datasets/fashion-mnist (package dataset-fashion-mnist, MIT licence).
+#
+# No hidden system change: apt-get runs only with TRIACCEL_INSTALL_SYSTEM_DATA=1 (opt-in; .ci/run
+# sets it), as root, and says what it is about to run first. Otherwise a missing data set is one
+# message listing the ways to get it; the tests that need it skip, the main job uses digits.
+# `ensure_fashion_mnist quiet` prints nothing when the data set is missing and not installed
+# (tools/main.sh, when its arguments choose a data folder or the download themselves).
 ensure_fashion_mnist() {
-    local dir=/usr/share/datasets/fashion-mnist
-    [[ -f "$dir/t10k-labels-idx1-ubyte.gz" ]] && return 0
-    if [[ "$(id -u)" == "0" ]] && command -v apt-get >/dev/null 2>&1; then
-        _log "installing Debian's dataset-fashion-mnist (real offline data for tests and the main job)"
-        if apt-get update -qq >/dev/null 2>&1 \
-            && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1; then
-            return 0
+    local quiet="${1:-}" data_dir d name found
+    data_dir="${TRIACCEL_DATA_DIR:-${XDG_CACHE_HOME:-${HOME:-/nonexistent}/.cache}/triaccel_jax/data}"
+    for d in "$data_dir" "$data_dir/fashion-mnist" /usr/share/datasets/fashion-mnist; do
+        found=1
+        for name in train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte t10k-labels-idx1-ubyte; do
+            [[ -f "$d/$name.gz" ]] || found=0
+        done
+        (( found )) && return 0
+    done
+    if [[ "${TRIACCEL_INSTALL_SYSTEM_DATA:-0}" == "1" ]]; then
+        if [[ "$(id -u)" == "0" ]] && command -v apt-get >/dev/null 2>&1; then
+            _log "TRIACCEL_INSTALL_SYSTEM_DATA=1: installing Debian's dataset-fashion-mnist (Fashion-MNIST's"
+            _log "  IDX files, 30 MB, into /usr/share/datasets/fashion-mnist). Running, as root:"
+            _log "  apt-get update && apt-get install -y dataset-fashion-mnist"
+            if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; then
+                return 0
+            fi
+            _log "warning: apt-get could not install dataset-fashion-mnist; Fashion-MNIST tests will skip"
+        else
+            _log "TRIACCEL_INSTALL_SYSTEM_DATA=1, but installing Debian's dataset-fashion-mnist needs root and"
+            _log "  apt-get: nothing was installed. Fashion-MNIST tests will skip; the main job uses digits."
         fi
-        _log "warning: apt-get could not install dataset-fashion-mnist; Fashion-MNIST tests will skip"
-    else
-        _log "Fashion-MNIST is missing: as root run 'apt-get update && apt-get install -y dataset-fashion-mnist'"
+        return 0
     fi
+    [[ "$quiet" == "quiet" ]] && return 0
+    _log "Fashion-MNIST not found (looked in $data_dir, $data_dir/fashion-mnist and"
+    _log "  /usr/share/datasets/fashion-mnist); its tests skip and the main job uses digits. To get it:"
+    _log "  as root: TRIACCEL_INSTALL_SYSTEM_DATA=1 bash tools/test.sh (runs apt-get install -y dataset-fashion-mnist),"
+    _log "  or put the four *-ubyte.gz files in a folder and set TRIACCEL_DATA_DIR=/that/folder,"
+    _log "  or download them (official source, MD5-checked): bash tools/main.sh --download"
 }

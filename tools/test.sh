@@ -12,6 +12,10 @@
 #    (as .ci/run sets), which makes that a failure. It does not take ARGS (they name tests of step 1).
 #
 # The exit status is non-zero when either step fails; both run even if the first fails.
+#
+# Fashion-MNIST's tests use the data set where it is found ($TRIACCEL_DATA_DIR, Debian's package)
+# and skip otherwise; TRIACCEL_INSTALL_SYSTEM_DATA=1, as root, installs Debian's package with
+# apt-get first (announced; .ci/run sets it). Nothing is installed on the system otherwise.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$REPO_ROOT"
