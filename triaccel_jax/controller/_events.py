@@ -17,7 +17,10 @@ class Event(NamedTuple):
     Attributes:
       step: the training step the decision was taken at (before that step ran).
       kind: what changed: ``"start"``, ``"grow"``, ``"shrink"``, ``"oom"``, ``"reject"``,
-        ``"replan"``, ``"learning_rate"``, ``"compile"`` or ``"restore"``.
+        ``"replan"``, ``"learning_rate"``, ``"compile"``, ``"restore"``, or, with
+        ``compile_in_background``, ``"grow_decided"`` and ``"replan_decided"`` (the step the
+        change needs is compiling). Each is also logged (``triaccel_jax.controller`` logger:
+        ``"oom"`` at WARNING, the others at INFO).
       old: the value before (a batch size, a policy signature, a learning rate, ...).
       new: the value after.
       reason: why, in words.
