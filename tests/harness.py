@@ -3,7 +3,9 @@
 A variant is a name, a factory ``learning_rate -> GradientTransformationExtraArgs``, whether it
 needs the loss as an extra argument, and under which of optax's names for it (``loss_fn``,
 ``obj_fn``, ``value_fn``) the harness passes it. ``tests/test_harness.py`` runs every check on
-every variant, in the spirit of optax's common optimizer tests.
+every variant, in the spirit of optax's common optimizer tests; the checks of a single update run
+both jitted and eagerly (``chex.variants(with_jit=True, without_jit=True)``), each variant named
+as in ``NAMED_VARIANTS``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ class Variant:
     def extra_args(self, loss_fn: Callable[[Any], Any]) -> dict[str, Any]:
         """The extra arguments of ``update`` for a loss of the params the transform sees."""
         return {self.loss_name: loss_fn} if self.needs_loss else {}
+
+    def update_fn(
+        self, tx: optax.GradientTransformationExtraArgs, loss_fn: Callable[[Any], Any]
+    ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+        """``(grads, state, params) -> (updates, state)``, ready for chex's ``self.variant``."""
+        return lambda grads, state, params: tx.update(
+            grads, state, params, **self.extra_args(loss_fn)
+        )
 
     def __str__(self) -> str:
         return self.name
@@ -73,3 +83,6 @@ VARIANTS = (
         )(lr, config=triaccel_jax.TriAccelConfig(block_size=16, rho=0.1), **kw),
     ),
 )
+
+# ``absl.testing.parameterized.named_parameters`` arguments: one ``(name, variant)`` per variant.
+NAMED_VARIANTS = tuple((variant.name.replace("-", "_"), variant) for variant in VARIANTS)

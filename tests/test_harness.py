@@ -1,12 +1,20 @@
-"""Every triaccel variant in ``harness.VARIANTS`` through the common optimizer checks."""
+"""Every triaccel variant in ``harness.VARIANTS`` through the common optimizer checks.
+
+Two checks of a single update (its dtype, masked leaves) are a ``chex.TestCase`` run both jitted
+and eagerly with ``chex.variants``; the rest are pytest functions (they use the ``count_compiles``
+fixture, compare jit with eager themselves, or train for many steps, jitted as users run them).
+"""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from absl.testing import parameterized
+from harness import NAMED_VARIANTS
 from harness import VARIANTS
 
 import triaccel_jax
@@ -52,19 +60,12 @@ def run(tx, variant, params, steps, loss=loss_fn, jit=True):
     return params, state
 
 
-def assert_trees_equal_types(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert x.shape == y.shape and x.dtype == y.dtype, (x, y)
-
-
 @variants
 def test_jit_matches_eager(variant):
     tx = variant.make(1e-2)
     eager, _ = run(tx, variant, make_params(), 2, jit=False)
     jitted, _ = run(tx, variant, make_params(), 2, jit=True)
-    for x, y in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(eager, jitted, rtol=1e-5, atol=1e-6)
 
 
 @variants
@@ -83,7 +84,7 @@ def test_state_types_stable_through_cond(variant):
 
     for pred in (True, False, True):
         new_state = maybe_update(pred, state)
-        assert_trees_equal_types(state, new_state)
+        chex.assert_trees_all_equal_shapes_and_dtypes(state, new_state)
         state = new_state
     count = jax.tree.leaves(
         state, is_leaf=lambda x: isinstance(x, triaccel_jax.transforms.ScaleByTriAccelState)
@@ -119,25 +120,8 @@ def test_abstract_init_matches_concrete(variant):
     tx = variant.make(1e-2)
     params = make_params()
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    assert_trees_equal_types(tx.init(abstract), tx.init(params))
-    assert_trees_equal_types(jax.eval_shape(tx.init, params), tx.init(params))
-
-
-@pytest.mark.standard_promotion(
-    "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
-)
-@variants
-def test_update_dtype_is_gradient_dtype(variant):
-    tx = variant.make(1e-2)
-    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), make_params())
-    state = tx.init(params)
-    grads = jax.tree.map(jnp.ones_like, params)
-    updates, new_state = jax.jit(lambda g, s, p: tx.update(g, s, p, **variant.extra_args(loss_fn)))(
-        grads, state, params
-    )
-    for g, u in zip(jax.tree.leaves(grads), jax.tree.leaves(updates), strict=True):
-        assert u.dtype == g.dtype == jnp.bfloat16
-    assert_trees_equal_types(state, new_state)
+    chex.assert_trees_all_equal_shapes_and_dtypes(tx.init(abstract), tx.init(params))
+    chex.assert_trees_all_equal_shapes_and_dtypes(jax.eval_shape(tx.init, params), tx.init(params))
 
 
 @variants
@@ -179,7 +163,7 @@ def test_inject_hyperparams_changes_learning_rate_without_retracing(variant, cou
     with count_compiles() as counter:
         zero_updates, new_state = update(grads, state, params)
     assert counter.count == 0
-    assert all(float(jnp.max(jnp.abs(u))) == 0 for u in jax.tree.leaves(zero_updates))
+    chex.assert_trees_all_equal(zero_updates, jax.tree.map(jnp.zeros_like, zero_updates))
     assert "conv" in triaccel_jax.signals(new_state)
 
 
@@ -194,7 +178,7 @@ def test_multisteps_accumulates(variant):
     grads = jax.grad(loss_fn)(params)
     update = jax.jit(lambda g, s: tx.update(g, s, params, **variant.extra_args(loss_fn)))
     first, state = update(grads, state)
-    assert all(float(jnp.max(jnp.abs(u))) == 0 for u in jax.tree.leaves(first))
+    chex.assert_trees_all_equal(first, jax.tree.map(jnp.zeros_like, first))
     second, state = update(grads, state)
     assert all(float(jnp.max(jnp.abs(u))) > 0 for u in jax.tree.leaves(second))
     assert triaccel_jax.signals(state)["conv"]["step_scale"] > 0
@@ -211,11 +195,8 @@ def test_apply_if_finite_skips_nan_step(variant):
     bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads)
     updates, bad_state = update(bad, state)
     assert int(bad_state.notfinite_count) == 1
-    assert all(float(jnp.max(jnp.abs(u))) == 0 for u in jax.tree.leaves(updates))
-    for before, after in zip(
-        jax.tree.leaves(state.inner_state), jax.tree.leaves(bad_state.inner_state), strict=True
-    ):
-        np.testing.assert_array_equal(before, after)
+    chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
+    chex.assert_trees_all_equal(state.inner_state, bad_state.inner_state)
 
 
 def _merge_masked(masked, full):
@@ -228,20 +209,41 @@ def _merge_masked(masked, full):
     )
 
 
-@variants
-def test_masked_leaves_pass_through(variant):
-    params = make_params()
-    mask = {"conv": True, "dense": {"kernel": True, "bias": False}}
-    tx = optax.masked(variant.make(1e-1), mask)
-    state = tx.init(params)
-    grads = jax.grad(loss_fn)(params)
-    extra = variant.extra_args(lambda masked: loss_fn(_merge_masked(masked, params)))
-    updates, state = tx.update(grads, state, params, **extra)
-    np.testing.assert_array_equal(updates["dense"]["bias"], grads["dense"]["bias"])
-    assert not np.allclose(updates["conv"], grads["conv"])
-    assert set(triaccel_jax.signals(state)) == {"conv", "dense/kernel"}
+class TestOneUpdateWithAndWithoutJit(chex.TestCase):
+    """One update of every variant, run by ``self.variant``: jitted, then eagerly."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*NAMED_VARIANTS)
+    @pytest.mark.standard_promotion(
+        "optax promotes inside its own transforms (integer leaves, MultiSteps, injected "
+        "hyperparameters)"
+    )
+    def test_update_dtype_is_gradient_dtype(self, variant):
+        tx = variant.make(1e-2)
+        params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), make_params())
+        state = tx.init(params)
+        grads = jax.tree.map(jnp.ones_like, params)
+        updates, new_state = self.variant(variant.update_fn(tx, loss_fn))(grads, state, params)
+        chex.assert_trees_all_equal_dtypes(updates, grads)
+        chex.assert_type(jax.tree.leaves(updates), jnp.bfloat16)
+        chex.assert_trees_all_equal_shapes_and_dtypes(state, new_state)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*NAMED_VARIANTS)
+    def test_masked_leaves_pass_through(self, variant):
+        params = make_params()
+        mask = {"conv": True, "dense": {"kernel": True, "bias": False}}
+        tx = optax.masked(variant.make(1e-1), mask)
+        state = tx.init(params)
+        grads = jax.grad(loss_fn)(params)
+        masked_loss = lambda masked: loss_fn(_merge_masked(masked, params))
+        updates, state = self.variant(variant.update_fn(tx, masked_loss))(grads, state, params)
+        chex.assert_trees_all_equal(updates["dense"]["bias"], grads["dense"]["bias"])
+        assert not np.allclose(updates["conv"], grads["conv"])
+        assert set(triaccel_jax.signals(state)) == {"conv", "dense/kernel"}
 
 
+# Eager only: the masked leaves' path under jit is test_masked_leaves_pass_through's.
 @variants
 def test_partition_with_sgd(variant):
     params = make_params()
