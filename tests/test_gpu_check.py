@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from triaccel_jax.cli import _end_to_end as e2e
+from triaccel_jax.kernels import _dispatch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -17,7 +18,8 @@ def test_quick_mode_runs_end_to_end_on_cpu(tmp_path):
     # The bandwidth and memory sections' --dry-run is the same code with tiny sizes, checked by
     # hand; the parity and end-to-end sections are what a first use on the GPU machine exercises.
     command = [sys.executable, "benchmarks/gpu_check.py", "--quick", "--output-dir", str(tmp_path)]
-    command += ["--sections", "cast-parity", "end-to-end"]
+    command += ["--sections", "cast-parity", "bandwidth", "end-to-end"]
+    command += ["--auto-table", str(tmp_path / "auto_table.json")]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=400)
     out = done.stdout
@@ -34,6 +36,10 @@ def test_quick_mode_runs_end_to_end_on_cpu(tmp_path):
     assert re.search(r"^FP32 AdamW: \d+ steps, final batch 16,", out, re.M), out
     targets = out[out.index("targets (ratios):") :].splitlines()[1:6]
     assert all(re.search(r"\(target <= [\d.]+\) (met|missed)$", t) for t in targets), targets
+    # Without Triton figures the table the bandwidth section writes chooses XLA for every op,
+    # and the dispatch reads it back.
+    table = _dispatch.load_auto_table(tmp_path / "auto_table.json")
+    assert table == dict.fromkeys(_dispatch.OPS, "xla")
     # Each run wrote its own results in its own folder (one process per run).
     assert all((tmp_path / run / "results.json").exists() for run in e2e.RUNS)
 

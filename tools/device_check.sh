@@ -12,8 +12,9 @@
 # minutes a device check may take), all output appended to OUTPUT_DIR/device.log:
 #   1. versions and the GPU (nvidia-smi -L), 30 s;
 #   2. benchmarks/gpu_check.py GPU_CHECK_ARGS (default: every section but end-to-end), 200 s:
-#      kernel parity through jax-triton, bandwidth, fused against unfused, peak_bytes_in_use of a
-#      ResNet-18 step (fp32, static bf16, planned);
+#      kernel parity through jax-triton, bandwidth (every launch candidate of each kernel against
+#      XLA and a device copy; the auto table written to OUTPUT_DIR/auto_table.json), fused against
+#      unfused, peak_bytes_in_use of a ResNet-18 step (fp32, static bf16, planned);
 #   3. unless SKIP_END_TO_END=1, gpu_check.py --sections end-to-end, 240 s: the main job three
 #      times, one process per run (FP32 and static bf16 AdamW at batch 128, Tri-Accel growing
 #      its batch), ResNet-18 on 32x32x3 Fashion-MNIST (CIFAR-10 when its archive is in
@@ -69,7 +70,9 @@ for p in (\"jax\", \"jaxlib\", \"flax\", \"optax\", \"orbax-checkpoint\", \"trit
     except m.PackageNotFoundError:
         print(p, \"-\")
 "'
-step 200 gpu_check python3 benchmarks/gpu_check.py "$@"
+# The bandwidth section writes the auto table it measured (kernels/auto_table.json's format) beside
+# the log: copy it over kernels/auto_table.json to make impl="auto" follow this device's figures.
+step 200 gpu_check python3 benchmarks/gpu_check.py --auto-table "$out/auto_table.json" "$@"
 if [[ "${SKIP_END_TO_END:-0}" != 1 ]]; then
     step 240 end_to_end python3 benchmarks/gpu_check.py --sections end-to-end --output-dir "$out/end_to_end"
 fi

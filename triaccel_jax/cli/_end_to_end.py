@@ -50,6 +50,9 @@ class Settings:
     max_steps: int | None = None
     timeout_s: float = 100.0
     triaccel_timeout_s: float | None = None
+    # On a GPU a grown batch's step compiles on a worker thread while training goes on; a tiny
+    # CPU check compiles it in the step that decides, so that the grow happens within its steps.
+    compile_in_background: bool = True
 
     def timeout(self, run: str) -> float:
         """Seconds ``run``'s process may take."""
@@ -64,6 +67,8 @@ class Settings:
         args += ["--batch-size", str(self.batch_size), "--max-batch", str(self.max_batch)]
         args += ["--eval-every", str(self.eval_every), "--check-every", str(self.check_every)]
         args += ["--no-progress", "--no-plots"]
+        if not self.compile_in_background:
+            args.append("--no-compile-in-background")
         for name in ("train_subset", "test_subset", "max_steps"):
             if getattr(self, name) is not None:
                 args += [f"--{name.replace('_', '-')}", str(getattr(self, name))]
@@ -83,6 +88,7 @@ QUICK = Settings(
     test_subset=128,
     max_steps=8,
     timeout_s=120.0,
+    compile_in_background=False,
 )
 
 
