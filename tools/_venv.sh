@@ -135,11 +135,19 @@ ensure_kernels_venv() {
     if [[ -x "$VENV_PY" ]] && ( ensure_venv "kernels-dev,test" ); then
         ok=0  # the existing venv is current
     else
+        local seen=" " real
         for c in "${candidates[@]}"; do
             if ! _py_ok "$c"; then
                 KERNEL_VENV_TRIED+=" $c (not found)"
                 continue
             fi
+            # python3 is often python3.12 (or 3.11) under another name: one try per interpreter.
+            real="$("$c" -c 'import os, sys; print(os.path.realpath(sys.executable))')"
+            if [[ "$seen" == *" $real "* ]]; then
+                KERNEL_VENV_TRIED+=" $c (the same interpreter as one above)"
+                continue
+            fi
+            seen+="$real "
             rm -rf "$VENV_DIR"
             _log "kernel tests: trying $("$c" -c 'import sys; print("Python", sys.version.split()[0])') ($c)"
             if ( TRIACCEL_PYTHON="$c"; ensure_venv "kernels-dev,test" ); then
@@ -147,6 +155,7 @@ ensure_kernels_venv() {
                 break
             fi
             KERNEL_VENV_TRIED+=" $c (could not install the kernels-dev extra)"
+            _log "kernel tests: $c cannot install the kernels-dev extra (the pip error above); trying the next"
             rm -rf "$VENV_DIR"
         done
     fi
