@@ -203,7 +203,7 @@ ensure_fashion_mnist() {
     [[ "$quiet" == "quiet" ]] && return 0
     _log "Fashion-MNIST not found (looked in $data_dir, $data_dir/fashion-mnist and"
     _log "  /usr/share/datasets/fashion-mnist); its tests skip and the main job uses digits. To get it:"
-    _log "  as root: TRIACCEL_INSTALL_SYSTEM_DATA=1 bash tools/test.sh (runs apt-get install -y dataset-fashion-mnist),"
+    _log "  as root: TRIACCEL_INSTALL_SYSTEM_DATA=1 bash $0 (runs apt-get install -y dataset-fashion-mnist),"
     _log "  or put the four *-ubyte.gz files in a folder and set TRIACCEL_DATA_DIR=/that/folder,"
     _log "  or download them (official source, MD5-checked): bash tools/main.sh --download"
 }
