@@ -8,6 +8,7 @@ None`` makes ``import name`` fail as if it were not installed), since this proce
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 import tomllib
@@ -123,3 +124,10 @@ def test_every_extra_named_in_a_message_is_declared_in_pyproject():
         assert any(req.startswith(package.lower()) for req in optional["all"]), extra
         assert not any(req.startswith(package.lower()) for req in declared["dependencies"])
     assert any(req.startswith("flax") for req in optional["demo"])
+
+
+def test_the_docs_extra_pins_what_tools_docs_sh_installs():
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    script = (ROOT / "tools" / "docs.sh").read_text()
+    block = re.search(r"DOCS_REQUIREMENTS=\((.*?)\)", script, re.S).group(1)
+    assert re.findall(r'"([^"]+)"', block) == optional["optional-dependencies"]["docs"]
