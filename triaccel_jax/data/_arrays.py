@@ -20,7 +20,17 @@ import numpy as np
 from triaccel_jax.data import _fashion_mnist
 
 FASHION_MNIST_DIR = _fashion_mnist.FASHION_MNIST_DIR
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_IDX_DTYPES = {
+    code: np.dtype(kind)
+    for code, kind in {
+        0x08: "u1",
+        0x09: "i1",
+        0x0B: ">i2",
+        0x0C: ">i4",
+        0x0D: ">f4",
+        0x0E: ">f8",
+    }.items()
+}
 
 
 class ArraySplit(NamedTuple):
