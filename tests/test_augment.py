@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +39,7 @@ def test_shape_and_dtype_under_jit():
     step = jax.jit(lambda key, images: random_crop_flip(key, images, padding=2))
     for images in (_images(4), (_images(4) * 255).astype(np.uint8)):
         out = step(jax.random.key(0), images)
-        assert out.shape == images.shape and out.dtype == images.dtype
+        chex.assert_trees_all_equal_shapes_and_dtypes(out, images)
     with pytest.raises(ValueError, match="batch"):
         random_crop_flip(jax.random.key(0), _images(1)[0])
 
@@ -98,7 +99,8 @@ def test_normalize():
         assert len(mean) == len(std) == 3
         assert all(0.4 < m < 0.52 for m in mean) and all(0.24 < s < 0.28 for s in std)
         out = jax.jit(normalize)(images, mean, std)
-        assert out.shape == images.shape and out.dtype == jnp.float32
+        chex.assert_shape(out, images.shape)
+        chex.assert_type(out, jnp.float32)
         want = (images - np.float32(mean)) / np.float32(std)
         np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
     constant = jnp.broadcast_to(jnp.asarray(CIFAR10_MEAN), (1, 4, 4, 3))

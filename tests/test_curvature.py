@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,7 @@ def test_fisher_is_squared_gradient_and_skips_non_float():
     tx = triaccel_jax.transforms.fisher_diagonal()
     grads = {"w": jnp.array([1.0, -3.0], jnp.bfloat16), "step": jnp.array(4), "none": None}
     diag, _ = tx.update(grads, tx.init(grads))
-    assert diag["w"].dtype == jnp.float32
+    chex.assert_type(diag["w"], jnp.float32)
     np.testing.assert_array_equal(diag["w"], [1.0, 9.0])
     assert diag["step"] is grads["step"] and diag["none"] is None
 
@@ -38,7 +39,7 @@ def test_hutchinson_single_estimate_is_exact_for_diagonal_hessian():
         params, tx.init(params), params, loss_fn=lambda p: jnp.sum(scales * p["x"] ** 2)
     )
     np.testing.assert_allclose(diag["x"], 2 * scales, rtol=1e-6)
-    assert state.key.dtype == jnp.uint32
+    chex.assert_type(state.key, jnp.uint32)
 
 
 def test_hutchinson_ema_within_five_percent_of_true_diagonal():
@@ -73,7 +74,8 @@ def test_hutchinson_handles_integer_and_none_leaves():
     grads = {"x": jnp.ones(3), "count": jnp.zeros((), jnp.int32), "skip": None}
     diag, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p, loss_fn=loss_fn))(grads, params)
     np.testing.assert_allclose(diag["x"], [4.0, 4.0, 4.0])
-    assert diag["count"].dtype == jnp.int32 and diag["skip"] is None
+    chex.assert_type(diag["count"], jnp.int32)
+    assert diag["skip"] is None
 
 
 def test_hutchinson_needs_loss_fn_with_helpful_message():
