@@ -3,6 +3,7 @@ a controller -> train state -> controller round trip keeps the effective rate.""
 
 from __future__ import annotations
 
+import chex
 import jax
 import numpy as np
 import optax
@@ -32,11 +33,6 @@ def sgd_step(params, ids, lr):
     return jax.tree.map(lambda p, g: p - lr * g, params, grads)
 
 
-def assert_close(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
-
-
 @pytest.mark.parametrize("injected", [True, False], ids=["injected", "update-scaled"])
 def test_after_an_out_of_memory_shrink_the_rate_follows_the_smaller_batch(injected):
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=BASE_LR) if injected else None
@@ -61,7 +57,9 @@ def test_after_an_out_of_memory_shrink_the_rate_follows_the_smaller_batch(inject
     # The retried step trains 64 samples, at the rate of 64.
     retried_ids = np.concatenate(controller.seen[2:])
     assert len(retried_ids) == 64
-    assert_close(controller.params, sgd_step(before_retry, retried_ids, BASE_LR))
+    chex.assert_trees_all_close(
+        controller.params, sgd_step(before_retry, retried_ids, BASE_LR), rtol=1e-5, atol=1e-7
+    )
     # From the next step on, the batch is 32: half the rate (linear scaling), logged as an event.
     rates = [e for e in controller.events if e.kind == "learning_rate"]
     assert [(e.step, e.old, e.new) for e in rates] == [(3, 1.0, 0.5)]
@@ -70,7 +68,12 @@ def test_after_an_out_of_memory_shrink_the_rate_follows_the_smaller_batch(inject
     after_retry = controller.params
     info = controller.step()
     assert info.batch_size == 32
-    assert_close(controller.params, sgd_step(after_retry, controller.seen[-1], BASE_LR / 2))
+    chex.assert_trees_all_close(
+        controller.params,
+        sgd_step(after_retry, controller.seen[-1], BASE_LR / 2),
+        rtol=1e-5,
+        atol=1e-7,
+    )
 
 
 @pytest.mark.parametrize("flax_state", ["triaccel", "flax"])
@@ -102,5 +105,7 @@ def test_a_train_state_round_trip_keeps_the_effective_rate(flax_state):
     before = again.params
     again.step()
     ids = again.sampler.order(0)[:64]
-    assert_close(again.params, sgd_step(before, ids, 4 * BASE_LR))
+    chex.assert_trees_all_close(
+        again.params, sgd_step(before, ids, 4 * BASE_LR), rtol=1e-5, atol=1e-7
+    )
     assert int(again.train_state.step) == 3

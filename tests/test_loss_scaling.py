@@ -3,6 +3,7 @@ regrows; nothing in the state ever becomes non-finite."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +11,14 @@ import optax
 import pytest
 
 import triaccel_jax
+
+
+def assert_trees_bit_identical(*trees):
+    chex.assert_trees_all_equal_comparator(
+        lambda a, b: np.asarray(a).tobytes() == np.asarray(b).tobytes(),
+        lambda a, b: f"not bit-identical: {a} != {b}",
+        *trees,
+    )
 
 
 def make_problem():
@@ -46,19 +55,9 @@ def test_injected_nonfinite_steps_are_skipped_and_state_stays_finite():
         params, state = step(params, state, bad_steps.get(t, 0.0))
         scales.append(float(state.scale))
         if t in bad_steps:
-            for a, b in zip(jax.tree.leaves(before_params), jax.tree.leaves(params), strict=True):
-                assert np.asarray(a).tobytes() == np.asarray(b).tobytes()  # bit-identical
-            for a, b in zip(
-                jax.tree.leaves(before_state.inner_state),
-                jax.tree.leaves(state.inner_state),
-                strict=True,
-            ):
-                assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-        assert all(
-            bool(jnp.all(jnp.isfinite(x)))
-            for x in jax.tree.leaves(state)
-            if jnp.issubdtype(x.dtype, jnp.floating)
-        )
+            assert_trees_bit_identical(before_params, params)
+            assert_trees_bit_identical(before_state.inner_state, state.inner_state)
+        chex.assert_tree_all_finite(state)
     assert int(state.skipped_steps) == 3
     assert int(state.nonfinite_count["w"]) == 3 and int(state.nonfinite_count["b"]) == 0
     # 1024 -> (steps 0, 1 fine) -> backoff at 2, 3 -> 256 -> grows after 3 good steps (4, 5, 6)
