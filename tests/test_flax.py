@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -45,8 +46,7 @@ def test_apply_gradients_forwards_the_loss_to_hutchinson():
     # The same step by hand through optax.
     updates, _ = tx.update(grads, tx.init(state.params), state.params, loss_fn=loss)
     expected = optax.apply_updates(state.params, updates)
-    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)  # jit against eager
+    chex.assert_trees_all_close(new.params, expected, rtol=1e-5, atol=1e-7)  # jit against eager
     assert int(new.step) == 1
     curvature = triaccel_jax.signals(new.opt_state)
     assert all(s["max_curvature"] > 0 for s in curvature.values())

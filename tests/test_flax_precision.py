@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -164,12 +165,9 @@ def test_bf16_forward_and_gradients_are_close_to_fp32():
     variables, _, bf16_loss = _setup(_MLP(), x, {"*": "bf16"})
     _, _, fp32_loss = _setup(_MLP(), x, {})
     np.testing.assert_allclose(bf16_loss(variables, x), fp32_loss(variables, x), rtol=0.05)
-    for g16, g32 in zip(
-        jax.tree_util.tree_leaves(jax.grad(bf16_loss)(variables, x)),
-        jax.tree_util.tree_leaves(jax.grad(fp32_loss)(variables, x)),
-        strict=True,
-    ):
-        np.testing.assert_allclose(g16, g32, rtol=0.05, atol=0.05)
+    chex.assert_trees_all_close(
+        jax.grad(bf16_loss)(variables, x), jax.grad(fp32_loss)(variables, x), rtol=0.05, atol=0.05
+    )
 
 
 def test_params_read_in_setup_are_cast_and_init_is_untouched():
