@@ -25,6 +25,7 @@ import dataclasses
 import math
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,15 +92,6 @@ def trainable_leaves(tree: Any) -> dict[str, Any]:
 
 def as_f64(x: Any) -> np.ndarray:
     return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
-
-
-def finite(x: Any) -> bool:
-    return not jnp.issubdtype(x.dtype, jnp.inexact) or bool(np.all(np.isfinite(as_f64(x))))
-
-
-def signature(tree: Any) -> tuple[Any, list[tuple[tuple[int, ...], Any]]]:
-    """The tree structure and every leaf's shape and dtype."""
-    return jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
 
 
 # -- strategies -----------------------------------------------------------------------------
@@ -185,23 +177,20 @@ def two_updates(name: str, params: Any, g1: Any, g2: Any, *, jit: bool) -> tuple
 
 def check_update(updates: Any, grads: Any, params: Any) -> None:
     """Same structure, shapes and dtypes as the gradients; pass-through leaves unchanged."""
-    assert jax.tree.structure(updates) == jax.tree.structure(grads)
+    chex.assert_trees_all_equal_shapes_and_dtypes(updates, grads)
     param_leaves = jax.tree.leaves(params)
     for u, g, p in zip(jax.tree.leaves(updates), jax.tree.leaves(grads), param_leaves, strict=True):
-        assert (u.shape, u.dtype) == (g.shape, g.dtype)
         if trainable(p) and trainable(g):
-            assert finite(u), (u, g)
+            chex.assert_tree_all_finite(u)
         else:  # "Integer, boolean and empty leaves pass through"
             np.testing.assert_array_equal(u, g)
 
 
 def check_states(*states: Any) -> None:
     """Same tree structure, shapes and dtypes from init on; every float leaf finite."""
-    first = signature(states[0])
+    chex.assert_trees_all_equal_shapes_and_dtypes(*states)
     for state in states:
-        assert signature(state) == first
-        for x in jax.tree.leaves(state):
-            assert finite(x), x
+        chex.assert_tree_all_finite(state)
 
 
 # b1 * mu + (1 - b1) * g cancels exactly in float32 for g = 10 then -9: m_hat = 0 while v_hat > 0.
@@ -240,9 +229,8 @@ TEMPLATES = (
 
 
 def assert_close(jitted: Any, eager: Any, what: str) -> None:
-    assert jax.tree.structure(jitted) == jax.tree.structure(eager), what
+    chex.assert_trees_all_equal_dtypes(jitted, eager)
     for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager), strict=True):
-        assert a.dtype == b.dtype, what
         if not jnp.issubdtype(a.dtype, jnp.floating):
             np.testing.assert_array_equal(a, b, err_msg=what)
             continue
@@ -260,10 +248,9 @@ def assert_close_updates(jitted: Any, eager: Any, grads: Any, params: Any) -> No
     an ulp of each term (``|s * direction| <= 2 * 3`` here, ``weight_decay * |param|``), which is
     much more than an ulp of the sum when the terms cancel.
     """
-    assert jax.tree.structure(jitted) == jax.tree.structure(eager)
+    chex.assert_trees_all_equal_dtypes(jitted, eager, grads)
     leaves = zip(*(jax.tree.leaves(t) for t in (jitted, eager, grads, params)), strict=True)
     for a, b, g, p in leaves:
-        assert a.dtype == b.dtype == g.dtype
         if not (trainable(g) and trainable(p)):
             np.testing.assert_array_equal(a, b)
             continue
@@ -290,7 +277,7 @@ def test_triaccel_jit_agrees_with_eager(example, name):
     if name == "bf16-every-step":
         # Eager stochastic rounding runs Philox op by op (~0.1 s a leaf and moment); the bf16
         # path's jit/eager agreement is the cast kernel's (tests/kernels).
-        assert {x.dtype for x in jax.tree.leaves(s2[0].mu)} <= {jnp.dtype(jnp.bfloat16)}
+        chex.assert_type(jax.tree.leaves(s2[0].mu), jnp.bfloat16)
         return
     with jax.disable_jit():
         _, e1, es1, e2, es2 = two_updates(name, params, g1, g2, jit=False)
