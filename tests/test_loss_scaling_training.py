@@ -4,6 +4,7 @@ unscaled, and skip (and count) the steps whose gradients overflow."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,10 +107,7 @@ def test_fp16_under_the_controller_skips_exactly_the_overflows_and_matches_fp32_
     # Backed off once per overflow from 2**15 (no growth within 2000 steps).
     assert float(controller.loss_scale.scale) == 2.0**15 * 0.5 ** len(expected)
     assert infos[-1].metrics["loss_scale"] == float(controller.loss_scale.scale)
-    assert all(
-        bool(jnp.all(jnp.isfinite(x)))
-        for x in jax.tree.leaves((controller.params, controller.opt_state))
-    )
+    chex.assert_tree_all_finite((controller.params, controller.opt_state))
     finite = [info.loss for info in infos if np.isfinite(info.loss)]
     assert finite[-1] < finite[0]  # it trains
     # The curvature estimator saw the unscaled gradients: the fp32 run's signals, to fp16

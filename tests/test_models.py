@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -98,9 +99,9 @@ def test_small_cnn_logits_shape_and_jit():
     variables = jax.jit(model.init)(jax.random.key(0), x)
     assert set(variables) == {"params"}  # nothing stateful
     logits = jax.jit(model.apply)(variables, x)
-    assert logits.shape == (5, 7)
-    assert logits.dtype == jnp.float32
-    assert np.all(np.isfinite(logits))
+    chex.assert_shape(logits, (5, 7))
+    chex.assert_type(logits, jnp.float32)
+    chex.assert_tree_all_finite(logits)
     # ``train`` is accepted for a uniform interface and changes nothing.
     np.testing.assert_array_equal(jax.jit(model.apply)(variables, x, train=True), logits)
 
@@ -127,7 +128,7 @@ def test_small_cnn_bfloat16_compute_keeps_float32_params():
     model = SmallCNN(dtype=jnp.bfloat16)
     x = jnp.zeros((2, 28, 28, 1))
     variables = _abstract_variables(model, x)
-    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(variables))
+    chex.assert_type(jax.tree.leaves(variables), jnp.float32)
     assert jax.eval_shape(model.apply, variables, x).dtype == jnp.bfloat16
 
 
@@ -168,15 +169,14 @@ def test_resnet_is_configurable():
 
 def test_resnet20_logits(resnet20_outputs):
     eval_logits, _, train_logits, _ = resnet20_outputs[0]
-    for logits in (eval_logits, train_logits):
-        assert logits.shape == (4, 10)
-        assert np.all(np.isfinite(logits))
+    chex.assert_shape([eval_logits, train_logits], (4, 10))
+    chex.assert_tree_all_finite((eval_logits, train_logits))
 
 
 def test_resnet20_batch_stats_update_in_train_mode_only(resnet20_variables, resnet20_outputs):
     old_stats = resnet20_variables["batch_stats"]
     _, eval_stats, _, train_stats = resnet20_outputs[0]
-    assert jax.tree.structure(train_stats) == jax.tree.structure(old_stats)
+    chex.assert_trees_all_equal_structs(train_stats, old_stats)
     changed = jax.tree.map(lambda a, b: bool(np.any(a != b)), old_stats, train_stats)
     assert all(jax.tree.leaves(changed))
     unchanged = jax.tree.map(lambda a, b: bool(np.all(a == b)), old_stats, eval_stats)
@@ -221,12 +221,10 @@ def test_resnet20_jitted_train_step(resnet20_variables):
     params = resnet20_variables["params"]
     batch_stats = resnet20_variables["batch_stats"]
     new_params, new_stats, _, loss, grads = step(params, batch_stats, tx.init(params))
-    assert np.isfinite(loss)
-    assert jax.tree.structure(grads) == jax.tree.structure(params)
-    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+    chex.assert_tree_all_finite((loss, grads))
+    chex.assert_trees_all_equal_structs(grads, params, new_params)
     assert all(np.any(g != 0) for g in jax.tree.leaves(grads))
-    assert jax.tree.structure(new_params) == jax.tree.structure(params)
-    assert jax.tree.structure(new_stats) == jax.tree.structure(batch_stats)
+    chex.assert_trees_all_equal_structs(new_stats, batch_stats)
 
 
 def test_batch_norm_matches_flax_in_fp32_and_stays_bf16_in_bf16():
@@ -239,17 +237,16 @@ def test_batch_norm_matches_flax_in_fp32_and_stays_bf16_in_bf16():
     )
     variables = ours.init(jax.random.key(0), x)
     reference = theirs.init(jax.random.key(0), x)
-    assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, reference)
+    chex.assert_trees_all_equal_shapes(variables, reference)
     y, stats = ours.apply(variables, x, mutable=["batch_stats"])
     y_ref, stats_ref = theirs.apply(reference, x, mutable=["batch_stats"])
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(stats_ref), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(stats, stats_ref, rtol=1e-5, atol=1e-6)
     evaluated = BatchNorm(True).apply({**variables, **stats}, x)
     expected = nn.BatchNorm(True, use_fast_variance=False).apply({**reference, **stats_ref}, x)
     np.testing.assert_allclose(evaluated, expected, rtol=1e-5, atol=1e-5)
     low, _ = ours.apply(variables, x.astype(jnp.bfloat16), mutable=["batch_stats"])
-    assert low.dtype == jnp.bfloat16
+    chex.assert_type(low, jnp.bfloat16)
     np.testing.assert_allclose(low.astype(jnp.float32), y, atol=0.05)
 
 
@@ -483,16 +480,13 @@ def test_efficientnet_b0_dropout_needs_an_rng_in_train_mode_only():
 def test_cifar_model_train_step(cifar_step):
     num_classes, variables, out = cifar_step
     params = variables["params"]
-    assert out["logits"].shape == out["eval_logits"].shape == (2, num_classes)
-    assert np.isfinite(out["loss"])
-    assert np.all(np.isfinite(out["logits"]))
-    assert np.all(np.isfinite(out["eval_logits"]))
-    assert jax.tree.structure(out["grads"]) == jax.tree.structure(params)
-    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(out["grads"]))
+    chex.assert_shape([out["logits"], out["eval_logits"]], (2, num_classes))
+    chex.assert_tree_all_finite(
+        [out["loss"], out["logits"], out["eval_logits"], out["grads"], out["params"]]
+    )
+    chex.assert_trees_all_equal_structs(out["grads"], params, out["params"])
     assert all(np.any(g != 0) for g in jax.tree.leaves(out["grads"]))
     # Adam moves every parameter that has a gradient.
-    assert jax.tree.structure(out["params"]) == jax.tree.structure(params)
-    assert all(np.all(np.isfinite(p)) for p in jax.tree.leaves(out["params"]))
     moved = jax.tree.map(lambda a, b: bool(np.any(a != b)), params, out["params"])
     assert all(jax.tree.leaves(moved))
 
@@ -500,8 +494,7 @@ def test_cifar_model_train_step(cifar_step):
 def test_cifar_model_batch_stats_update_in_train_mode_only(cifar_step):
     _, variables, out = cifar_step
     old_stats = variables["batch_stats"]
-    for stats in (out["batch_stats"], out["eval_batch_stats"]):
-        assert jax.tree.structure(stats) == jax.tree.structure(old_stats)
+    chex.assert_trees_all_equal_structs(old_stats, out["batch_stats"], out["eval_batch_stats"])
     changed = jax.tree.map(lambda a, b: bool(np.any(a != b)), old_stats, out["batch_stats"])
     assert all(jax.tree.leaves(changed))
     unchanged = jax.tree.map(lambda a, b: bool(np.all(a == b)), old_stats, out["eval_batch_stats"])
@@ -516,7 +509,7 @@ def test_cifar_model_bfloat16_compute_keeps_float32_params(name):
     model = _cifar_model(name, 10, dtype=jnp.bfloat16)
     x = jnp.zeros((2, 32, 32, 3))
     variables = _abstract_variables(model, x[:1], train=False)
-    assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(variables))
+    chex.assert_type(jax.tree.leaves(variables), jnp.float32)
 
     def forward(params, batch_stats):
         logits, state = model.apply(
@@ -534,16 +527,15 @@ def test_cifar_model_bfloat16_compute_keeps_float32_params(name):
     grads, (logits, state) = jax.eval_shape(
         jax.grad(forward, has_aux=True), variables["params"], variables["batch_stats"]
     )
-    assert logits.dtype == jnp.bfloat16
+    chex.assert_type(logits, jnp.bfloat16)
     # Every module's output (convolutions, BatchNorm, blocks, head) is bf16.
     activations = jax.tree.leaves(state["intermediates"])
     assert len(activations) > 20
-    assert all(a.dtype == jnp.bfloat16 for a in activations)
-    assert all(s.dtype == jnp.float32 for s in jax.tree.leaves(state["batch_stats"]))
-    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    chex.assert_type(activations, jnp.bfloat16)
+    chex.assert_type(jax.tree.leaves((state["batch_stats"], grads)), jnp.float32)
     new_params = jax.eval_shape(
         lambda p, g: optax.apply_updates(p, tx.update(g, tx.init(p), p)[0]),
         variables["params"],
         grads,
     )
-    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(new_params))
+    chex.assert_type(jax.tree.leaves(new_params), jnp.float32)
