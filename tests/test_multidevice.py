@@ -12,7 +12,7 @@ from simulated_devices import run_script
 
 SCRIPT = textwrap.dedent(
     """
-    import jax, jax.numpy as jnp, numpy as np
+    import chex, jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import triaccel_jax
 
@@ -45,8 +45,7 @@ SCRIPT = textwrap.dedent(
     for estimator in ("fisher", "hutchinson"):
         single = estimate(estimator, x, y)
         multi = estimate(estimator, xs, ys)
-        for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(multi), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        chex.assert_trees_all_close(single, multi, rtol=1e-5, atol=1e-7)
     print("ok")
     """
 )
@@ -58,7 +57,7 @@ def test_curvature_is_averaged_across_devices_like_gradients():
 
 DATA_PARALLEL = textwrap.dedent(
     """
-    import jax, jax.numpy as jnp, numpy as np, optax
+    import chex, jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import Mesh, PartitionSpec as P
     import triaccel_jax
 
@@ -117,9 +116,10 @@ DATA_PARALLEL = textwrap.dedent(
     averaged = train("data")
     print("spread without axis_name", local, "with", spread(averaged))
     assert local > 1e-4, local  # local Hutchinson estimates: the replicas' states drift apart
-    for leaf in jax.tree.leaves(averaged):
-        for replica in range(1, 8):
-            np.testing.assert_array_equal(leaf[replica], leaf[0])
+    for replica in range(1, 8):
+        chex.assert_trees_all_equal(
+            jax.tree.map(lambda s: s[replica], averaged), jax.tree.map(lambda s: s[0], averaged)
+        )
 
     # The averaged estimate is the global batch's: one step equals the single-device one.
     tx = triaccel_jax.scale_by_triaccel(estimator="hutchinson", axis_name="data")
@@ -141,8 +141,7 @@ DATA_PARALLEL = textwrap.dedent(
         jax.grad(loss)(params, x, y), single_tx.init(params), params,
         loss_fn=lambda p: loss(p, x, y),
     )
-    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single.leaf_signals), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
+    chex.assert_trees_all_close(sharded, single.leaf_signals, rtol=1e-5, atol=1e-9)
     print("ok")
     """
 )
