@@ -541,3 +541,18 @@ def test_bad_data_is_rejected():
         Controller(loss_fn, params, tx, lambda idx: None)
     with pytest.raises(ValueError, match="no arrays"):
         Controller(loss_fn, params, tx, {})
+
+
+def test_the_first_replan_moves_leaves_at_once_and_first_replan_sets_when():
+    options = {"planner_options": {"budget": float("inf"), "min_size": 0}, "max_batch": 8}
+    default = make_controller(replan_every=5, **options)
+    default.run(12)
+    # The first plan is made without hysteresis (there is no earlier plan to flip back to):
+    # the policy changes at step 5, not after a second agreeing plan at step 10.
+    assert [e.step for e in default.events if e.kind == "replan"] == [5]
+    early = make_controller(replan_every=5, first_replan=2, **options)
+    early.run(12)
+    assert [e.step for e in early.events if e.kind == "replan"] == [2]
+    assert early.policy == default.policy
+    with pytest.raises(ValueError, match="first_replan"):
+        make_controller(first_replan=2)  # precision is not planned

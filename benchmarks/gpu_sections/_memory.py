@@ -84,7 +84,7 @@ def memory_child(config: str, batch_size: int, dry_run: bool) -> None:
         # Signals from a few fp32 steps on a small slice (kept small so that they do not set the
         # process's peak), then the planner's policy and the state converted to it.
         warm = make_step(None, donate=False)
-        for _ in range(5):
+        for _ in range(20):  # as the main job's first plan (--first-replan 20)
             params, batch_stats, opt_state, warm_loss = warm(
                 params, batch_stats, opt_state, x[:8], y[:8]
             )

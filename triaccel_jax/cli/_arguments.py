@@ -77,6 +77,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--replan-every", type=int, default=100, help="steps between precision re-plans"
     )
+    parser.add_argument(
+        "--first-replan",
+        type=int,
+        default=20,
+        help="step of Tri-Accel's first precision plan (made without hysteresis), then every "
+        "--replan-every steps (benchmarks/planner_budget.py: 20 steps of signals plan as 300 do)",
+    )
     parser.add_argument("--check-every", type=int, default=10, help="steps between memory checks")
     parser.add_argument(
         "--compile-in-background",

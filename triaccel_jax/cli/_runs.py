@@ -118,6 +118,7 @@ def build_controller(
             batch_size=args.batch_size,
             probe=probe,
             replan_every=args.replan_every,
+            first_replan=min(args.first_replan, args.replan_every),
             lr_scaling="sqrt",
             # A grow's bigger step compiles on a worker thread while training goes on.
             compile_in_background=args.compile_in_background,

@@ -67,6 +67,10 @@ class ControllerConfig:
       patience: consecutive checks a bucket change must be indicated at, >= 1.
       check_every: steps between memory checks, >= 1.
       replan_every: steps between precision re-plans (None: precision is not planned).
+      first_replan: the step of the first re-plan (default ``replan_every``); later ones follow
+        every ``replan_every`` steps. The first plan moves leaves at once (no hysteresis: there
+        is no earlier plan to flip back to), so a small ``first_replan`` puts the planned policy
+        in force early instead of after two full intervals.
       planner_options: keyword arguments of :func:`triaccel_jax.plan_precision` (e.g.
         ``budget``, ``allowed``, ``patience``).
       loss_scaling: keyword arguments of the dynamic loss scale (``initial_scale``,
@@ -112,6 +116,7 @@ class ControllerConfig:
     patience: int = 2
     check_every: int = 10
     replan_every: int | None = None
+    first_replan: int | None = None
     planner_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     loss_scaling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     data_axis: str = "data"
@@ -129,12 +134,35 @@ class ControllerConfig:
         validation.check_integer("steps_in_flight", self.steps_in_flight, 0)
         if self.replan_every is not None:
             validation.check_integer("replan_every", self.replan_every, 1)
+        if self.first_replan is not None:
+            validation.check_integer("first_replan", self.first_replan, 1)
+            if self.replan_every is None:
+                raise ValueError("`first_replan` needs `replan_every` (precision is not planned)")
         validation.check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         if self.global_batch is not None and not self.keep_global_batch:
             raise ValueError("`global_batch` is only used with keep_global_batch=True")
         # Read-only copies: the config is a value, and the caller's dicts stay theirs.
         for name in ("planner_options", "loss_scaling"):
             object.__setattr__(self, name, types.MappingProxyType(dict(getattr(self, name) or {})))
+
+    def replan_due(self, step: int) -> bool:
+        """Whether a re-plan is due before ``step`` (steps done so far).
+
+        Example:
+          >>> from triaccel_jax.controller import ControllerConfig
+          >>> config = ControllerConfig(replan_every=100, first_replan=20)
+          >>> [s for s in range(1, 400) if config.replan_due(s)]
+          [20, 120, 220, 320]
+        """
+        if self.replan_every is None or step <= 0:
+            return False
+        first = self.replan_every if self.first_replan is None else self.first_replan
+        return step >= first and (step - first) % self.replan_every == 0
+
+    def is_first_replan(self, step: int) -> bool:
+        """Whether the re-plan due before ``step`` is the first one (planned without hysteresis)."""
+        first = self.replan_every if self.first_replan is None else self.first_replan
+        return self.replan_every is not None and step == first
 
     def layout(self, multiple: int) -> BatchLayout:
         """The buckets, starting bucket, global batch and reference batch on ``multiple`` devices.

@@ -84,9 +84,8 @@ def dispatch(controller: Any) -> None:
     """
     controller._background.poll(controller)  # a grow whose compile is ready switches now
     flight, count = controller._in_flight, controller.step_count
-    every = controller.config.replan_every
     check_due = count > 0 and count % controller.config.check_every == 0
-    replan_due = bool(every) and count > 0 and count % every == 0
+    replan_due = controller.config.replan_due(count)
     if check_due or replan_due:
         flush(controller)  # the checks read what the queued steps produce
     first_event = len(controller.events)

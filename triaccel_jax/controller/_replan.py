@@ -43,6 +43,7 @@ def replan(
     *,
     loss: float | None = None,
     planner_options: Mapping[str, Any] | None = None,
+    hysteresis: bool = True,
 ) -> Replan:
     """Re-plans the precision policy from the optimizer's signals.
 
@@ -53,6 +54,8 @@ def replan(
         plan, without hysteresis).
       loss: the current loss, for a relative ``budget``.
       planner_options: the other keyword arguments of :func:`triaccel_jax.plan_precision`.
+      hysteresis: False plans as a first plan (leaves move at once, no streaks); the result is
+        still compared with ``previous``'s policy.
 
     Returns:
       A :class:`Replan`.
@@ -72,7 +75,11 @@ def replan(
       docs/design.md §3 (the planner) and §5 (the controller).
     """
     plan = planner.plan_precision(
-        signals_lib.signals(opt_state), params, previous, loss=loss, **dict(planner_options or {})
+        signals_lib.signals(opt_state),
+        params,
+        previous if hysteresis else None,
+        loss=loss,
+        **dict(planner_options or {}),
     )
     before = previous.policy if isinstance(previous, policy_lib.PrecisionPlan) else previous
     changed = plan.policy != before
@@ -106,6 +113,9 @@ def replan_controller(controller: Any) -> None:
         controller.plan,
         loss=controller._last_loss,
         planner_options=controller.config.planner_options,
+        # The first plan leaves the all-fp32 start at once: hysteresis guards against flipping
+        # back and forth between plans, and there is no earlier plan yet.
+        hysteresis=not controller.config.is_first_replan(controller.step_count),
     )
     if not result.changed:
         controller.plan = result.plan  # the hysteresis streaks move on

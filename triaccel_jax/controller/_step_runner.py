@@ -34,8 +34,7 @@ def run_step(controller: Any) -> events_lib.StepInfo:
     controller._background.poll(controller)  # a grow whose compile is ready switches now
     if controller.step_count > 0 and controller.step_count % controller.config.check_every == 0:
         controller._check_memory()
-    every = controller.config.replan_every
-    if every and controller.step_count > 0 and controller.step_count % every == 0:
+    if controller.config.replan_due(controller.step_count):
         controller._replan()
     indices = controller.sampler.take(controller.batch_size)
     metrics = run_with_retry(controller, indices)
