@@ -24,6 +24,8 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
+from triaccel_jax.cli._results import time_to_accuracy
+
 RUNS = ("fp32", "bf16", "triaccel")
 LABELS = {"fp32": "FP32 AdamW", "bf16": "static bf16 AdamW", "triaccel": "Tri-Accel"}
 
@@ -120,23 +122,6 @@ def run_in_process(
     result["platform"] = record["platform"]
     result["process_seconds"] = time.perf_counter() - start
     return result
-
-
-def time_to_accuracy(run: dict[str, Any], target: float) -> tuple[float, float] | None:
-    """(wall seconds, wall seconds less compiles) at ``run``'s first evaluation reaching
-    ``target``, or None if none did. Evaluations themselves are not counted.
-
-    Example::
-
-      >>> evals = [{"accuracy": 0.5, "seconds": 3.0, "compile_seconds": 2.0},
-      ...          {"accuracy": 0.9, "seconds": 5.0, "compile_seconds": 2.5}]
-      >>> time_to_accuracy({"evals": evals}, 0.8)
-      (5.0, 2.5)
-    """
-    for e in run["evals"]:
-        if e["accuracy"] >= target:
-            return e["seconds"], e["seconds"] - e["compile_seconds"]
-    return None
 
 
 def memory_figures(run: dict[str, Any]) -> tuple[str, float | None, float | None]:

@@ -25,7 +25,34 @@ RESULT_COLUMNS = (
     "vs FP32 at common batch",
     "compiled MiB at common batch",
     "test accuracy",
+    "s to FP32's accuracy (less compiles)",
 )
+
+
+def time_to_accuracy(run: dict[str, Any], target: float) -> tuple[float, float] | None:
+    """(wall seconds, wall seconds less compiles) at ``run``'s first evaluation reaching
+    ``target``, or None if none did. Evaluations themselves are not counted.
+
+    Example::
+
+      >>> evals = [{"accuracy": 0.5, "seconds": 3.0, "compile_seconds": 2.0},
+      ...          {"accuracy": 0.9, "seconds": 5.0, "compile_seconds": 2.5}]
+      >>> time_to_accuracy({"evals": evals}, 0.8)
+      (5.0, 2.5)
+    """
+    for e in run["evals"]:
+        if e["accuracy"] >= target:
+            return e["seconds"], e["seconds"] - e["compile_seconds"]
+    return None
+
+
+def _time_to_fp32(run: Any, base: Any) -> str:
+    """``"wall (less compiles)"`` seconds at ``run``'s first evaluation reaching FP32's final
+    accuracy; "not reached", or "-" without an FP32 run."""
+    if base is None:
+        return "-"
+    reached = time_to_accuracy({"evals": run.evals}, base.accuracy)
+    return "not reached" if reached is None else f"{reached[0]:.1f} ({reached[1]:.1f})"
 
 
 def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
@@ -36,7 +63,8 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
     is given at two batches, each in its own labelled columns: the largest batch the run
     trained at, and the common batch of all runs, where the "vs FP32" ratio is taken (the FP32
     run's figure at the same batch), so that a run that grew its batch is not credited with the
-    memory of a smaller one.
+    memory of a smaller one. The last column is the time to FP32's final test accuracy, at the
+    first evaluation that reaches it (``--eval-every`` sets how often; every epoch's end counts).
 
     Args:
       results: the runs' :class:`triaccel_jax.cli._runs.RunResult`, in table order.
@@ -55,10 +83,9 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     for r in results:
-        comparable = base is not None and base.common_batch == r.common_batch
         ratio = (
             f"{r.common_batch_memory_mib / base.common_batch_memory_mib:.3f}x"
-            if comparable
+            if base is not None and base.common_batch == r.common_batch
             else "-"
         )
         cells = (
@@ -77,6 +104,7 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
             ratio,
             mib(r.common_batch_compiled_mib, 1),
             f"{100 * r.accuracy:.2f}%",
+            _time_to_fp32(r, base),
         )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
