@@ -206,7 +206,7 @@ def write_auto_table(
       {'fused_update/bfloat16': 'triton'}
     """
     path = pathlib.Path(path)
-    ops = {}
+    ops: dict[str, dict[str, Any]] = {}
     for row in rows:
         op = row["op"]
         triton = _fraction(path, op, "triton_copy_fraction", row.get("triton_copy_fraction"))

@@ -88,7 +88,7 @@ def check_rounding(rounding: str) -> None:
         raise ValueError(f"`rounding` must be one of {ROUNDING_MODES}, got {rounding!r}")
 
 
-def is_exact(source: jnp.dtype, target: jnp.dtype) -> bool:
+def is_exact(source: jax.typing.DTypeLike, target: jax.typing.DTypeLike) -> bool:
     """True when every value of ``source`` is a value of ``target`` (so a cast cannot round)."""
     s, t = jnp.finfo(source), jnp.finfo(target)
     return t.nmant >= s.nmant and t.maxexp >= s.maxexp and t.minexp <= s.minexp

@@ -187,9 +187,11 @@ def decode(field, FORMAT: tl.constexpr):
             MIN_EXPONENT: tl.constexpr = -14
             WIDTH: tl.constexpr = 16
         else:
-            MANTISSA: tl.constexpr = 3
-            MIN_EXPONENT: tl.constexpr = -6
-            WIDTH: tl.constexpr = 8
+            # Triton DSL: FORMAT is a constexpr, so only one branch is compiled, and a constexpr
+            # must be declared where it is assigned; mypy reads the two as a redefinition.
+            MANTISSA: tl.constexpr = 3  # type: ignore[no-redef]
+            MIN_EXPONENT: tl.constexpr = -6  # type: ignore[no-redef]
+            WIDTH: tl.constexpr = 8  # type: ignore[no-redef]
         magnitude_field = field & ((1 << (WIDTH - 1)) - 1)
         biased = (magnitude_field >> MANTISSA).to(tl.int32)
         mantissa = (magnitude_field & ((1 << MANTISSA) - 1)).to(tl.int32)

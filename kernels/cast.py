@@ -126,7 +126,10 @@ def cast_reference(
       [48.0, 448.0]
     """
     dtype, needs_bits = _validate(x, dtype, rounding, key, scale)
-    words = _rounding.seed_words(key) if needs_bits else None
+    words = None
+    if needs_bits:
+        assert key is not None  # _validate refuses needs_bits without a key
+        words = _rounding.seed_words(key)
     scale = None if scale is None else jnp.asarray(scale, jnp.float32)
     return _reference(x, dtype, rounding, words, scale)
 
@@ -255,7 +258,10 @@ def cast(
     """
     dtype, needs_bits = _validate(x, dtype, rounding, key, scale)
     use = _dispatch.resolve(impl, "cast", _dispatch.cast_op(dtype, rounding))
-    words = _rounding.seed_words(key) if needs_bits else None
+    words = None
+    if needs_bits:
+        assert key is not None  # _validate refuses needs_bits without a key
+        words = _rounding.seed_words(key)
     scale = None if scale is None else jnp.asarray(scale, jnp.float32)
     forward = functools.partial(_forward, dtype=dtype, rounding=rounding, use=use)
     return _straight_through(forward, x, scale, words)

@@ -327,7 +327,10 @@ def fused_update(
         step_scale=step_scale,
         compute_scale=compute_scale,
     )
-    words = _rounding.seed_words(key) if needs_bits else None
+    words = None
+    if needs_bits:
+        assert key is not None  # validate refuses needs_bits without a key
+        words = _rounding.seed_words(key)
     if use == "triton" and grad.size > 0:
         from triaccel_jax.kernels import _fused_update_triton  # lazy: imports triton
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+from typing import overload
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +85,28 @@ def check_learning_rate(value: Any) -> None:
         )
 
 
+@overload
+def check_integer(
+    name: str,
+    value: jax.core.Tracer,
+    minimum: int,
+    *,
+    strict: bool = ...,
+    description: str | None = ...,
+) -> jax.core.Tracer: ...
+
+
+@overload
+def check_integer(
+    name: str,
+    value: Any,
+    minimum: int,
+    *,
+    strict: bool = ...,
+    description: str | None = ...,
+) -> int: ...
+
+
 def check_integer(
     name: str,
     value: Any,
@@ -91,7 +114,7 @@ def check_integer(
     *,
     strict: bool = False,
     description: str | None = None,
-) -> int:
+) -> int | jax.core.Tracer:
     """Returns ``value`` as an ``int``, or raises ``ValueError`` naming ``name``.
 
     Args:

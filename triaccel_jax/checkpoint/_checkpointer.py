@@ -155,11 +155,13 @@ def _root_cause(error: BaseException) -> str:
 
 def _metadata_problem(error: BaseException) -> str:
     """What is wrong with a JSON item orbax failed to read, from the exceptions it chained."""
-    chain, seen = [], set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        chain.append(error)
-        error = error.__cause__ or error.__context__
+    chain: list[BaseException] = []
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        chain.append(link)
+        link = link.__cause__ or link.__context__
     if any(isinstance(e, json.JSONDecodeError | UnicodeDecodeError) for e in chain):
         return (
             f"its JSON item is not valid JSON ({_root_cause(chain[0])}); the file is corrupted "
@@ -519,12 +521,12 @@ class Checkpointer:
             saved = records.get(name)
             # A leaf restored with another shape or dtype (orbax casts to the template) cannot
             # be compared; one saved on another process's devices has no record.
-            comparable = (
+            if (
                 saved is not None
                 and "crc32" in saved
                 and all(saved[key] == record[key] for key in ("shape", "dtype"))
-            )
-            if comparable and saved["crc32"] != record["crc32"]:
+                and saved["crc32"] != record["crc32"]
+            ):
                 corrupted.append(name)
         if corrupted:
             raise CheckpointError(

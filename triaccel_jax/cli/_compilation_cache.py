@@ -18,6 +18,7 @@ import os
 import pathlib
 from collections.abc import Iterator
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 from jax._src import compilation_cache as jax_cache
@@ -99,7 +100,10 @@ def persistent_cache(path: pathlib.Path | None) -> Iterator[None]:
     names = ("jax_compilation_cache_dir", *_SETTINGS)
     saved = {name: getattr(jax.config, name) for name in names}
     if path is None:
-        settings = {"jax_enable_compilation_cache": False, "jax_compilation_cache_dir": None}
+        settings: dict[str, Any] = {
+            "jax_enable_compilation_cache": False,
+            "jax_compilation_cache_dir": None,
+        }
     else:
         path.mkdir(parents=True, exist_ok=True)
         settings = {**_SETTINGS, "jax_compilation_cache_dir": str(path)}

@@ -181,6 +181,7 @@ def decide_bucket(
     grow_streak += 1
     choice = larger[-1]
     predicted = predict_peak(choice, peaks, fixed_bytes)
+    assert predicted is not None  # choice fits, so its peak is predicted
     reason = (
         f"bucket {choice} predicted at {predicted / limit:.0%} of the limit (target {target:.0%})"
     )

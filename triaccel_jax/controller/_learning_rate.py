@@ -130,6 +130,7 @@ class LearningRateScaling:
         """Sets the factor for ``batch``; returns it with ``opt_state`` holding the scaled rate."""
         old, self.factor = self.factor, self.factor_for(batch)
         if self.base_lr is not None:
+            assert self.hyperparam is not None  # base_lr is only found under a named hyperparam
             opt_state = set_hyperparam(opt_state, self.hyperparam, self.base_lr * self.factor)
         return LearningRateChange(old, self.factor, opt_state)
 
@@ -137,4 +138,5 @@ class LearningRateScaling:
         """``opt_state`` holding the tuned (reference-batch) rate, for handing the state back."""
         if self.base_lr is None:
             return opt_state
+        assert self.hyperparam is not None  # base_lr is only found under a named hyperparam
         return set_hyperparam(opt_state, self.hyperparam, self.base_lr)

@@ -260,8 +260,9 @@ def prepare_probe(probe: MemoryProbe | None) -> MemoryProbe:
     probe = default_memory_probe() if probe is None else probe
     if not callable(getattr(probe, "read", None)):
         raise TypeError("`probe` must have a read(*, batch_size) method (a MemoryProbe)")
-    if callable(getattr(probe, "reset", None)):
-        probe.reset()  # a probe used before: its earlier peaks are not this run's
+    reset = getattr(probe, "reset", None)  # optional: not part of the MemoryProbe protocol
+    if callable(reset):
+        reset()  # a probe used before: its earlier peaks are not this run's
     return probe
 
 

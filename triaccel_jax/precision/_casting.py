@@ -191,6 +191,7 @@ def apply_updates(
     """
     # Refused up front (not only where a narrow master needs the kernel), as the optimizer does.
     _dispatch.resolve(impl, "master write")
+    treedef: Any  # a jaxlib PyTreeDef, which has no stubs mypy can see
     leaves, treedef = jax.tree.flatten(params)
     try:
         update_leaves = treedef.flatten_up_to(updates)

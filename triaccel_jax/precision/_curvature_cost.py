@@ -69,8 +69,6 @@ def as_store(path: str, store: Any, shape: tuple[int, ...]) -> compression.Compr
     try:
         means, indices, values = (jnp.asarray(x) for x in store)
     except (TypeError, ValueError):
-        means = indices = values = None
-    if means is None:
         fits = False
     else:
         means_fit = (

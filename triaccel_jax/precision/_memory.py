@@ -217,7 +217,8 @@ def _residual_bytes(
         return vjp_fn
 
     closed = jax.make_jaxpr(saved)(params_abs, batch_abs)
-    param_vars, batch_vars = closed.jaxpr.invars[: len(kept)], closed.jaxpr.invars[len(kept) :]
+    invars: list[Any] = closed.jaxpr.invars  # avals are ShapedArrays; the stubs say AbstractValue
+    param_vars, batch_vars = invars[: len(kept)], invars[len(kept) :]
     env = {
         var: _Origin(frozenset({i}), False, (var.aval.dtype,)) for i, var in enumerate(param_vars)
     }
@@ -361,6 +362,7 @@ def memory_report(
         kept.append((master, compute, tuple(getattr(leaf, "shape", ()))))
         if not tree_lib.is_trainable(leaf):
             continue
+        assert master is not None and compute is not None  # a trainable leaf has a dtype
         size = math.prod(leaf.shape)
         grad_bytes += size * (4 if scaled else master.itemsize)
         if compute != master:

@@ -99,7 +99,7 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
             key = tree_lib.path_string(path)
             if key in result:
                 raise ValueError(f"two triaccel states hold signals for leaf {key!r}")
-            record = dict(zip(SIGNAL_NAMES, leaf_values, strict=True))
+            record: dict[str, Any] = dict(zip(SIGNAL_NAMES, leaf_values, strict=True))
             record["state_dtype"] = moment.dtype.name
             record["curvature_store"] = _bias_corrected(store, leaf_values, traced=traced)
             result[key] = record
