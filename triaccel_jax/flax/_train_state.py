@@ -240,7 +240,8 @@ class TrainState(train_state.TrainState):
         for name in ("step", "params", "opt_state", "compute_params"):
             if name in replaced:
                 raise TypeError(f"apply_gradients computes `{name}`; it cannot be passed")
-        if jax.tree.structure(grads) != jax.tree.structure(self.params):
+        grads_structure: Any = jax.tree.structure(grads)  # a jaxlib PyTreeDef: no stubs
+        if grads_structure != jax.tree.structure(self.params):
             raise ValueError(
                 "`grads` must have the structure of `params`: got "
                 f"{jax.tree.structure(grads)}, params are {jax.tree.structure(self.params)}"
@@ -314,7 +315,8 @@ def _convert_if_triaccel(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> 
 def _keep_unless(finite: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where the step was finite, else ``old`` (when both are alike arrays)."""
     new_leaves, old_leaves = jax.tree.leaves(new), jax.tree.leaves(old)
-    same = jax.tree.structure(new) == jax.tree.structure(old) and all(
+    new_structure: Any = jax.tree.structure(new)  # a jaxlib PyTreeDef: no stubs
+    same = new_structure == jax.tree.structure(old) and all(
         jnp.shape(a) == jnp.shape(b) for a, b in zip(new_leaves, old_leaves, strict=True)
     )
     if not same:

@@ -95,6 +95,7 @@ def refreshed_signals(
     kappa_ref = _finite_median([kappa[i] for i in active]) if active else None
     exponent = jnp.asarray(alpha, jnp.float32)
     for i in active:
+        assert kappa_ref is not None  # set whenever a leaf is active
         scale = jnp.clip(
             ((kappa_ref + _TINY) / (kappa[i] + _TINY)) ** exponent, min_scale, max_scale
         )

@@ -230,6 +230,7 @@ def scale_by_triaccel(
         # Checked on every trace, also for float32 moments (which no kernel writes), so that
         # impl="triton" where Triton cannot run is refused wherever it is asked for.
         _dispatch.resolve(impl, "moment write")
+        treedef: Any  # a jaxlib PyTreeDef, which has no stubs mypy can see
         grads, treedef = jax.tree.flatten(updates)
         mu = _flatten_like_updates(treedef, state.mu)
         active = _trained_leaves(updates, grads, mu)

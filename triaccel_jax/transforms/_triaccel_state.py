@@ -56,7 +56,8 @@ class ScaleByTriAccelState(NamedTuple):
       rounding_key: uint32 PRNG key data for the stochastic rounding of the moments.
     """
 
-    count: jax.Array
+    # Shadows tuple.count, as optax's states do; the field name is part of the state's structure.
+    count: jax.Array  # type: ignore[assignment]
     curvature_count: jax.Array
     mu: Any
     nu: Any
@@ -66,7 +67,7 @@ class ScaleByTriAccelState(NamedTuple):
     rounding_key: jax.Array
 
 
-def as_named_tuple(cls: type, node: Any) -> Any:
+def as_named_tuple(cls: type[Any], node: Any) -> Any:
     """``node`` as the NamedTuple ``cls`` if it came back as a mapping of its fields.
 
     ``nnx.Optimizer`` keeps the optimizer state in ``nnx.Variable``s and returns nested
