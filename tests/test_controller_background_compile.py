@@ -137,3 +137,31 @@ def test_a_replan_to_a_policy_already_compiled_switches_at_once():
     controller.run(10)  # the planner moves to the cached new policy again
     kinds = [e.kind for e in controller.events[result_events:]]
     assert "replan" in kinds and "replan_decided" not in kinds and "compile" not in kinds
+
+
+def test_a_replan_due_while_a_grow_compiles_runs_when_the_compile_is_done():
+    controller = make_controller(
+        GatedCompileController,
+        **SETTINGS,
+        replan_every=3,
+        planner_options={"budget": float("inf"), "min_size": 0},
+        compile_in_background=True,
+    )
+    while not controller._background.busy and controller.step_count < 30:
+        controller.step()  # until a grow is decided and its compile waits on the gate
+    decided_at = controller.step_count
+    controller.run(STEPS_WHILE_COMPILING)  # a re-plan comes due meanwhile: it waits
+    kinds = [e.kind for e in controller.events]
+    assert "replan_decided" not in kinds and "replan" not in kinds
+    assert controller._background.replan_due_at is not None
+    controller.gate.set()
+    controller._background.job.future.result()
+    controller.step()  # the grow switches, then the waiting re-plan runs
+    at_switch = [(e.kind, e.step) for e in controller.events if e.step == controller.step_count - 1]
+    assert ("grow", decided_at + STEPS_WHILE_COMPILING) in at_switch
+    assert ("replan_decided", decided_at + STEPS_WHILE_COMPILING) in at_switch
+    controller._background.job.future.result()
+    controller.step()
+    # Being the first plan, it moved the leaves at once (no hysteresis), however late it ran.
+    assert [e.kind for e in controller.events].count("replan") == 1
+    assert controller._background.replan_due_at is None

@@ -13,7 +13,7 @@ executable, and at the first step after the compile is ready the switch is made:
 
 The compile is the same one the synchronous path runs and is cached under the same key, so the
 number of compiles is unchanged (docs/design.md §5 and §8). One job runs at a time: while one is
-waiting, further grows are not decided and a due re-plan is skipped until the next one.
+waiting, further grows are not decided, and a re-plan that comes due waits for it to finish.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ class BackgroundCompiler:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.job: CompileJob | None = None
         self._switch = True
+        # The step a re-plan came due at while a compile was waiting (None: none waits); it
+        # runs as soon as that compile is done.
+        self.replan_due_at: int | None = None
 
     @property
     def busy(self) -> bool:
@@ -131,11 +134,19 @@ class BackgroundCompiler:
             self._switch = False
 
     def poll(self, controller: Any) -> None:
-        """At a step's start: when the compile is ready, checks its peak and switches or refuses."""
+        """At a step's start: when the compile is ready, switches (or refuses a grow).
+
+        A re-plan that came due meanwhile runs next (it may start a compile of its own).
+        """
         job = self.job
         if job is None or not job.future.done():
             return
         self.job = None
+        self._finish(controller, job)
+        if self.replan_due_at is not None:
+            controller._replan()
+
+    def _finish(self, controller: Any, job: CompileJob) -> None:
         executable, seconds = job.future.result()  # a failed compile raises here, named by XLA
         step_compiler.keep_compiled(controller, job.key, executable, seconds, background=True)
         if job.plan is not None:

@@ -98,15 +98,19 @@ def replan_controller(controller: Any) -> None:
     A changed policy replaces the optimizer state (converted) and forgets the measured peaks,
     which were for the old policy. With ``compile_in_background`` the new policy's step compiles
     on a worker thread first and the switch comes at the first step after it is ready
-    (:mod:`triaccel_jax.controller._background_compile`); while another background compile is
-    waiting, the re-plan is skipped until the next one is due.
+    (:mod:`triaccel_jax.controller._background_compile`); a re-plan that comes due while another
+    background compile is waiting runs at the first step after that one is done.
 
     Args:
       controller: the controller (its steps in flight read, so its last loss is current).
     """
     background = controller._background
     if background.busy:
+        if background.replan_due_at is None:
+            background.replan_due_at = controller.step_count
         return
+    due = controller.step_count if background.replan_due_at is None else background.replan_due_at
+    background.replan_due_at = None
     result = replan(
         controller.opt_state,
         controller.params,
@@ -115,7 +119,7 @@ def replan_controller(controller: Any) -> None:
         planner_options=controller.config.planner_options,
         # The first plan leaves the all-fp32 start at once: hysteresis guards against flipping
         # back and forth between plans, and there is no earlier plan yet.
-        hysteresis=not controller.config.is_first_replan(controller.step_count),
+        hysteresis=not controller.config.is_first_replan(due),
     )
     if not result.changed:
         controller.plan = result.plan  # the hysteresis streaks move on
