@@ -90,17 +90,24 @@ def markdown_table(result: dict[str, Any], margin: float) -> str:
     return "\n".join(lines)
 
 
+def convergence_epochs(result: dict[str, Any]) -> int:
+    """The number of final epochs :func:`convergence` measures: a quarter of training, >= 1."""
+    return max(1, result["epochs"] // 4)
+
+
 def convergence(result: dict[str, Any]) -> dict[str, tuple[float, float]]:
-    """Per row, the mean change of test accuracy over the last quarter of training, and the
-    seed spread of the final accuracy: training was long enough where the first is well within
-    the second."""
+    """Per row, the mean change of test accuracy over the last :func:`convergence_epochs` epochs,
+    and the seed spread of the final accuracy: training was long enough where the first is well
+    within the second."""
     changes = {}
     for row, row_runs in result["runs"].items():
         deltas = []
         for run in row_runs:
             evals = run["evals"]
-            earlier = evals[max(0, (3 * len(evals)) // 4 - 1)]
-            deltas.append(evals[-1]["accuracy"] - earlier["accuracy"])
+            back = convergence_epochs(result) * len(evals) // result["epochs"]
+            earlier = evals[-1 - back] if back < len(evals) else None
+            start = 0.0 if earlier is None else earlier["accuracy"]
+            deltas.append(evals[-1]["accuracy"] - start)
         changes[row] = (
             statistics.mean(deltas),
             mean_std([r["accuracy"] for r in row_runs])[1],
@@ -145,7 +152,8 @@ def section(result: dict[str, Any], margin: float) -> str:
         f"{result['trials']} tuning trials per optimizer "
         f"({result['tuning_seconds'] / 60:.1f} min of tuning).\n\n"
         + markdown_table(result, margin)
-        + "\n\nChange of the mean test accuracy over the last quarter of training, points: "
+        + f"\n\nChange of the mean test accuracy over the last {convergence_epochs(result)} "
+        "epoch(s), points: "
         + change_text
         + ".\n\nTuning trials (tuning seed, validation split):\n\n"
         + tuning_table(result)
