@@ -246,7 +246,7 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
 
     # Memory of one step under the run's final policy, at the largest batch the run trained at
     # and at the common batch: a run that grew its batch needs more than the common figure says.
-    run_batch = max((h["batch"] for h in log.history), default=args.batch_size)
+    run_batch = max((int(h["batch"]) for h in log.history), default=args.batch_size)
     run_report = step_memory(loss_fn, controller, data, run_batch)
     if run_batch == args.batch_size:
         common = run_report

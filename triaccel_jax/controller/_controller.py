@@ -251,7 +251,10 @@ class Controller:
     @property
     def batch_size(self) -> int:
         """Samples per step (the global batch)."""
-        return self._global if self._keep_global else self._micro
+        if self._keep_global:
+            assert self._global is not None  # the layout has a global batch with keep_global
+            return self._global
+        return self._micro
 
     @property
     def micro_batch(self) -> int:
@@ -363,7 +366,10 @@ class Controller:
 
     def _num_micro(self, micro: int) -> int:
         """Micro-batches per step at bucket ``micro`` (outside an out-of-memory retry)."""
-        return self._global // micro if self._keep_global else 1
+        if self._keep_global:
+            assert self._global is not None  # the layout has a global batch with keep_global
+            return self._global // micro
+        return 1
 
     def _policy_signature(self) -> str:
         return "none" if self.policy is None else self.policy.signature

@@ -8,6 +8,7 @@ the training state (params, optimizer state) where compiled steps expect it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,7 @@ def _check_arrays(data: Any, num_examples: int | None) -> tuple[Any, int]:
             f"leading sizes {sorted(map(str, sizes))}"
         )
     (size,) = sizes
+    assert size is not None  # refused above
     if size == 0:
         raise ValueError("`data` holds no samples")
     if num_examples is not None and num_examples != size:
@@ -136,7 +138,7 @@ class BatchFeeder:
 
         arrays = [
             jax.make_array_from_callback(
-                (num_micro, micro, *spec.shape[1:]), sharding, lambda index, i=i: rows(index, i)
+                (num_micro, micro, *spec.shape[1:]), sharding, functools.partial(rows, position=i)
             )
             for i, spec in enumerate(specs)
         ]
