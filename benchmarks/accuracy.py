@@ -50,6 +50,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from accuracy.report import section
 from accuracy.runs import ROWS
+from accuracy.runs import Hyper
 from accuracy.runs import train
 from accuracy.tuning import tune
 from accuracy.workloads import DEFAULT_WORKLOADS
@@ -75,7 +76,11 @@ def run_workload(
     )
     start = time.perf_counter()
     trials = args.trials or workload.trials
-    chosen = tune(workload, splits, trials, epochs, log)
+    if args.chosen_from is not None:
+        chosen = chosen_earlier(args.chosen_from, workload.name)
+        log(f"  hyperparameters chosen earlier ({args.chosen_from}): {chosen}")
+    else:
+        chosen = tune(workload, splits, trials, epochs, log)
     tuning_seconds = time.perf_counter() - start
     runs: dict[str, list[dict[str, Any]]] = {row: [] for row in args.rows}
     for seed in args.seeds:
@@ -109,8 +114,18 @@ def run_workload(
         "chosen": {k: dataclasses.asdict(chosen[k]) for k in ("fp32", "triaccel")},
         "tuning": chosen["trials"],
         "tuning_seconds": tuning_seconds,
+        "chosen_from": None if args.chosen_from is None else str(args.chosen_from),
         "runs": runs,
     }
+
+
+def chosen_earlier(path: pathlib.Path, workload: str) -> dict[str, Any]:
+    """The hyperparameters (and tuning trials) an earlier study chose for ``workload``."""
+    for result in json.loads(path.read_text())["workloads"]:
+        if result["workload"] == workload:
+            chosen = {name: Hyper(**result["chosen"][name]) for name in ("fp32", "triaccel")}
+            return {**chosen, "trials": result["tuning"]}
+    raise ValueError(f"{path} holds no results of {workload!r}")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -134,6 +149,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--margin", type=float, default=0.005, help="target = FP32 mean - margin")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("accuracy_output"))
     parser.add_argument("--quick", action="store_true", help="digits only, 2 seeds, 1 epoch")
+    parser.add_argument(
+        "--chosen-from",
+        type=pathlib.Path,
+        default=None,
+        help="skip tuning: train at the hyperparameters chosen in this earlier accuracy.json",
+    )
     parser.add_argument(
         "--from-json",
         type=pathlib.Path,

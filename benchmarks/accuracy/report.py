@@ -150,7 +150,11 @@ def section(result: dict[str, Any], margin: float) -> str:
         f"{result['test_images']} test images, {result['epochs']} epochs, batch "
         f"{result['batch']} (elastic rows up to {result['max_batch']}), seeds {seeds}, "
         f"{result['trials']} tuning trials per optimizer "
-        f"({result['tuning_seconds'] / 60:.1f} min of tuning).\n\n"
+        + (
+            f"({result['tuning_seconds'] / 60:.1f} min of tuning).\n\n"
+            if not result.get("chosen_from")
+            else "(the trials of an earlier tuning, listed below, reused).\n\n"
+        )
         + markdown_table(result, margin)
         + f"\n\nChange of the mean test accuracy over the last {convergence_epochs(result)} "
         "epoch(s), points: "

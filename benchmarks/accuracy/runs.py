@@ -29,6 +29,9 @@ ROW_LABELS = {
 
 DEFAULT_SHAPE = (0.5, 0.5, 2.0)  # triaccel's defaults: alpha, min_scale, max_scale
 WEIGHT_DECAY = 1e-4
+# The main job's precision schedule: a first plan (without hysteresis) at step 20, then a
+# re-plan every 100 steps.
+FIRST_REPLAN, REPLAN_EVERY = 20, 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +75,12 @@ def build_controller(
         tx, batching = tri(learning_rate=hyper.lr, weight_decay=WEIGHT_DECAY, **curvature), fixed
     elif row == "precision":
         tx, batching = tri(learning_rate=hyper.lr, weight_decay=WEIGHT_DECAY, alpha=0.0), fixed
-        replan_every = 100
+        replan_every = REPLAN_EVERY
     elif row == "elastic":
         tx, batching = adamw(learning_rate=hyper.lr, weight_decay=WEIGHT_DECAY), elastic
     elif row == "triaccel":
         tx = tri(learning_rate=hyper.lr, weight_decay=WEIGHT_DECAY, **curvature)
-        batching, replan_every = elastic, 100
+        batching, replan_every = elastic, REPLAN_EVERY
     else:
         raise ValueError(f"unknown row {row!r}; choose from {ROWS}")
     controller = triaccel_jax.Controller(
@@ -92,6 +95,7 @@ def build_controller(
         check_every=10,
         policy=policy,
         replan_every=replan_every,
+        first_replan=None if replan_every is None else FIRST_REPLAN,
         **batching,
     )
     return controller, loss_fn
