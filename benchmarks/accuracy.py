@@ -78,7 +78,7 @@ def run_workload(
     trials = args.trials or workload.trials
     if args.chosen_from is not None:
         chosen = chosen_earlier(args.chosen_from, workload.name)
-        log(f"  hyperparameters chosen earlier ({args.chosen_from}): {chosen}")
+        log(f"  chosen earlier ({args.chosen_from}): {chosen['fp32']}, {chosen['triaccel']}")
     else:
         chosen = tune(workload, splits, trials, epochs, log)
     tuning_seconds = time.perf_counter() - start
