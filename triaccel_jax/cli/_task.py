@@ -121,7 +121,9 @@ def make_loss(
     """
     from triaccel_jax import data as data_lib
 
-    def logits_of(params, images, policy, model_state, rng, train):
+    def logits_of(
+        params: Any, images: Any, policy: Any, model_state: Any, rng: Any, train: bool
+    ) -> tuple[jax.Array, Any]:
         if channel_stats is not None:
             images = data_lib.normalize(images, *channel_stats)
         variables = {"params": params}
