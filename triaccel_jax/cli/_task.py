@@ -159,7 +159,8 @@ def _predictor(loss_fn: Callable[..., Any], policy: Any) -> Callable[..., jax.Ar
 
     @jax.jit
     def predict(params, model_state, images):
-        logits, _ = loss_fn.logits_of(params, images, policy, model_state, None, False)
+        # make_loss sets logits_of on the function, which Callable does not declare.
+        logits, _ = loss_fn.logits_of(params, images, policy, model_state, None, False)  # type: ignore[attr-defined]
         return jnp.argmax(logits, -1)
 
     return predict

@@ -166,7 +166,7 @@ def scale_by_triaccel(
 
     def init_fn(params: Any) -> ScaleByTriAccelState:
         def zeros_or_skip(path, leaf):
-            if jnp.issubdtype(getattr(leaf, "dtype", None), jnp.complexfloating):
+            if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.complexfloating):
                 raise ValueError(
                     f"leaf {tree_lib.path_string(path)!r} is {leaf.dtype}: triaccel trains real "
                     "floating-point leaves only (keep the real and imaginary parts as two leaves)"
@@ -194,7 +194,8 @@ def scale_by_triaccel(
                 return optax.MaskedNode()
             # Distinct arrays, never one shared buffer: callers donate the state to `jit`.
             zeros = [jnp.zeros((), jnp.float32) for _ in range(4)]
-            return LeafSignals(
+            # mypy cannot tell that `zeros` fills exactly the four fields before step_scale.
+            return LeafSignals(  # type: ignore[misc]
                 *zeros,
                 step_scale=jnp.ones((), jnp.float32),
                 dropped_estimates=jnp.zeros((), jnp.int32),
