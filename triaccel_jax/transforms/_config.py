@@ -20,6 +20,7 @@ from triaccel_jax.precision import _policy as policy_lib
 
 ESTIMATORS = ("fisher", "hutchinson")
 STATE_DTYPES = ("float32", "bfloat16")
+SCALES = ("leaf", "block")
 
 
 def normalized_state_dtype(state_dtype: Any) -> Any:
@@ -72,6 +73,12 @@ class TriAccelConfig:
         what ``triaccel`` computed before this option) or ``"triton"`` (refused with a
         RuntimeError at the first update where Triton cannot run). See
         :mod:`triaccel_jax.kernels._dispatch`.
+      scale: granularity of the curvature step scale: ``"leaf"`` (default: one scale per leaf,
+        ``clip((kappa_ref / kappa_l) ** alpha)``) or ``"block"`` (one per block of the
+        curvature store, ``clip((kappa_ref / kappa_b) ** alpha)`` from the block means it
+        already holds, against the same median reference; see
+        :mod:`triaccel_jax.transforms._block_scale`). The signals' ``step_scale`` stays the
+        per-leaf scale either way.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -92,9 +99,11 @@ class TriAccelConfig:
     num_samples: int = 1
     state_dtype: Any = None
     impl: str = "auto"
+    scale: str = "leaf"
 
     def __post_init__(self) -> None:
         validation.check_choice("estimator", self.estimator, ESTIMATORS)
+        validation.check_choice("scale", self.scale, SCALES)
         validation.check_choice("impl", self.impl, _dispatch.IMPLS)
         validation.check_integer("block_size", self.block_size, 1)
         validation.check_in_range("rho", self.rho, 0.0, 1.0, low_inclusive=False)

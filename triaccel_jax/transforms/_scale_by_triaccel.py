@@ -9,7 +9,8 @@ that is, per leaf ``l`` (docs/design.md §3):
   Fisher or Hutchinson) folded into an EMA that is stored compressed (block means + top-k);
 * the step-size scale ``s_l = clip((kappa_ref / kappa_l) ** alpha, min_scale, max_scale)`` from the
   mean curvature ``kappa_l`` and its median ``kappa_ref`` over leaves (scale-free): flat leaves
-  take longer steps, sharp ones shorter;
+  take longer steps, sharp ones shorter (or, with ``TriAccelConfig(scale="block")``, one scale
+  per block of the store from its block means: ``_block_scale``);
 * the noise-to-signal ratio ``mean(v_hat - m_hat**2) / mean(m_hat**2)``, read from the moments.
 
 The per-leaf scalars are kept in the state for :func:`triaccel_jax.signals`.
@@ -33,6 +34,7 @@ from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import cast as cast_kernel
 from triaccel_jax.precision import _dtypes as dtypes
 from triaccel_jax.precision import _policy as policy_lib
+from triaccel_jax.transforms import _block_scale as block_scale
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _curvature as curvature_lib
 from triaccel_jax.transforms import _curvature_refresh as refresh_lib
@@ -100,7 +102,8 @@ def scale_by_triaccel(
       b2: decay of the second moment, in [0, 1).
       eps: added to ``sqrt(v_hat)`` in the denominator, >= 0.
       config: a :class:`triaccel_jax.TriAccelConfig`: estimator, curvature-store layout
-        (``block_size``, ``rho``), Hutchinson probes and moment dtype. None: its defaults.
+        (``block_size``, ``rho``), Hutchinson probes, moment dtype and the step scale's
+        granularity (``scale``: per leaf or per store block). None: its defaults.
       curvature_every: estimate curvature every this many steps (>= 1), starting at the first.
       curvature_decay: EMA decay of the curvature estimates, in [0, 1).
       alpha: exponent of the step-size scale (>= 0; 0 turns the scaling off).
@@ -261,6 +264,7 @@ def scale_by_triaccel(
         # Every `curvature_every` steps: a curvature estimate folded into the compressed EMA, and
         # from it the per-leaf signals and step-size scales. They change only then, so the other
         # steps reuse the stored ones instead of recomputing them (and the noise reductions).
+        shapes = [getattr(g, "shape", ()) for g in grads]
         refresh = functools.partial(
             _refresh_curvature,
             estimate=lambda estimator_state: estimator_tx.update(
@@ -268,7 +272,7 @@ def scale_by_triaccel(
             ),
             treedef=treedef,
             active=active,
-            shapes=[getattr(g, "shape", ()) for g in grads],
+            shapes=shapes,
             m_hat=m_hat,
             v_hat=v_hat,
             axis_name=axis_name,
@@ -282,9 +286,20 @@ def scale_by_triaccel(
         stores, estimator_state, curvature_count, new_signals = lax.cond(
             due, refresh, lambda operand: operand, operand
         )
+        scales: dict[int, Any] = {i: new_signals[i].step_scale for i in active}
+        if config.scale == "block":
+            scales = block_scale.block_step_scales(
+                stores,
+                new_signals,
+                active=active,
+                shapes=shapes,
+                alpha=alpha,
+                min_scale=min_scale,
+                max_scale=max_scale,
+            )
         out = list(grads)
         for i in active:
-            out[i] = (new_signals[i].step_scale * direction[i]).astype(grads[i].dtype)
+            out[i] = (scales[i] * direction[i]).astype(grads[i].dtype)
 
         new_state = ScaleByTriAccelState(
             count=count,

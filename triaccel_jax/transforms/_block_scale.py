@@ -1,0 +1,126 @@
+"""Per-block step scales: ``TriAccelConfig(scale="block")`` (docs/design.md §3.3, §3.4).
+
+The default step scale is one number per leaf, ``s_l = clip((kappa_ref / kappa_l) ** alpha)``
+with ``kappa_l`` the leaf's mean curvature and ``kappa_ref`` the median of the leaves' means.
+Tuning the learning rate absorbs most of such a per-layer multiplier (docs/accuracy.md). The
+compressed store already holds a finer signal at no extra cost: the mean curvature of every block
+of ``block_size`` elements (or of every (in, out) channel pair of a 2-D conv kernel). With
+``scale="block"`` each block ``b`` of leaf ``l`` gets its own scale
+
+    s_b = clip((kappa_ref / kappa_b) ** alpha, min_scale, max_scale),
+
+against the same reference ``kappa_ref`` (the median of the leaves' bias-corrected mean
+curvatures), so a leaf whose blocks are all alike is scaled exactly as in ``scale="leaf"``, and
+within a leaf the flatter blocks take longer steps than the sharper ones. The outliers of the
+store are not used: they are single entries, and a per-element scale from one noisy estimate is
+what the block means are there to smooth.
+
+The scales are recomputed from the store at every step (a few operations per block plus one
+leaf-sized broadcast), rather than kept in the state, so the state's layout does not depend on
+the option.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from triaccel_jax.transforms import _compression as compression
+from triaccel_jax.transforms._triaccel_state import LeafSignals
+
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+def block_step_scales(
+    stores: list[compression.CompressedDiagonal],
+    signals: list[LeafSignals],
+    *,
+    active: list[int],
+    shapes: list[tuple[int, ...]],
+    alpha: Any,
+    min_scale: Any,
+    max_scale: Any,
+) -> dict[int, jax.Array]:
+    """Each trained leaf's step scale per block of its curvature store, broadcast to its shape.
+
+    Args:
+      stores: every leaf's compressed curvature EMA (not bias-corrected), as the state holds it.
+      signals: every leaf's :class:`LeafSignals`, refreshed from ``stores`` (their
+        ``mean_curvature`` is the bias-corrected leaf mean).
+      active: indices of the trained leaves.
+      shapes: every leaf's shape.
+      alpha: exponent of the scale, >= 0 (0 gives exactly 1 everywhere).
+      min_scale: lower clip, > 0.
+      max_scale: upper clip, >= ``min_scale``.
+
+    Returns:
+      ``{i: float32 array of shapes[i]}``: the element-wise scale of leaf ``i``, constant over
+      each block (each (in, out) channel pair of a 2-D conv kernel). Where a scale is NaN (no
+      finite curvature anywhere) it is 1, as for the per-leaf scale.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from triaccel_jax.transforms import compress_diagonal
+      >>> from triaccel_jax.transforms._block_scale import block_step_scales
+      >>> from triaccel_jax.transforms._triaccel_state import LeafSignals
+      >>> store = compress_diagonal(jnp.array([1.0, 1.0, 4.0, 4.0]), block_size=2, rho=0.25)
+      >>> zero = jnp.zeros(())
+      >>> signal = LeafSignals(jnp.asarray(2.5), zero, zero, zero, zero, jnp.zeros((), jnp.int32))
+      >>> scales = block_step_scales(
+      ...     [store], [signal], active=[0], shapes=[(4,)], alpha=0.5, min_scale=0.1, max_scale=10.0
+      ... )
+      >>> [round(float(s), 3) for s in scales[0]]  # sqrt(2.5 / 1) and sqrt(2.5 / 4)
+      [1.581, 1.581, 0.791, 0.791]
+
+    References:
+      Tri-Accel, arXiv 2508.16905; Yao et al., 2021, "ADAHESSIAN" (curvature averaged over
+      blocks and conv channel pairs).
+    """
+    if not active:
+        return {}
+    kappa = jnp.stack([jnp.maximum(signals[i].mean_curvature, 0.0) for i in active])
+    # The reference of the per-leaf scale (_curvature_refresh.refreshed_signals): the median of
+    # the finite leaf means, so one leaf cannot poison the others.
+    kappa_ref = jnp.nanmedian(jnp.where(jnp.isfinite(kappa), kappa, jnp.nan))
+    exponent = jnp.asarray(alpha, jnp.float32)
+    scales = {}
+    for position, i in enumerate(active):
+        if math.prod(shapes[i]) == 0:
+            # An empty leaf has no blocks (and no update to scale).
+            scales[i] = jnp.ones(shapes[i], jnp.float32)
+            continue
+        store = stores[i]
+        # The store is the raw EMA; its bias correction is the leaf mean's, recovered as the
+        # ratio of the corrected mean (in the signals) to the raw one, so that kappa_b and
+        # kappa_ref are on the same footing however many estimates were dropped.
+        raw_mean = _raw_mean(store, shapes[i])
+        positive = raw_mean > 0
+        factor = jnp.where(positive, kappa[position] / jnp.where(positive, raw_mean, 1.0), 1.0)
+        kappa_b = jnp.maximum(store.block_means * factor, 0.0)
+        per_block = jnp.clip(
+            ((kappa_ref + _TINY) / (kappa_b + _TINY)) ** exponent, min_scale, max_scale
+        )
+        per_block = jnp.where(jnp.isnan(per_block), 1.0, per_block).astype(jnp.float32)
+        scales[i] = _broadcast_blocks(per_block, shapes[i])
+    return scales
+
+
+def _raw_mean(store: compression.CompressedDiagonal, shape: tuple[int, ...]) -> jax.Array:
+    """The mean of the diagonal the store's block means describe (blocks weighted by length)."""
+    size = math.prod(shape)
+    if compression.uses_channel_pairs(shape):
+        return jnp.mean(store.block_means)
+    _, counts = compression.block_counts(size, store.block_means.size)
+    return jnp.sum(store.block_means * counts) / size
+
+
+def _broadcast_blocks(per_block: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """A leaf-shaped array holding each element's block value (the store's layout)."""
+    if compression.uses_channel_pairs(shape):
+        return jnp.broadcast_to(per_block, shape)
+    size = math.prod(shape)
+    length, _ = compression.block_counts(size, per_block.size)
+    return jnp.repeat(per_block, length)[:size].reshape(shape)
