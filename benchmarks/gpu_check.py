@@ -52,17 +52,23 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import pathlib
 import sys
 import time
 
 import jax
+
+from triaccel_jax.kernels import _dispatch
+
+# The sections live beside this script: importable when it runs as a script (its folder is then
+# sys.path[0]) and when it is loaded by path (the kernel tests).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
 from gpu_sections import _bandwidth
 from gpu_sections import _common as common
 from gpu_sections import _end_to_end
 from gpu_sections import _memory
 from gpu_sections import _parity
-
-from triaccel_jax.kernels import _dispatch
 
 # The end-to-end section runs when named (tools/device_check.sh gives it a step of its own) or,
 # without --sections, with --quick.
