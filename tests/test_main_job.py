@@ -132,3 +132,33 @@ def test_an_unwritable_output_dir_is_reported_before_training(tmp_path, capsys):
 def test_bad_numbers_are_rejected(bad):
     with pytest.raises(SystemExit):
         main_job.main(bad)
+
+
+def test_download_is_asked_for_only_when_the_data_is_missing_and_its_failure_is_reported(
+    monkeypatch, capsys, tmp_path
+):
+    from triaccel_jax import data as data_lib
+
+    calls = []
+
+    def failing_download(data_dir=None, **kwargs):
+        calls.append(data_dir)
+        raise OSError("every source failed: checksum mismatch")
+
+    monkeypatch.setattr(data_lib, "download_fashion_mnist", failing_download)
+    monkeypatch.setattr(data_lib, "find_fashion_mnist", lambda directory=None, split=None: None)
+    argv = [
+        *TINY[2:],
+        "--download",
+        "--data-dir",
+        str(tmp_path),
+        "--output-dir",
+        str(tmp_path / "o"),
+    ]
+    assert main_job.main(argv) == 2
+    assert calls == [str(tmp_path)]
+    assert "every source failed" in capsys.readouterr().err
+    # Without --download nothing is fetched: "auto" falls back to digits.
+    calls.clear()
+    data = main_job.task.load_data("auto", data_dir=str(tmp_path), train_subset=8, test_subset=8)
+    assert data.name == "digits" and calls == []

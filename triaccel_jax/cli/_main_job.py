@@ -42,12 +42,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             train_subset=args.train_subset,
             test_subset=args.test_subset,
             image_shape=args.image_shape,
+            download=args.download,
         )
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
     except (FileNotFoundError, ImportError) as error:
         print(f"error: data set {args.dataset!r} is not available: {error}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as error:  # a bad argument, or a download that failed
+        print(f"error: {error}", file=sys.stderr)
         return 2
     model_name = "small_cnn" if args.model == "auto" else args.model
     args.model = model_name
