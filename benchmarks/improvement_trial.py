@@ -205,8 +205,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--trials", type=int, default=None, help="default: the workload's")
     parser.add_argument("--epochs", type=int, default=None, help="default: the workload's")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("improvement_output"))
+    parser.add_argument(
+        "--chosen",
+        nargs="+",
+        default=[],
+        metavar="NAME=LR[,ALPHA,MIN,MAX]",
+        help="skip tuning NAME: train at these hyperparameters (e.g. chosen by an earlier tuning "
+        "with the same protocol, such as the accuracy study's AdamW)",
+    )
     parser.add_argument("--quick", action="store_true", help="1 epoch, 2 seeds, 2 trials")
     args = parser.parse_args(argv)
+    given = {}
+    for item in args.chosen:
+        name, _, values = item.partition("=")
+        if name not in OPTIMIZERS:
+            parser.error(f"--chosen: unknown optimizer {name!r}")
+        given[name] = Hyper(*(float(v) for v in values.split(",")))
+    args.chosen = given
     if args.quick:
         args.seeds, args.trials, args.epochs = args.seeds[:2], args.trials or 2, args.epochs or 1
     return args
@@ -231,7 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         compilation_cache.persistent_cache(pathlib.Path(cache)),
     ):
         for name in args.optimizers:
-            chosen[name], tuning[name] = tune(name, workload, splits, trials, epochs, log)
+            if name in args.chosen:
+                chosen[name], tuning[name] = args.chosen[name], []
+            else:
+                chosen[name], tuning[name] = tune(name, workload, splits, trials, epochs, log)
             log(f"{name}: chose {chosen[name]}")
         for name in args.optimizers:
             runs[name] = []
@@ -242,6 +260,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"  seed {seed} {name:>5}: validation {100 * run['validation']:.2f}%, "
                     f"test {100 * run['test']:.2f}%, {run['seconds']:.1f} s"
                 )
+                # Written after every run, so that a run cut short keeps what it measured.
+                write_json(args, workload, epochs, trials, started, chosen, tuning, runs)
+    result = write_json(args, workload, epochs, trials, started, chosen, tuning, runs)
+    table = summary_table({**result, "runs": {k: v for k, v in runs.items() if v}})
+    (args.out / "improvement.md").write_text(table + "\n")
+    log(table)
+    return 0
+
+
+def write_json(
+    args: argparse.Namespace,
+    workload: Workload,
+    epochs: int,
+    trials: int,
+    started: str,
+    chosen: dict[str, Hyper],
+    tuning: dict[str, Any],
+    runs: dict[str, list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """Writes the raw figures so far to ``improvement.json``; returns them."""
     result = {
         "workload": workload.name,
         "epochs": epochs,
@@ -251,14 +289,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {jax.default_backend()}, jax {jax.__version__}",
         "chosen": {k: dataclasses.asdict(v) for k, v in chosen.items()},
+        "chosen_given": sorted(args.chosen),
         "tuning": tuning,
         "runs": runs,
     }
     (args.out / "improvement.json").write_text(json.dumps(result, indent=1))
-    table = summary_table(result)
-    (args.out / "improvement.md").write_text(table + "\n")
-    log(table)
-    return 0
+    return result
 
 
 if __name__ == "__main__":
