@@ -57,6 +57,7 @@ import io
 import os
 import pathlib
 import tarfile
+from typing import Any
 from typing import NamedTuple
 
 import numpy as np
@@ -192,7 +193,9 @@ def _read_members(path: pathlib.Path, names: list[str]) -> dict[str, bytes]:
     with tarfile.open(path) as tar:
         for member in tar:
             if member.name in names and member.isfile():
-                found[member.name] = tar.extractfile(member).read()
+                file = tar.extractfile(member)
+                assert file is not None  # a regular file's member always has its data
+                found[member.name] = file.read()
     missing = [name for name in names if name not in found]
     if missing:
         raise ValueError(
@@ -221,7 +224,8 @@ def _builder_class(name: str):
     tfds = _import_tfds("array_record", "PIL", "importlib_resources")
     from PIL import Image
 
-    base = {
+    # Any: tfds's builders are untyped to mypy, which cannot check a class built on them.
+    base: Any = {
         "cifar10": tfds.image_classification.Cifar10,
         "cifar100": tfds.image_classification.Cifar100,
     }[name]
@@ -232,7 +236,8 @@ def _builder_class(name: str):
         Image.fromarray(image).save(buffer, format="PNG")
         return buffer.getvalue()
 
-    class OfflineCifar(base, skip_registration=True):
+    # skip_registration is a keyword of tfds's registry's __init_subclass__, which mypy cannot see.
+    class OfflineCifar(base, skip_registration=True):  # type: ignore[call-arg]
         archive_path: pathlib.Path  # set on each instance
 
         def _split_generators(self, dl_manager):
