@@ -42,7 +42,7 @@ import optax
 
 import triaccel_jax
 import triaccel_jax.flax
-from triaccel_jax.data import FASHION_MNIST_DIR
+from triaccel_jax.data import find_fashion_mnist
 from triaccel_jax.data import load_digits
 from triaccel_jax.data import load_fashion_mnist
 from triaccel_jax.models import SmallCNN
@@ -59,7 +59,7 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 def load_data(quick: bool):
-    if FASHION_MNIST_DIR.exists():
+    if find_fashion_mnist() is not None:
         train, name = load_fashion_mnist("train"), "fashion_mnist"
     else:  # digits, padded to Fashion-MNIST's 28x28
         train, name = load_digits("train"), "digits"

@@ -33,7 +33,7 @@ import optax
 import triaccel_jax
 import triaccel_jax.flax
 from triaccel_jax.controller import replan
-from triaccel_jax.data import FASHION_MNIST_DIR
+from triaccel_jax.data import find_fashion_mnist
 from triaccel_jax.data import load_digits
 from triaccel_jax.data import load_fashion_mnist
 from triaccel_jax.models import ResNet20
@@ -44,7 +44,7 @@ ACCURACY_MARGIN = 0.005
 
 
 def load_data(quick: bool):
-    if FASHION_MNIST_DIR.exists():
+    if find_fashion_mnist() is not None:
         train, test = load_fashion_mnist("train"), load_fashion_mnist("test")
         name = "fashion_mnist"
     else:
