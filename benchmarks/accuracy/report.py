@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -105,9 +106,9 @@ def convergence(result: dict[str, Any]) -> dict[str, tuple[float, float]]:
         for run in row_runs:
             evals = run["evals"]
             back = convergence_epochs(result) * len(evals) // result["epochs"]
-            earlier = evals[-1 - back] if back < len(evals) else None
-            start = 0.0 if earlier is None else earlier["accuracy"]
-            deltas.append(evals[-1]["accuracy"] - start)
+            # With no evaluation that far back (a one-epoch run) the change is unknown.
+            earlier = evals[-1 - back]["accuracy"] if back < len(evals) else math.nan
+            deltas.append(evals[-1]["accuracy"] - earlier)
         changes[row] = (
             statistics.mean(deltas),
             mean_std([r["accuracy"] for r in row_runs])[1],
