@@ -180,7 +180,9 @@ def summary_table(result: dict[str, Any]) -> str:
             mean, std = mean_std(figures[name][split])
             cells.append(f"{100 * mean:.2f} ± {100 * std:.2f} ({len(figures[name][split])})")
             cells.append(
-                "—" if name == "adamw" else interval(figures[name][split], figures["adamw"][split])
+                interval(figures[name][split], figures["adamw"][split])
+                if name != "adamw" and "adamw" in figures
+                else "—"
             )
         cells.append(
             interval(figures[name]["test"], figures["leaf"]["test"])
