@@ -114,7 +114,7 @@ EOF
     # editable_mode=lenient (setuptools' default, named here on purpose) is the only mode that maps
     # kernels/ to triaccel_jax.kernels both from the repo root and from elsewhere: `compat` drops
     # the mapping and exposes a top-level `kernels`; `strict` fails from the repo root.
-    "$VENV_PY" -m pip install -qq -e "$REPO_ROOT[$extras]" --config-settings editable_mode=lenient \
+    "$VENV_PY" -m pip install -q -e "$REPO_ROOT[$extras]" --config-settings editable_mode=lenient \
         || _die "pip install -e .[$extras] failed"
     printf '%s\n' "$want" >"$stamp"
 }
