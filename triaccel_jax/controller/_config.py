@@ -86,6 +86,12 @@ class ControllerConfig:
       compile_in_background: compile the step a grown bucket or a re-planned policy needs on a
         worker thread while training continues on the current one, and switch at the first step
         after it is ready (False: compile in the step that decides, which is deterministic).
+      fused_update: write the optimizer's moments and the new params in one pass per leaf
+        (:func:`triaccel_jax.transforms.fused_apply`) instead of ``tx.update`` and
+        ``optax.apply_updates``. None (default): exactly where that runs the Triton kernel
+        (:func:`triaccel_jax.transforms.uses_triton`: a ``triaccel`` optimizer on CUDA whose
+        ``TriAccelConfig.impl`` selects it); True: always (an error if the optimizer cannot be
+        fused); False: never.
 
     Example:
       >>> from triaccel_jax.controller import ControllerConfig
@@ -123,6 +129,7 @@ class ControllerConfig:
     seed: int = 0
     steps_in_flight: int = 1
     compile_in_background: bool = False
+    fused_update: bool | None = None
 
     def __post_init__(self) -> None:
         validation.check_in_range(
@@ -139,6 +146,10 @@ class ControllerConfig:
             if self.replan_every is None:
                 raise ValueError("`first_replan` needs `replan_every` (precision is not planned)")
         validation.check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        if self.fused_update not in (None, True, False):
+            raise ValueError(
+                f"`fused_update` must be None, True or False, got {self.fused_update!r}"
+            )
         if self.global_batch is not None and not self.keep_global_batch:
             raise ValueError("`global_batch` is only used with keep_global_batch=True")
         # Read-only copies: the config is a value, and the caller's dicts stay theirs.

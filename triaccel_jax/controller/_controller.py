@@ -181,6 +181,8 @@ class Controller:
         self.params = self._place(params)
         self.opt_state = self._place(tx.init(self.params) if opt_state is None else opt_state)
         self.model_state = self._place(model_state)
+        # An optimizer that fused_update=True cannot fuse is refused here, not at the first step.
+        step_compiler.fused_step(config.fused_update, tx, self.opt_state)
         self._loss_scaling = loss_scaling_lib.LossScaling(**config.loss_scaling)
         self.loss_scale = self._place(self._loss_scaling.init())
         self._loss = train_step.normalize_loss_fn(

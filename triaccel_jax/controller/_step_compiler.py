@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from triaccel_jax.controller import _train_step as train_step
+from triaccel_jax.transforms import _fused_apply as fused_lib
 
 
 def compiled_step(controller: Any, micro: int, num_micro: int) -> Any:
@@ -71,6 +72,7 @@ def step_to_compile(
         num_micro=num_micro,
         seed=controller._seed,
         loss_scaling=scaling,
+        fused=fused_step(controller.config.fused_update, controller.tx, opt_state),
     )
     args = train_step.abstract_step_arguments(
         (controller.params, opt_state, controller.model_state),
@@ -78,6 +80,21 @@ def step_to_compile(
         controller.loss_scale,
     )
     return (micro, num_micro, policy), step, args
+
+
+def fused_step(setting: bool | None, tx: Any, opt_state: Any) -> bool:
+    """Whether the step updates and applies in one pass (``ControllerConfig.fused_update``).
+
+    Raises:
+      ValueError: ``setting`` is True and ``tx`` cannot be fused (the reason is named).
+    """
+    if setting is None:
+        return fused_lib.uses_triton(tx, opt_state)
+    if setting:
+        reason = fused_lib.unfused_reason(tx, opt_state)
+        if reason is not None:
+            raise ValueError(f"fused_update=True, but the optimizer cannot be fused: {reason}")
+    return bool(setting)
 
 
 def keep_compiled(

@@ -30,6 +30,7 @@ import optax
 from jax import lax
 
 from triaccel_jax._src import arrays
+from triaccel_jax.transforms import _fused_apply as fused_lib
 from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
 
 MODEL_STATE = "model_state"
@@ -103,6 +104,7 @@ def make_train_step(
     num_micro: int,
     seed: int,
     loss_scaling: loss_scaling_lib.LossScaling | None = None,
+    fused: bool = False,
 ) -> Callable[..., StepOutput]:
     """The step ``(params, opt_state, model_state, batch, step, lr_factor, loss_scale)``.
 
@@ -116,6 +118,9 @@ def make_train_step(
         micro-batch index; made inside the step, so it needs no device placement.
       loss_scaling: the dynamic loss scale's rule; None: the loss is not scaled, nothing is
         skipped and the ``loss_scale`` state passes through unchanged.
+      fused: update and apply in one pass per leaf
+        (:func:`triaccel_jax.transforms.fused_apply`) instead of ``tx.update`` and
+        ``optax.apply_updates``.
 
     Returns:
       The pure step function, to be jitted, returning a :class:`StepOutput`. ``lr_factor``
@@ -167,9 +172,14 @@ def make_train_step(
 
         def apply(operand):
             params, opt_state, _ = operand
-            extra = {}
+            extra: dict[str, Any] = {}
             if takes_extra:
                 extra["loss_fn"] = lambda p: loss_fn(p, new_model_state, first, policy, rng)[0]
+            if fused:
+                out = fused_lib.fused_apply(
+                    tx, grads, opt_state, params, learning_rate_factor=lr_factor, **extra
+                )
+                return out.params, out.opt_state, new_model_state
             updates, opt_state = tx.update(grads, opt_state, params, **extra)
             updates = jax.tree.map(lambda u: _scaled(u, lr_factor), updates)
             return optax.apply_updates(params, updates), opt_state, new_model_state

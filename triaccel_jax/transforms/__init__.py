@@ -11,7 +11,10 @@ model):
 * :func:`signals`, the per-leaf curvature, noise and step-size figures of any state holding a
   triaccel state, :func:`convert_state`, which recasts the moments for a precision policy, and
   :func:`find_triaccel_states`, which finds the triaccel states inside any optimizer state;
-* dynamic loss scaling (:class:`LossScaling`, :func:`dynamic_loss_scale`).
+* dynamic loss scaling (:class:`LossScaling`, :func:`dynamic_loss_scale`);
+* :func:`fused_apply`, a triaccel step that writes the moments, the master and its compute copy
+  in one pass per leaf (the fused kernel on CUDA where it is selected), with
+  :func:`unfused_reason` and :func:`uses_triton` to say when it applies.
 
 The algorithm is described in the repository's ``docs/design.md`` (sections 3.1 to 3.5, 3.8).
 """
@@ -24,6 +27,10 @@ from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._curvature import HutchinsonDiagonalState
 from triaccel_jax.transforms._curvature import fisher_diagonal
 from triaccel_jax.transforms._curvature import hutchinson_diagonal
+from triaccel_jax.transforms._fused_apply import FusedApply
+from triaccel_jax.transforms._fused_apply import fused_apply
+from triaccel_jax.transforms._fused_apply import unfused_reason
+from triaccel_jax.transforms._fused_apply import uses_triton
 from triaccel_jax.transforms._loss_scaling import DynamicLossScaleState
 from triaccel_jax.transforms._loss_scaling import LossScaleState
 from triaccel_jax.transforms._loss_scaling import LossScaling
@@ -39,6 +46,7 @@ from triaccel_jax.transforms._triaccel_state import find_triaccel_states
 __all__ = (
     "CompressedDiagonal",
     "DynamicLossScaleState",
+    "FusedApply",
     "HutchinsonDiagonalState",
     "LeafSignals",
     "LossScaleState",
@@ -51,9 +59,12 @@ __all__ = (
     "expand_diagonal",
     "find_triaccel_states",
     "fisher_diagonal",
+    "fused_apply",
     "hutchinson_diagonal",
     "loss_scale",
     "scale_by_triaccel",
     "signals",
     "triaccel",
+    "unfused_reason",
+    "uses_triton",
 )

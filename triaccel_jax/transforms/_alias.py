@@ -10,6 +10,7 @@ import optax
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
 from triaccel_jax.transforms import _config as config_lib
+from triaccel_jax.transforms import _fused_apply as fused_lib
 from triaccel_jax.transforms import _scale_by_triaccel as transform
 
 
@@ -120,7 +121,16 @@ def triaccel(
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )
-    return _in_gradient_dtype(optax.chain(direction, _masked_to_trainable(step)))
+    tx = _in_gradient_dtype(optax.chain(direction, _masked_to_trainable(step)))
+    # What fused_apply needs to write this optimizer's step in one pass per leaf.
+    spec = fused_lib.FusedSpec(
+        direction=direction.update.triaccel_parts,
+        learning_rate=learning_rate,
+        weight_decay=weight_decay,
+        mask=mask,
+    )
+    setattr(tx.update, fused_lib.FUSED_SPEC_ATTRIBUTE, spec)
+    return tx
 
 
 def _in_gradient_dtype(inner: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -9,12 +9,14 @@ flattened trees) and on the indices of the leaves it trains.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _compression_sharded as compression_sharded
@@ -113,6 +115,59 @@ def refreshed_signals(
             dropped_estimates=folded.dropped[i],
         )
     return signals
+
+
+def refresh_curvature(
+    operand: tuple[list[Any], Any, jax.Array, list[LeafSignals]],
+    *,
+    estimate: Callable[[Any], tuple[Any, Any]],
+    treedef: Any,
+    active: list[int],
+    shapes: list[tuple[int, ...]],
+    moments: Callable[[], tuple[dict[int, jax.Array], dict[int, jax.Array]]],
+    axis_name: str | None,
+    curvature_decay: Any,
+    alpha: Any,
+    min_scale: Any,
+    max_scale: Any,
+) -> tuple[list[Any], Any, jax.Array, list[LeafSignals]]:
+    """One curvature step (the true branch of ``lax.cond``): estimate, fold, refresh signals.
+
+    ``operand`` is ``(stores, estimator_state, curvature_count, signals)``, returned updated;
+    ``moments()`` gives the bias-corrected moments the noise-to-signal ratio reads.
+    """
+    stores, estimator_state, curvature_count, signals = operand
+    diagonal, estimator_state = estimate(estimator_state)
+    diagonal = treedef.flatten_up_to(diagonal)
+    if axis_name is not None:
+        # Each replica's Hutchinson estimate sees only its shard of the batch; left alone, the
+        # replicas' EMAs and step scales drift apart. The mean over replicas is the estimate of
+        # the global batch (the HVP is linear in the loss).
+        active_diagonals = lax.pmean([diagonal[i] for i in active], axis_name)
+        for i, averaged in zip(active, active_diagonals, strict=True):
+            diagonal[i] = averaged
+    curvature_count = optax.safe_increment(curvature_count)
+    folded = fold_estimate(
+        stores,
+        diagonal,
+        signals,
+        curvature_count,
+        active=active,
+        shapes=shapes,
+        curvature_decay=curvature_decay,
+    )
+    m_hat, v_hat = moments()
+    signals = refreshed_signals(
+        folded,
+        signals,
+        active=active,
+        m_hat=m_hat,
+        v_hat=v_hat,
+        alpha=alpha,
+        min_scale=min_scale,
+        max_scale=max_scale,
+    )
+    return folded.stores, estimator_state, curvature_count, signals
 
 
 def _all_finite(tree: Any) -> jax.Array:

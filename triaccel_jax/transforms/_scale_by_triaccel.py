@@ -43,6 +43,10 @@ from triaccel_jax.transforms._config import resolve_config
 from triaccel_jax.transforms._triaccel_state import LeafSignals
 from triaccel_jax.transforms._triaccel_state import ScaleByTriAccelState
 from triaccel_jax.transforms._triaccel_state import as_named_tuple
+from triaccel_jax.transforms._triaccel_step import CurvatureStep
+from triaccel_jax.transforms._triaccel_step import StepInputs
+from triaccel_jax.transforms._triaccel_step import TriAccelParts
+from triaccel_jax.transforms._triaccel_step import next_state
 
 
 def _state_dtype(path: str, param_dtype: Any, state_dtype: Any) -> jnp.dtype:
@@ -215,17 +219,15 @@ def scale_by_triaccel(
             rounding_key=jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1)),
         )
 
-    def update_fn(
+    def prepare(
         updates: Any,
         state: ScaleByTriAccelState,
-        params: Any = None,
         *,
-        loss_fn: Callable[..., Any] | None = None,
-        obj_fn: Callable[..., Any] | None = None,
-        value_fn: Callable[..., Any] | None = None,
-        **extra_args: Any,
-    ) -> tuple[Any, ScaleByTriAccelState]:
-        del extra_args  # optax's contract: ignore extra arguments meant for other transforms
+        loss_fn: Callable[..., Any] | None,
+        obj_fn: Callable[..., Any] | None,
+        value_fn: Callable[..., Any] | None,
+    ) -> StepInputs:
+        """Checks and flattens one update's inputs (shared with the fused update)."""
         if estimator == "hutchinson":
             # Checked here, outside lax.cond, so that a missing loss is reported on every step.
             loss_fn = curvature_lib.resolve_loss_fn(loss_fn, obj_fn=obj_fn, value_fn=value_fn)
@@ -237,8 +239,34 @@ def scale_by_triaccel(
         treedef: Any  # a jaxlib PyTreeDef, which has no stubs mypy can see
         grads, treedef = jax.tree.flatten(updates)
         mu = _flatten_like_updates(treedef, state.mu)
-        active = _trained_leaves(updates, grads, mu)
-        nu = treedef.flatten_up_to(state.nu)
+        count = optax.safe_increment(state.count)
+        return StepInputs(
+            loss_fn=loss_fn,
+            grads=grads,
+            treedef=treedef,
+            active=_trained_leaves(updates, grads, mu),
+            mu=mu,
+            nu=treedef.flatten_up_to(state.nu),
+            new_count=count,
+            scalars=adam.adam_scalars(count=count, b1=b1, b2=b2, eps=eps),
+            step_key=jax.random.fold_in(jax.random.wrap_key_data(state.rounding_key), state.count),
+        )
+
+    def curvature_step(
+        updates: Any,
+        state: ScaleByTriAccelState,
+        params: Any,
+        inputs: StepInputs,
+        moments: Callable[[], tuple[dict[int, jax.Array], dict[int, jax.Array]]],
+    ) -> CurvatureStep:
+        """Every ``curvature_every`` steps: an estimate folded into the store, new signals.
+
+        ``moments`` returns the bias-corrected moments ``(m_hat, v_hat)`` by leaf index; it is
+        called only inside the branch that refreshes, so a caller that has not computed them (the
+        fused update) computes them only on those steps. The signals and step scales change only
+        then; the other steps reuse the stored ones.
+        """
+        treedef, active = inputs.treedef, inputs.active
         stores = [
             as_named_tuple(compression.CompressedDiagonal, x)
             for x in treedef.flatten_up_to(state.curvature)
@@ -246,35 +274,16 @@ def scale_by_triaccel(
         old_signals = [
             as_named_tuple(LeafSignals, x) for x in treedef.flatten_up_to(state.leaf_signals)
         ]
-
-        # Moments and direction (Adam, with bias correction): the math the fused update's
-        # reference shares (triaccel_jax.kernels._adam).
-        count = optax.safe_increment(state.count)
-        scalars = adam.adam_scalars(count=count, b1=b1, b2=b2, eps=eps)
-        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rounding_key), state.count)
-        new_mu, new_nu = list(mu), list(nu)
-        m_hat, v_hat, direction = {}, {}, {}
-        for i in active:
-            moments = adam.adam_moments(grads[i], mu[i], nu[i], scalars)
-            m_hat[i], v_hat[i], direction[i] = moments.m_hat, moments.v_hat, moments.direction
-            leaf_key = jax.random.fold_in(step_key, i)
-            new_mu[i] = _write(moments.mu, mu[i].dtype, jax.random.fold_in(leaf_key, 0), impl)
-            new_nu[i] = _write(moments.nu, nu[i].dtype, jax.random.fold_in(leaf_key, 1), impl)
-
-        # Every `curvature_every` steps: a curvature estimate folded into the compressed EMA, and
-        # from it the per-leaf signals and step-size scales. They change only then, so the other
-        # steps reuse the stored ones instead of recomputing them (and the noise reductions).
-        shapes = [getattr(g, "shape", ()) for g in grads]
+        shapes = [getattr(g, "shape", ()) for g in inputs.grads]
         refresh = functools.partial(
-            _refresh_curvature,
+            refresh_lib.refresh_curvature,
             estimate=lambda estimator_state: estimator_tx.update(
-                updates, estimator_state, params, loss_fn=loss_fn
+                updates, estimator_state, params, loss_fn=inputs.loss_fn
             ),
             treedef=treedef,
             active=active,
             shapes=shapes,
-            m_hat=m_hat,
-            v_hat=v_hat,
+            moments=moments,
             axis_name=axis_name,
             curvature_decay=curvature_decay,
             alpha=alpha,
@@ -297,75 +306,51 @@ def scale_by_triaccel(
                 min_scale=min_scale,
                 max_scale=max_scale,
             )
+        return CurvatureStep(stores, estimator_state, curvature_count, new_signals, scales)
+
+    def update_fn(
+        updates: Any,
+        state: ScaleByTriAccelState,
+        params: Any = None,
+        *,
+        loss_fn: Callable[..., Any] | None = None,
+        obj_fn: Callable[..., Any] | None = None,
+        value_fn: Callable[..., Any] | None = None,
+        **extra_args: Any,
+    ) -> tuple[Any, ScaleByTriAccelState]:
+        del extra_args  # optax's contract: ignore extra arguments meant for other transforms
+        inputs = prepare(updates, state, loss_fn=loss_fn, obj_fn=obj_fn, value_fn=value_fn)
+        grads, treedef, active = inputs.grads, inputs.treedef, inputs.active
+
+        # Moments and direction (Adam, with bias correction): the math the fused update's
+        # reference shares (triaccel_jax.kernels._adam).
+        new_mu, new_nu = list(inputs.mu), list(inputs.nu)
+        m_hat, v_hat, direction = {}, {}, {}
+        for i in active:
+            moments = adam.adam_moments(grads[i], inputs.mu[i], inputs.nu[i], inputs.scalars)
+            m_hat[i], v_hat[i], direction[i] = moments.m_hat, moments.v_hat, moments.direction
+            leaf_key = jax.random.fold_in(inputs.step_key, i)
+            new_mu[i] = _write(moments.mu, new_mu[i].dtype, jax.random.fold_in(leaf_key, 0), impl)
+            new_nu[i] = _write(moments.nu, new_nu[i].dtype, jax.random.fold_in(leaf_key, 1), impl)
+
+        curvature = curvature_step(updates, state, params, inputs, lambda: (m_hat, v_hat))
         out = list(grads)
         for i in active:
-            out[i] = (scales[i] * direction[i]).astype(grads[i].dtype)
+            out[i] = (curvature.scales[i] * direction[i]).astype(grads[i].dtype)
+        return treedef.unflatten(out), next_state(state, inputs, curvature, new_mu, new_nu)
 
-        new_state = ScaleByTriAccelState(
-            count=count,
-            curvature_count=curvature_count,
-            mu=treedef.unflatten(new_mu),
-            nu=treedef.unflatten(new_nu),
-            curvature=treedef.unflatten(stores),
-            leaf_signals=treedef.unflatten(new_signals),
-            estimator_state=estimator_state,
-            rounding_key=state.rounding_key,
-        )
-        return treedef.unflatten(out), new_state
+    # What the fused update (triaccel_jax.transforms.fused_apply) needs of this transform.
+    update_fn.triaccel_parts = TriAccelParts(  # type: ignore[attr-defined]
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        impl=impl,
+        scale=config.scale,
+        prepare=prepare,
+        curvature_step=curvature_step,
+    )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _refresh_curvature(
-    operand: tuple[list[Any], Any, jax.Array, list[LeafSignals]],
-    *,
-    estimate: Callable[[Any], tuple[Any, Any]],
-    treedef: Any,
-    active: list[int],
-    shapes: list[tuple[int, ...]],
-    m_hat: dict[int, jax.Array],
-    v_hat: dict[int, jax.Array],
-    axis_name: str | None,
-    curvature_decay: Any,
-    alpha: Any,
-    min_scale: Any,
-    max_scale: Any,
-) -> tuple[list[Any], Any, jax.Array, list[LeafSignals]]:
-    """One curvature step (the true branch of ``lax.cond``): estimate, fold, refresh signals.
-
-    ``operand`` is ``(stores, estimator_state, curvature_count, signals)``, returned updated.
-    """
-    stores, estimator_state, curvature_count, signals = operand
-    diagonal, estimator_state = estimate(estimator_state)
-    diagonal = treedef.flatten_up_to(diagonal)
-    if axis_name is not None:
-        # Each replica's Hutchinson estimate sees only its shard of the batch; left alone, the
-        # replicas' EMAs and step scales drift apart. The mean over replicas is the estimate of
-        # the global batch (the HVP is linear in the loss).
-        active_diagonals = lax.pmean([diagonal[i] for i in active], axis_name)
-        for i, averaged in zip(active, active_diagonals, strict=True):
-            diagonal[i] = averaged
-    curvature_count = optax.safe_increment(curvature_count)
-    folded = refresh_lib.fold_estimate(
-        stores,
-        diagonal,
-        signals,
-        curvature_count,
-        active=active,
-        shapes=shapes,
-        curvature_decay=curvature_decay,
-    )
-    signals = refresh_lib.refreshed_signals(
-        folded,
-        signals,
-        active=active,
-        m_hat=m_hat,
-        v_hat=v_hat,
-        alpha=alpha,
-        min_scale=min_scale,
-        max_scale=max_scale,
-    )
-    return folded.stores, estimator_state, curvature_count, signals
 
 
 def _flatten_like_updates(treedef: Any, tree: Any) -> list[Any]:

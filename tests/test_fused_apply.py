@@ -1,0 +1,280 @@
+"""``transforms.fused_apply``: the optimizer's one-pass path (moments, master, compute copy).
+
+The truth is the optax path, ``tx.update`` then ``optax.apply_updates`` (and ``cast_params`` for
+the compute copy): with float32 state the fused path must agree bit for bit, including the
+curvature refreshes, a learning-rate schedule, a weight-decay mask and leaves that are not
+trained; with bfloat16 moments within their stochastic rounding.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import triaccel_jax
+from triaccel_jax.kernels import _dispatch
+from triaccel_jax.transforms import fused_apply
+from triaccel_jax.transforms import unfused_reason
+from triaccel_jax.transforms import uses_triton
+
+ON_CUDA = _dispatch.triton_unavailable_reason() is None
+needs_no_triton = pytest.mark.skipif(ON_CUDA, reason="checks the behaviour without a CUDA backend")
+
+
+def _params():
+    keys = jax.random.split(jax.random.key(0), 3)
+    return {
+        "dense": {"kernel": jax.random.normal(keys[0], (7, 5)), "bias": jnp.zeros(5)},
+        "scale": jax.random.normal(keys[1], (5,)),
+        "steps": jnp.array(3, jnp.int32),
+    }
+
+
+def _loss(params, x):
+    hidden = jnp.tanh(x @ params["dense"]["kernel"] + params["dense"]["bias"])
+    return jnp.mean((hidden * params["scale"]).sum(-1) ** 2)
+
+
+def _grads(params, step):
+    x = jax.random.normal(jax.random.fold_in(jax.random.key(1), step), (16, 7))
+    grads = jax.grad(_loss)({**params, "steps": 0.0}, x)
+    # The integer leaf gets an integer "gradient", which the optimizer passes through.
+    return {**grads, "steps": jnp.ones((), jnp.int32)}
+
+
+def _train(tx, steps, *, fused, factor=1.0, policy=None):
+    params, state = _params(), None
+    state = tx.init(params)
+    extra = {"loss_fn": lambda p: _loss({**p, "steps": 0.0}, jnp.ones((16, 7)))}
+
+    @jax.jit
+    def step(params, state, grads):
+        if fused:
+            out = fused_apply(
+                tx,
+                grads,
+                state,
+                params,
+                learning_rate_factor=factor,
+                compute_policy=policy,
+                **extra,
+            )
+            return out.params, out.opt_state, out.compute
+        updates, state = tx.update(grads, state, params, **extra)
+        updates = jax.tree.map(lambda u: u * factor if u.dtype != jnp.int32 else u, updates)
+        params = optax.apply_updates(params, updates)
+        compute = None if policy is None else triaccel_jax.cast_params(params, policy)
+        return params, state, compute
+
+    compute = None
+    for t in range(steps):
+        params, state, compute = step(params, state, _grads(params, t))
+    return params, state, compute
+
+
+def _is_signals(x):
+    return isinstance(x, triaccel_jax.transforms.LeafSignals)
+
+
+def _is_kernel(path, _):
+    return path[-1].key == "kernel"
+
+
+OPTIMIZERS = {
+    "constant rate": lambda: triaccel_jax.triaccel(0.05, curvature_every=3),
+    "schedule and mask": lambda: triaccel_jax.triaccel(
+        optax.linear_schedule(0.05, 0.005, 20),
+        weight_decay=0.1,
+        mask=lambda tree: jax.tree_util.tree_map_with_path(_is_kernel, tree),
+        curvature_every=2,
+    ),
+    "hutchinson": lambda: triaccel_jax.triaccel(0.02, estimator="hutchinson", curvature_every=4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_float32_state_agrees_with_the_optax_update_bit_for_bit(name):
+    tx = OPTIMIZERS[name]()
+    assert unfused_reason(tx) is None
+    expected_params, expected_state, _ = _train(tx, 25, fused=False)
+    params, state, _ = _train(tx, 25, fused=True)
+    chex.assert_trees_all_equal_structs(state, expected_state)
+    chex.assert_trees_all_equal(params, expected_params)
+    # The moments, the curvature store and the step scales are bit-identical; the noise figure,
+    # a mean that XLA may reduce in another order inside the fused graph, to an ulp.
+    signals, expected_signals = state[0].leaf_signals, expected_state[0].leaf_signals
+    chex.assert_trees_all_equal(state[1:], expected_state[1:])
+    chex.assert_trees_all_equal(
+        state[0]._replace(leaf_signals=None), expected_state[0]._replace(leaf_signals=None)
+    )
+    chex.assert_trees_all_close(signals, expected_signals, rtol=1e-6)
+    chex.assert_trees_all_equal(
+        jax.tree.map(lambda s: s.step_scale, signals, is_leaf=_is_signals),
+        jax.tree.map(lambda s: s.step_scale, expected_signals, is_leaf=_is_signals),
+    )
+    # It really trained: 25 steps moved every float leaf and the signals were refreshed.
+    assert not np.allclose(params["dense"]["kernel"], _params()["dense"]["kernel"])
+    assert int(params["steps"]) == 3 + 25
+    assert float(triaccel_jax.signals(state)["dense/kernel"]["mean_curvature"]) > 0
+
+
+def test_bfloat16_moments_stay_within_their_stochastic_rounding_of_the_optax_path():
+    tx = triaccel_jax.triaccel(0.05, state_dtype=jnp.bfloat16, curvature_every=3)
+    expected_params, expected_state, _ = _train(tx, 1, fused=False)
+    params, state, _ = _train(tx, 1, fused=True)
+    chex.assert_trees_all_equal_dtypes(state, expected_state)
+    bf16_ulp = 2.0**-7
+    for got, want in zip(
+        jax.tree.leaves((state[0].mu, state[0].nu)),
+        jax.tree.leaves((expected_state[0].mu, expected_state[0].nu)),
+        strict=True,
+    ):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_array_less(np.abs(got - want), bf16_ulp * np.abs(want) + 1e-30)
+    chex.assert_trees_all_close(params, expected_params, rtol=1e-2, atol=1e-4)
+    # Over many steps the two paths train alike (the rounding is unbiased in both).
+    long_expected, _, _ = _train(tx, 40, fused=False)
+    long_params, _, _ = _train(tx, 40, fused=True)
+    chex.assert_trees_all_close(long_params, long_expected, rtol=0.05, atol=0.02)
+
+
+def test_the_compute_copy_is_the_cast_of_the_new_params_in_every_format():
+    params = _params()
+    policy = triaccel_jax.PrecisionPolicy.from_patterns(
+        params, {"dense/kernel": "bf16", "dense/bias": "fp16", "scale": "fp8_e4m3"}
+    )
+    tx = triaccel_jax.triaccel(0.05)
+    params, _, compute = _train(tx, 3, fused=True, policy=policy)
+    chex.assert_trees_all_equal(compute, triaccel_jax.cast_params(params, policy))
+    assert compute["dense"]["kernel"].dtype == jnp.bfloat16
+    assert compute["dense"]["bias"].dtype == jnp.float16
+    assert params["dense"]["kernel"].dtype == jnp.float32  # the masters stay float32
+
+
+def test_the_learning_rate_factor_scales_the_step_as_it_scales_the_update():
+    tx = triaccel_jax.triaccel(0.05, curvature_every=3)
+    expected, _, _ = _train(tx, 10, fused=False, factor=1.7)
+    got, _, _ = _train(tx, 10, fused=True, factor=1.7)
+    chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-6)
+    unscaled, _, _ = _train(tx, 10, fused=True)
+    assert not np.allclose(got["dense"]["kernel"], unscaled["dense"]["kernel"])
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        pytest.param(
+            lambda: optax.adam(1e-2),
+            "not made by triaccel_jax.triaccel",
+            marks=pytest.mark.standard_promotion("optax.adam's bias correction: float ** int32"),
+        ),
+        (
+            lambda: optax.chain(optax.clip_by_global_norm(1.0), triaccel_jax.triaccel(1e-2)),
+            "not made by triaccel_jax.triaccel",
+        ),
+        (
+            lambda: optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-2),
+            "not made by triaccel_jax.triaccel",
+        ),
+        (
+            lambda: triaccel_jax.triaccel(1e-2, config=triaccel_jax.TriAccelConfig(scale="block")),
+            "per-block step scales",
+        ),
+    ],
+)
+def test_other_transforms_take_the_unfused_path_with_the_same_result(make, reason):
+    tx = make()
+    assert reason in unfused_reason(tx)
+    # No integer leaf here: optax's own transforms promote it (an error under strict promotion).
+    params = {k: v for k, v in _params().items() if k != "steps"}
+    state = tx.init(params)
+    grads = {k: v for k, v in _grads(_params(), 0).items() if k != "steps"}
+    out = fused_apply(tx, grads, state, params, loss_fn=lambda p: 0.0)
+    updates, expected_state = tx.update(grads, state, params)
+    chex.assert_trees_all_equal(out.params, optax.apply_updates(params, updates))
+    chex.assert_trees_all_equal(out.opt_state, expected_state)
+    assert out.compute is None
+
+
+def test_a_policy_that_does_not_cover_the_params_is_refused():
+    tx = triaccel_jax.triaccel(0.05)
+    params = _params()
+    policy = triaccel_jax.PrecisionPolicy.uniform({"other": jnp.ones(2)}, "bf16")
+    with pytest.raises(ValueError, match="policy"):
+        fused_apply(tx, _grads(params, 0), tx.init(params), params, compute_policy=policy)
+
+
+@needs_no_triton
+def test_without_cuda_the_fused_path_never_picks_triton_and_a_forced_triton_is_refused():
+    tx = triaccel_jax.triaccel(0.05)
+    params = _params()
+    assert not uses_triton(tx, tx.init(params))
+    forced = triaccel_jax.triaccel(0.05, config=triaccel_jax.TriAccelConfig(impl="triton"))
+    with pytest.raises(RuntimeError, match="impl='triton'"):
+        fused_apply(forced, _grads(params, 0), forced.init(params), params)
+
+
+def test_the_fused_path_calls_the_fused_update_kernel_once_per_trained_leaf(monkeypatch):
+    from triaccel_jax.kernels import fused_update as fused_kernel
+
+    calls = []
+    real = fused_kernel.fused_update
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["impl"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_kernel, "fused_update", counting)
+    tx = triaccel_jax.triaccel(0.05, config=triaccel_jax.TriAccelConfig(impl="reference"))
+    params = _params()
+    fused_apply(tx, _grads(params, 0), tx.init(params), params)
+    assert calls == ["reference"] * 3  # kernel, bias, scale; the integer leaf is not trained
+
+
+# --- the controller ------------------------------------------------------------------------
+
+
+def _controller(tx, **settings):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 7)).astype(np.float32)
+    y = np.tanh(x @ rng.normal(size=(7,))).astype(np.float32)
+
+    def loss(params, batch, *, policy, rng):
+        del policy, rng
+        inputs, targets = batch
+        hidden = jnp.tanh(inputs @ params["dense"]["kernel"] + params["dense"]["bias"])
+        return jnp.mean(((hidden * params["scale"]).sum(-1) - targets) ** 2)
+
+    params = {key: value for key, value in _params().items() if key != "steps"}
+    return triaccel_jax.Controller(
+        loss,
+        params,
+        tx,
+        (x, y),
+        probe=triaccel_jax.BudgetMemoryProbe(2**30),
+        **{"min_batch": 32, "max_batch": 32, **settings},
+    )
+
+
+def test_the_controller_trains_the_same_through_the_fused_step():
+    tx = triaccel_jax.triaccel(0.02, curvature_every=3)
+    plain, fused = _controller(tx), _controller(tx, fused_update=True)
+    plain.run(30)
+    fused.run(30)
+    # One compiled graph each: XLA may contract a different multiply-add into an FMA, so the
+    # two agree to float32 rounding (standalone, outside the controller, they are bit-identical).
+    chex.assert_trees_all_close(fused.params, plain.params, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(fused.opt_state, plain.opt_state, rtol=1e-5, atol=1e-6)
+    assert fused.step_count == plain.step_count == 30
+    assert not np.allclose(fused.params["scale"], _params()["scale"])
+
+
+def test_the_controller_refuses_fused_update_for_an_optimizer_it_cannot_fuse():
+    with pytest.raises(ValueError, match="fused_update=True, but the optimizer cannot be fused"):
+        _controller(optax.adam(1e-2), fused_update=True)
+    with pytest.raises(ValueError, match="fused_update"):
+        triaccel_jax.controller.ControllerConfig(fused_update="yes")
