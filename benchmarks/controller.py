@@ -8,9 +8,11 @@ Three measurements, each in one run:
    ``float(loss)``) and ``Controller.step`` (checking memory every ``--check-every`` steps). They
    run interleaved, ``--rounds`` rounds of ``--steps`` steps each, and the figure is the median
    of the per-round ratios ``controller / plain - 1``; the controller's own accounting
-   (``timings["control"] / timings["step"]``) is printed beside it, and so is the host work per
-   step of ``Controller.run`` with a step in flight (its wall time less dispatching, reading,
-   batching and compiling, over its wall time). Target <= 1%.
+   (``timings["control"] / timings["step"]``) is printed beside it. With a step in flight
+   (``Controller.run``): interleaved rounds against a plain loop that keeps a step in flight too,
+   and the controller's host work measured where the step costs almost nothing (on a CPU the
+   step computes on the cores the host runs on, which inflates host work measured beside it; that
+   raw figure is printed too). Target <= 1%.
 2. **Recompiles**: a run that grows the batch and re-plans precision; XLA compilations of the
    step, counted from ``jax.monitoring`` events, against the distinct (micro-batch, policy)
    pairs visited. Target: equal. Beside it, the steps that waited on a compile (target 0).
@@ -147,26 +149,101 @@ def measure_overhead(data, args) -> dict[str, float]:
 
 
 def measure_in_flight(data, args, batch: int) -> dict[str, float]:
-    """``Controller.run`` with a step in flight: the host work left on the step's critical path.
+    """``Controller.run`` with a step in flight, against a plain loop that keeps one in flight too.
 
-    Host work is the wall time of ``run`` less the time in dispatching and reading steps,
-    gathering batches and compiling; per step, over the wall time per step.
+    On a CPU the "device" is the same two cores the host runs on, so host work done while a step
+    computes is slowed by the step and slows it; the host's own cost is therefore measured twice:
+
+    * **end to end**: interleaved rounds of ``Controller.run(steps)`` and of a plain loop that
+      dispatches step ``n + 1`` before reading step ``n``'s loss (sampler, fancy-indexed batch,
+      the jitted step); the median of the per-round ratios ``controller / plain - 1`` is what the
+      controller costs on the critical path;
+    * **host work alone**: ``Controller.run`` on a model whose step costs almost nothing (a
+      linear least-squares fit of 8 weights at the same batch), so nothing competes with the
+      host; its wall time less dispatching, reading, batching and compiling, per step, is the
+      controller's own work, reported against the small CNN's step.
+
+    The raw figure of the small CNN's run (wall less dispatching, reading, batching and
+    compiling, with the step computing on the same cores) is printed too.
     """
     ctrl = controller(data, min_batch=batch, max_batch=batch, check_every=args.check_every)
     ctrl.run(2)  # compile and first-call costs outside the timing
+    tx = triaccel_jax.triaccel(1e-3)
+    params = init_params(data)
+    state = tx.init(params)
+
+    @jax.jit
+    def plain_step(params, state, batch):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch, policy=None, rng=None))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    sampler = triaccel_jax.controller.ElasticSampler(len(data["label"]), seed=1)
+
+    def plain_batch():
+        idx = sampler.take(batch)
+        return {k: jnp.asarray(v[idx]) for k, v in data.items()}
+
+    params, state, pending = plain_step(params, state, plain_batch())
+    float(pending)
+    ratios = []
     host, wall, steps = 0.0, 0.0, 0
     for _ in range(args.rounds):
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            params, state, loss = plain_step(params, state, plain_batch())
+            float(pending)  # the previous step's loss: one step in flight, as in Controller.run
+            pending = loss
+        float(pending)
+        plain = time.perf_counter() - start
         before = sum(ctrl.timings[k] for k in ("step", "data", "compile"))
         start = time.perf_counter()
         ctrl.run(args.steps)
         seconds = time.perf_counter() - start
         spent = sum(ctrl.timings[k] for k in ("step", "data", "compile")) - before
         host, wall, steps = host + seconds - spent, wall + seconds, steps + args.steps
+        ratios.append(seconds / plain - 1.0)
+    alone_ms = _host_work_alone_ms(args, batch)
+    step_ms = 1e3 * wall / steps
     return {
+        "in_flight_median_ratio": statistics.median(ratios),
+        "in_flight_q1": float(np.percentile(ratios, 25)),
+        "in_flight_q3": float(np.percentile(ratios, 75)),
+        "in_flight_alone_ms": alone_ms,
+        "in_flight_alone_ratio": alone_ms / step_ms,
         "in_flight_host_ms": 1e3 * host / steps,
-        "in_flight_step_ms": 1e3 * wall / steps,
+        "in_flight_step_ms": step_ms,
         "in_flight_ratio": host / wall,
     }
+
+
+def _host_work_alone_ms(args, batch: int) -> float:
+    """The controller's host work per step of ``run`` where the step itself costs almost nothing."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16 * batch, 8)).astype(np.float32)
+
+    def linear_loss(params, b, *, policy, rng):
+        del policy, rng
+        return jnp.mean((b @ params - 1.0) ** 2)
+
+    ctrl = triaccel_jax.Controller(
+        linear_loss,
+        jnp.zeros(8),
+        triaccel_jax.triaccel(1e-3),
+        x,
+        min_batch=batch,
+        max_batch=batch,
+        check_every=args.check_every,
+        probe=triaccel_jax.BudgetMemoryProbe(8 * 2**30),
+    )
+    ctrl.run(2 * args.check_every)
+    steps = 10 * args.rounds * args.steps
+    before = sum(ctrl.timings[k] for k in ("step", "data", "compile"))
+    start = time.perf_counter()
+    ctrl.run(steps)
+    seconds = time.perf_counter() - start
+    spent = sum(ctrl.timings[k] for k in ("step", "data", "compile")) - before
+    return 1e3 * (seconds - spent) / steps
 
 
 def measure_recompiles(data, args) -> dict[str, object]:
@@ -268,9 +345,20 @@ def main(argv=None) -> int:
     )
 
     print(
-        f"steps in flight (Controller.run, 1 in flight): host work {overhead['in_flight_host_ms']:.3f} "
-        f"ms per step = {overhead['in_flight_ratio']:.2%} of the step "
+        "steps in flight (Controller.run, 1 in flight) / plain loop with 1 in flight - 1: median "
+        f"{overhead['in_flight_median_ratio']:+.2%} (IQR {overhead['in_flight_q1']:+.2%} .. "
+        f"{overhead['in_flight_q3']:+.2%}) over {args.rounds} rounds of {args.steps} steps"
+    )
+    print(
+        f"steps in flight, the controller's host work alone (a step that costs ~nothing): "
+        f"{overhead['in_flight_alone_ms']:.3f} ms per step = "
+        f"{overhead['in_flight_alone_ratio']:.2%} of the small CNN's step "
         f"({overhead['in_flight_step_ms']:.1f} ms wall per step); target <= 1%"
+    )
+    print(
+        f"steps in flight, raw (wall less dispatch, reads, batches and compiles, while the step "
+        f"computes on the same cores): {overhead['in_flight_host_ms']:.3f} ms per step = "
+        f"{overhead['in_flight_ratio']:.2%} of the step"
     )
 
     recompiles = measure_recompiles(data, args)
@@ -296,7 +384,13 @@ def main(argv=None) -> int:
         f"{budget['largest_peak_used_mib']:.1f} MiB (<= budget: "
         f"{budget['largest_peak_used_mib'] <= budget['budget_mib']})"
     )
-    figures = [overhead["median_ratio"], overhead["accounted"], overhead["in_flight_ratio"]]
+    figures = [
+        overhead["median_ratio"],
+        overhead["accounted"],
+        overhead["in_flight_median_ratio"],
+        overhead["in_flight_alone_ratio"],
+        overhead["in_flight_ratio"],
+    ]
     return 0 if all(math.isfinite(f) for f in figures) else 1
 
 
