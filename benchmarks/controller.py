@@ -99,16 +99,14 @@ def controller(data, **kwargs):
     )
 
 
-def measure_overhead(data, args) -> dict[str, float]:
-    batch = 128
-    ctrl = controller(data, min_batch=batch, max_batch=batch, check_every=args.check_every)
-    ctrl.step()  # compile and first-call costs outside the timing
-    ctrl.timings = dict.fromkeys(ctrl.timings, 0.0)
-    steps_before = ctrl.step_count
+def plain_loop(data, batch: int):
+    """The loop the controller is measured against: ``(step, next_batch, params, opt_state)``.
 
+    The jitted step of the same model and optimizer, and batches drawn by the same sampler and
+    fancy-indexed from the same arrays.
+    """
     tx = triaccel_jax.triaccel(1e-3)
     params = init_params(data)
-    state = tx.init(params)
 
     @jax.jit
     def plain_step(params, state, batch):
@@ -122,6 +120,17 @@ def measure_overhead(data, args) -> dict[str, float]:
         idx = sampler.take(batch)
         return {k: jnp.asarray(v[idx]) for k, v in data.items()}
 
+    return plain_step, plain_batch, params, tx.init(params)
+
+
+def measure_overhead(data, args) -> dict[str, float]:
+    batch = 128
+    ctrl = controller(data, min_batch=batch, max_batch=batch, check_every=args.check_every)
+    ctrl.step()  # compile and first-call costs outside the timing
+    ctrl.timings = dict.fromkeys(ctrl.timings, 0.0)
+    steps_before = ctrl.step_count
+
+    plain_step, plain_batch, params, state = plain_loop(data, batch)
     params, state, _ = plain_step(params, state, plain_batch())
     ratios = []
     for _ in range(args.rounds):
@@ -168,22 +177,7 @@ def measure_in_flight(data, args, batch: int) -> dict[str, float]:
     """
     ctrl = controller(data, min_batch=batch, max_batch=batch, check_every=args.check_every)
     ctrl.run(2)  # compile and first-call costs outside the timing
-    tx = triaccel_jax.triaccel(1e-3)
-    params = init_params(data)
-    state = tx.init(params)
-
-    @jax.jit
-    def plain_step(params, state, batch):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch, policy=None, rng=None))(params)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
-    sampler = triaccel_jax.controller.ElasticSampler(len(data["label"]), seed=1)
-
-    def plain_batch():
-        idx = sampler.take(batch)
-        return {k: jnp.asarray(v[idx]) for k, v in data.items()}
-
+    plain_step, plain_batch, params, state = plain_loop(data, batch)
     params, state, pending = plain_step(params, state, plain_batch())
     float(pending)
     ratios = []
