@@ -278,3 +278,58 @@ def test_the_controller_refuses_fused_update_for_an_optimizer_it_cannot_fuse():
         _controller(optax.adam(1e-2), fused_update=True)
     with pytest.raises(ValueError, match="fused_update"):
         triaccel_jax.controller.ControllerConfig(fused_update="yes")
+
+
+# --- the Flax train state ------------------------------------------------------------------
+
+
+@pytest.mark.standard_promotion("Flax's Dense mixes a bfloat16 kernel with float32 inputs")
+def test_the_flax_train_state_takes_the_fused_path_where_triton_runs_it(monkeypatch):
+    flax_linen = pytest.importorskip("flax.linen")
+    from triaccel_jax.flax import TrainState
+    from triaccel_jax.transforms import _fused_apply as fused_lib
+
+    class MLP(flax_linen.Module):
+        @flax_linen.compact
+        def __call__(self, x):
+            return flax_linen.Dense(1)(flax_linen.tanh(flax_linen.Dense(16)(x)))
+
+    model = MLP()
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    y = jnp.sin(x.sum(-1, keepdims=True))
+    params = model.init(jax.random.key(0), x)["params"]
+    policy = triaccel_jax.PrecisionPolicy.from_patterns(params, {"*/kernel": "bf16"})
+
+    def train(steps):
+        state = TrainState.create(
+            apply_fn=model.apply, params=params, tx=triaccel_jax.triaccel(0.05), policy=policy
+        )
+
+        @jax.jit
+        def step(state):
+            def loss(compute):
+                return jnp.mean((state.apply_fn({"params": compute}, x) - y) ** 2)
+
+            return state.apply_gradients(grads=jax.grad(loss)(state.forward_params))
+
+        for _ in range(steps):
+            state = step(state)
+        return state
+
+    expected = train(20)
+    calls = []
+    real = fused_lib.fused_apply
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    # No CPU runs the Triton kernel: pretend this one does, so the train state takes the path
+    # it would take on such a GPU (the reference computes it here).
+    monkeypatch.setattr(fused_lib, "uses_triton", lambda tx, opt_state: True)
+    monkeypatch.setattr(fused_lib, "fused_apply", counting)
+    got = train(20)
+    assert calls  # traced through the fused path
+    chex.assert_trees_all_equal(got.params, expected.params)
+    chex.assert_trees_all_equal(got.compute_params, expected.compute_params)
+    chex.assert_trees_all_close(got.opt_state, expected.opt_state, rtol=1e-5)

@@ -27,6 +27,7 @@ from jax import lax
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.precision import _casting as precision
 from triaccel_jax.precision import _policy as policy_lib
+from triaccel_jax.transforms import _fused_apply as fused_lib
 from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
 from triaccel_jax.transforms import _state_conversion as state_conversion
 from triaccel_jax.transforms import _triaccel_state as triaccel_state
@@ -247,9 +248,15 @@ class TrainState(train_state.TrainState):
                 f"{jax.tree.structure(grads)}, params are {jax.tree.structure(self.params)}"
             )
         tx = optax.with_extra_args_support(self.tx)
+        # Where the Triton kernel runs it (a triaccel optimizer on CUDA whose impl selects it),
+        # the moments and the master are written in one pass per leaf; the same result otherwise.
+        fused = fused_lib.uses_triton(self.tx, self.opt_state)
 
         def update(operand):
             params, opt_state, grads = operand
+            if fused:
+                out = fused_lib.fused_apply(self.tx, grads, opt_state, params, **extra)
+                return out.params, out.opt_state
             updates, opt_state = tx.update(grads, opt_state, params, **extra)
             return optax.apply_updates(params, updates), opt_state
 
