@@ -39,6 +39,10 @@ napoleon_numpy_docstring = False
 # NamedTuple fields and properties are documented by autodoc itself; an "Attributes:" section
 # becomes a field list instead of a second description of the same attribute.
 napoleon_use_ivar = True
+# An ":ivar name:" field makes ``name`` a cross-reference; two NamedTuples with a field of the same
+# name (``FusedApply.opt_state``, ``Replan.opt_state``) make it ambiguous. Sphinx then links the
+# first match, which is harmless, so that one warning category is not an error.
+suppress_warnings = ["ref.python"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "show-inheritance": False}
