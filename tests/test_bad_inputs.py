@@ -400,7 +400,7 @@ CASES = [
     ),
     Case(
         "apply-updates-of-another-tree",
-        lambda _: T.apply_updates(PARAMS, {"w": PARAMS["w"]}),
+        lambda _: T.stochastic_apply_updates(PARAMS, {"w": PARAMS["w"]}),
         ValueError,
         "`updates` do not have the tree structure of `params`",
     ),

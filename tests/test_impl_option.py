@@ -1,4 +1,4 @@
-"""``TriAccelConfig(impl=...)`` and ``apply_updates(impl=...)``: the kernels' dispatch, opt-in.
+"""``TriAccelConfig(impl=...)`` and ``stochastic_apply_updates(impl=...)``: the kernels' dispatch, opt-in.
 
 ``impl="reference"`` must be bit for bit what the optimizer computed before the option existed
 (the pure-JAX rounding); ``impl="triton"`` where Triton cannot run is refused with a clear error.
@@ -89,19 +89,19 @@ def test_impl_triton_without_cuda_is_refused_with_a_clear_error(state_dtype):
         tx.update(grads[0], tx.init(params), params)
 
 
-def test_apply_updates_impl_reference_equals_the_default_and_triton_is_refused():
+def test_stochastic_apply_updates_impl_reference_equals_the_default_and_triton_is_refused():
     params = {"w": jnp.ones(1000, jnp.bfloat16), "f": jnp.ones(3)}
     updates = {"w": jnp.full(1000, 1e-3), "f": jnp.full(3, 0.5)}
     key = jax.random.key(3)
-    expected = triaccel_jax.apply_updates(params, updates, key=key)
-    got = triaccel_jax.apply_updates(params, updates, key=key, impl="reference")
+    expected = triaccel_jax.stochastic_apply_updates(params, updates, key=key)
+    got = triaccel_jax.stochastic_apply_updates(params, updates, key=key, impl="reference")
     chex.assert_trees_all_equal_dtypes(got, expected)
     chex.assert_trees_all_equal(got, expected)
     with pytest.raises(ValueError, match="impl"):
-        triaccel_jax.apply_updates(params, updates, key=key, impl="cuda")
+        triaccel_jax.stochastic_apply_updates(params, updates, key=key, impl="cuda")
     if not ON_CUDA:
         with pytest.raises(RuntimeError, match=r"impl='triton' for the master write"):
-            triaccel_jax.apply_updates(params, updates, key=key, impl="triton")
+            triaccel_jax.stochastic_apply_updates(params, updates, key=key, impl="triton")
 
 
 def test_impl_survives_inject_hyperparams():

@@ -120,18 +120,18 @@ def test_config_is_frozen_hashable_and_checked():
         triaccel_jax.triaccel(0.1, config={"block_size": 8})
 
 
-def test_old_keywords_still_work_with_a_deprecation_warning():
-    with pytest.warns(DeprecationWarning, match=r"block_size.*TriAccelConfig"):
-        old = triaccel_jax.triaccel(0.1, block_size=8, rho=0.25)
-    new = triaccel_jax.triaccel(0.1, config=triaccel_jax.TriAccelConfig(block_size=8, rho=0.25))
-    old_state, new_state = old.init(PARAMS), new.init(PARAMS)
-    chex.assert_trees_all_equal_shapes_and_dtypes(old_state, new_state)
+@pytest.mark.parametrize("keyword", ["block_size", "rho", "num_samples"])
+def test_shape_options_are_only_accepted_in_config(keyword):
+    # One way to say each thing: the options that set shapes live in TriAccelConfig, where
+    # inject_hyperparams never traces them.
+    with pytest.raises(TypeError, match=keyword):
+        triaccel_jax.triaccel(0.1, **{keyword: 8})
+    with pytest.raises(TypeError, match=keyword):
+        triaccel_jax.scale_by_triaccel(**{keyword: 8})
     # estimator= and state_dtype= are never numbers, so they remain plain keywords.
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         triaccel_jax.triaccel(0.1, estimator="hutchinson", state_dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"block_size.*both"):
-        triaccel_jax.triaccel(0.1, block_size=8, config=triaccel_jax.TriAccelConfig(block_size=16))
 
 
 def test_a_dtype_type_injected_as_a_schedule_is_explained():

@@ -5,12 +5,25 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 import triaccel_jax
 
 PACKAGES = ("transforms", "precision", "controller", "flax", "checkpoint", "cli")
+# Subpackages reachable as attributes of the top level (the lazy ones import on first use).
+PACKAGES_AT_TOP = (
+    "checkpoint",
+    "cli",
+    "controller",
+    "data",
+    "flax",
+    "kernels",
+    "models",
+    "precision",
+    "transforms",
+)
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -32,13 +45,33 @@ def test_the_top_level_names_are_the_subpackages_objects():
         assert getattr(home, name) is obj, name
 
 
-@pytest.mark.parametrize("name", sorted(triaccel_jax._MOVED))
-def test_a_moved_name_still_resolves_with_a_warning_naming_its_new_home(name):
-    home = triaccel_jax._MOVED[name]
-    with pytest.warns(DeprecationWarning, match=rf"moved to {home}\.{name}"):
-        obj = getattr(triaccel_jax, name)
-    assert obj is getattr(importlib.import_module(home), name)
-    assert name not in triaccel_jax.__all__
+def test_dir_lists_only_public_names_that_resolve():
+    # Autocompletion shows dir(): every name there resolves without a warning, and no private
+    # or moved name is offered.
+    listed = dir(triaccel_jax)
+    assert set(triaccel_jax.__all__) <= set(listed)
+    for name in listed:
+        assert not name.startswith("_") or name == "__version__", name
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            getattr(triaccel_jax, name)
+    assert len(listed) == len(triaccel_jax.__all__) + 1 + len(PACKAGES_AT_TOP)
+
+
+def test_the_version_marks_unreleased_work():
+    # No release has been made: the version is a pre-release of the first one (PEP 440).
+    from packaging.version import Version
+
+    version = Version(triaccel_jax.__version__)
+    assert version.is_prerelease and version.release == (0, 1, 0)
+
+
+def test_no_top_level_name_shadows_an_optax_name_with_other_semantics():
+    import optax
+
+    assert not hasattr(triaccel_jax, "apply_updates")
+    for name in triaccel_jax.__all__:
+        assert not hasattr(optax, name), name
 
 
 def test_an_unknown_name_is_an_attribute_error():

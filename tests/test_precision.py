@@ -90,8 +90,10 @@ def test_policy_masters_train_with_stochastic_updates():
     updates = {"w": jnp.full(20_000, 1e-3, jnp.float32), "n": None}
     nearest, stochastic = params, params
     for step in range(10):
-        nearest = triaccel_jax.apply_updates(nearest, updates)
-        stochastic = triaccel_jax.apply_updates(stochastic, updates, key=jax.random.key(step))
+        nearest = triaccel_jax.stochastic_apply_updates(nearest, updates)
+        stochastic = triaccel_jax.stochastic_apply_updates(
+            stochastic, updates, key=jax.random.key(step)
+        )
     assert float(nearest["w"].astype(jnp.float32).mean()) == 1.0
     assert abs(float(stochastic["w"].astype(jnp.float32).mean()) - 1.01) < 1e-3
     assert stochastic["w"].dtype == jnp.bfloat16 and stochastic["n"] is None

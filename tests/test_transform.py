@@ -158,7 +158,9 @@ def test_hutchinson_without_loss_fn_says_how_to_pass_it():
         ({"b1": 1.0}, r"b1.*\[0.0, 1.0\)"),
         ({"b1": -0.1}, "b1"),
         ({"b2": 1.5}, r"b2.*\[0.0, 1.0\)"),
-        ({"curvature_every": 0}, r"curvature_every.*\[1.0"),
+        ({"curvature_every": 0}, r"curvature_every.*an integer >= 1, got 0"),
+        ({"curvature_every": 2.5}, r"curvature_every.*an integer >= 1, got 2.5"),
+        ({"curvature_every": True}, r"curvature_every.*an integer >= 1, got True"),
         ({"estimator": "newton"}, r"estimator.*fisher.*hutchinson"),
         ({"state_dtype": jnp.float16}, r"state_dtype.*bfloat16"),
         ({"weight_decay": -1.0}, "weight_decay"),
@@ -175,30 +177,23 @@ def test_bad_input_names_the_argument(kwargs, names):
         triaccel_jax.triaccel(**kwargs)
 
 
-def test_deprecated_shape_keywords_still_work_when_injected():
-    # The deprecated keywords, given to inject_hyperparams, arrive as arrays: init (outside jit)
-    # reads them, the update under jit takes them traced.
+def test_shape_options_in_config_work_when_injected():
+    # inject_hyperparams traces every number it is given; the store's layout and the probes sit
+    # in config, which it passes through untouched.
     factory = optax.inject_hyperparams(triaccel_jax.triaccel)
-    with pytest.warns(DeprecationWarning, match="TriAccelConfig"):
-        tx = factory(
-            learning_rate=0.1, block_size=8, rho=0.25, num_samples=2, estimator="hutchinson"
-        )
-        params = {"w": jnp.arange(16.0)}
-        state = tx.init(params)
-        store = state.inner_state[0].curvature["w"]
-        chex.assert_shape([store.block_means, store.outlier_values], [(2,), (4,)])
-        loss_fn = lambda p: jnp.sum(p["w"] ** 2)
-        update = jax.jit(lambda g, s: tx.update(g, s, params, loss_fn=loss_fn))
-        updates, state = update(params, state)
+    config = triaccel_jax.TriAccelConfig(
+        block_size=8, rho=0.25, num_samples=2, estimator="hutchinson"
+    )
+    tx = factory(learning_rate=0.1, config=config)
+    params = {"w": jnp.arange(16.0)}
+    state = jax.jit(tx.init)(params)
+    store = state.inner_state[0].curvature["w"]
+    chex.assert_shape([store.block_means, store.outlier_values], [(2,), (4,)])
+    loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+    update = jax.jit(lambda g, s: tx.update(g, s, params, loss_fn=loss_fn))
+    updates, state = update(params, state)
     np.testing.assert_allclose(triaccel_jax.signals(state)["w"]["mean_curvature"], 2.0, rtol=1e-5)
     chex.assert_shape(updates["w"], (16,))
-
-
-def test_deprecated_shape_keywords_traced_at_init_are_explained():
-    with pytest.warns(DeprecationWarning):
-        tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=0.1, block_size=16)
-        with pytest.raises(ValueError, match=r"block_size.*TriAccelConfig"):
-            jax.jit(tx.init)({"w": jnp.ones(16)})
 
 
 def test_float_gradient_of_integer_parameter_passes_through():

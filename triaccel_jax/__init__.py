@@ -21,7 +21,6 @@ extra raises an ``ImportError`` naming it (``pip install 'triaccel-jax[flax]'``,
 
 import importlib as _importlib
 import typing as _typing
-import warnings as _warnings
 
 from triaccel_jax.controller import BudgetMemoryProbe
 from triaccel_jax.controller import Controller
@@ -33,11 +32,11 @@ from triaccel_jax.precision import LeafPrecision
 from triaccel_jax.precision import MemoryReport
 from triaccel_jax.precision import PrecisionPlan
 from triaccel_jax.precision import PrecisionPolicy
-from triaccel_jax.precision import apply_updates
 from triaccel_jax.precision import cast_params
 from triaccel_jax.precision import master_params
 from triaccel_jax.precision import memory_report
 from triaccel_jax.precision import plan_precision
+from triaccel_jax.precision import stochastic_apply_updates
 from triaccel_jax.transforms import TriAccelConfig
 from triaccel_jax.transforms import scale_by_triaccel
 from triaccel_jax.transforms import signals
@@ -47,7 +46,7 @@ if _typing.TYPE_CHECKING:  # for type checkers; at run time they load on first u
     from triaccel_jax.checkpoint import Checkpointer
     from triaccel_jax.checkpoint import CheckpointError
 
-__version__ = "0.1.0"
+__version__ = "0.1.0.dev0"
 
 __all__ = (
     "BudgetMemoryProbe",
@@ -63,56 +62,15 @@ __all__ = (
     "PrecisionPolicy",
     "StepInfo",
     "TriAccelConfig",
-    "apply_updates",
     "cast_params",
     "master_params",
     "memory_report",
     "plan_precision",
     "scale_by_triaccel",
     "signals",
+    "stochastic_apply_updates",
     "triaccel",
 )
-
-# Names that lived at the top level until 0.1.0 and moved to their stage's subpackage. They stay
-# importable from here for one release, with a DeprecationWarning naming the new home.
-_MOVED = {
-    **dict.fromkeys(
-        (
-            "BucketDecision",
-            "ElasticSampler",
-            "Event",
-            "MemoryProbe",
-            "MemoryReading",
-            "bucket_sizes",
-            "compiled_peak_bytes",
-            "decide_bucket",
-            "default_memory_probe",
-            "event_records",
-            "is_out_of_memory",
-            "predict_peak",
-        ),
-        "triaccel_jax.controller",
-    ),
-    **dict.fromkeys(
-        (
-            "CompressedDiagonal",
-            "DynamicLossScaleState",
-            "HutchinsonDiagonalState",
-            "LeafSignals",
-            "ScaleByTriAccelState",
-            "compress_diagonal",
-            "convert_state",
-            "dynamic_loss_scale",
-            "expand_diagonal",
-            "fisher_diagonal",
-            "hutchinson_diagonal",
-            "loss_scale",
-        ),
-        "triaccel_jax.transforms",
-    ),
-    **dict.fromkeys(("apply_with_policy", "precision_interceptor"), "triaccel_jax.flax"),
-}
-
 
 # Subpackages that pull in optional or heavy dependencies (Flax, orbax, matplotlib, tfds) are
 # imported on first use, so `import triaccel_jax` stays an optax-only import that works without
@@ -130,17 +88,10 @@ def __getattr__(name: str):
         return _importlib.import_module(f"triaccel_jax.{name}")
     if name in _LAZY_NAMES:
         return getattr(_importlib.import_module(_LAZY_NAMES[name]), name)
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module 'triaccel_jax' has no attribute {name!r}")
-    _warnings.warn(
-        f"triaccel_jax.{name} moved to {module}.{name}; the top-level name will be removed in "
-        "the next release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(_importlib.import_module(module), name)
+    raise AttributeError(f"module 'triaccel_jax' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_MOVED, *_LAZY_SUBPACKAGES, *_LAZY_NAMES})
+    return sorted(
+        {*__all__, "__version__", "controller", "precision", "transforms", *_LAZY_SUBPACKAGES}
+    )

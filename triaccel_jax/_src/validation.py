@@ -174,18 +174,6 @@ def real_scalar(name: str, value: Any, description: str = "a real number") -> fl
     return float(value)
 
 
-def static_value(name: str, value: Any, kind: type) -> Any:
-    """``value`` as a Python ``kind``; it sets array shapes, so it cannot be traced."""
-    if isinstance(value, jax.core.Tracer):
-        raise ValueError(
-            f"`{name}` sets array shapes when the state is initialised, so it must be concrete "
-            f"there: under optax.inject_hyperparams pass it in "
-            f"`config=triaccel_jax.TriAccelConfig({name}=...)`, which is never injected (or name "
-            f"it in static_args=({name!r},)), or call `init` outside `jit`"
-        )
-    return kind(np.asarray(value))
-
-
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     """Returns ``value`` if it is one of ``choices``, else raises ``ValueError`` listing them."""
     if value not in choices:

@@ -7,15 +7,15 @@
   returns a :class:`PrecisionPlan` (the policy, and the hysteresis streaks to pass back next
   time);
 * the casts: :func:`cast_params` (the compute copy), :func:`master_params`,
-  :func:`apply_updates` (stochastically rounded updates of low-precision masters);
+  :func:`stochastic_apply_updates` (stochastically rounded updates of low-precision masters);
 * :func:`memory_report`, the training memory by component at the dtypes the step really holds.
 
 See ``docs/design.md`` (sections 3.6, 3.7 and 7).
 """
 
-from triaccel_jax.precision._casting import apply_updates
 from triaccel_jax.precision._casting import cast_params
 from triaccel_jax.precision._casting import master_params
+from triaccel_jax.precision._casting import stochastic_apply_updates
 from triaccel_jax.precision._memory import MemoryReport
 from triaccel_jax.precision._memory import memory_report
 from triaccel_jax.precision._planner import plan_precision
@@ -28,9 +28,9 @@ __all__ = (
     "MemoryReport",
     "PrecisionPlan",
     "PrecisionPolicy",
-    "apply_updates",
     "cast_params",
     "master_params",
     "memory_report",
     "plan_precision",
+    "stochastic_apply_updates",
 )

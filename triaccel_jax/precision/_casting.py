@@ -155,7 +155,7 @@ def master_params(
     return jax.tree_util.tree_map_with_path(master, params)
 
 
-def apply_updates(
+def stochastic_apply_updates(
     params: Any, updates: Any, *, key: jax.Array | None = None, impl: str = "auto"
 ) -> Any:
     """``params + updates``, computed in fp32 and written back in each parameter's dtype.
@@ -182,8 +182,8 @@ def apply_updates(
       >>> import triaccel_jax
       >>> params = {"w": jnp.ones(10_000, jnp.bfloat16)}
       >>> updates = {"w": jnp.full(10_000, 1e-3)}
-      >>> nearest = triaccel_jax.apply_updates(params, updates)
-      >>> stochastic = triaccel_jax.apply_updates(params, updates, key=jax.random.key(0))
+      >>> nearest = triaccel_jax.stochastic_apply_updates(params, updates)
+      >>> stochastic = triaccel_jax.stochastic_apply_updates(params, updates, key=jax.random.key(0))
       >>> float(nearest["w"].astype(jnp.float32).mean())  # 1e-3 is below half a bf16 ulp at 1
       1.0
       >>> abs(float(stochastic["w"].astype(jnp.float32).mean()) - 1.001) < 2e-4

@@ -32,9 +32,6 @@ def triaccel(
     axis_name: str | None = None,
     estimator: str | None = None,
     state_dtype: Any = None,
-    block_size: int | None = None,
-    rho: float | None = None,
-    num_samples: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The Tri-Accel optimizer: AdamW with a per-leaf, curvature-derived step-size scale.
 
@@ -66,9 +63,6 @@ def triaccel(
       estimator: shorthand for ``config.estimator``.
       state_dtype: shorthand for ``config.state_dtype``: None (float32), ``jnp.float32``,
         ``jnp.bfloat16``, or a :class:`triaccel_jax.PrecisionPolicy` (each leaf's state dtype).
-      block_size: deprecated, use ``config``.
-      rho: deprecated, use ``config``.
-      num_samples: deprecated, use ``config``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. Works under ``optax.inject_hyperparams``
@@ -98,9 +92,6 @@ def triaccel(
         config,
         estimator=estimator,
         state_dtype=state_dtype,
-        block_size=block_size,
-        rho=rho,
-        num_samples=num_samples,
     )
     direction = transform.scale_by_triaccel(
         b1,

@@ -7,7 +7,6 @@ every number it is given) passes them through unchanged (docs/design.md §3).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import jax
@@ -108,42 +107,23 @@ class TriAccelConfig:
         validation.check_integer("block_size", self.block_size, 1)
         validation.check_in_range("rho", self.rho, 0.0, 1.0, low_inclusive=False)
         validation.check_integer("num_samples", self.num_samples, 1)
-        # Plain Python values, so that equal configs hash equal (an array would not hash). A
-        # traced value only comes from the deprecated keywords under inject_hyperparams: the
-        # update reads the layout from the store's shapes and loops over traced probes, and
-        # init says what to do instead (see `scale_by_triaccel`).
+        # Plain Python values, so that equal configs hash equal (an array would not hash).
         for name, kind in (("block_size", int), ("rho", float), ("num_samples", int)):
-            value = getattr(self, name)
-            if not isinstance(value, jax.core.Tracer):
-                object.__setattr__(self, name, kind(np.asarray(value)))
+            object.__setattr__(self, name, kind(np.asarray(getattr(self, name))))
         object.__setattr__(self, "state_dtype", normalized_state_dtype(self.state_dtype))
-
-
-_DEPRECATED_KEYWORDS = ("block_size", "rho", "num_samples")
 
 
 def resolve_config(config: TriAccelConfig | None, **keywords: Any) -> TriAccelConfig:
     """The config that ``config`` and the factory's config keywords (None: not given) describe.
 
     ``estimator`` and ``state_dtype`` are plain keywords as well (never numbers, so
-    ``inject_hyperparams`` leaves them alone); ``block_size``, ``rho`` and ``num_samples`` as
-    keywords are deprecated, because ``inject_hyperparams`` traces them.
+    ``inject_hyperparams`` leaves them alone).
     """
     if config is not None and not isinstance(config, TriAccelConfig):
         raise TypeError(
             f"`config` must be a triaccel_jax.TriAccelConfig, got {type(config).__name__}"
         )
     given = {name: value for name, value in keywords.items() if value is not None}
-    deprecated = [name for name in _DEPRECATED_KEYWORDS if name in given]
-    if deprecated:
-        listed = ", ".join(f"{name}=" for name in deprecated)
-        warnings.warn(
-            f"{listed} as keyword(s) of triaccel/scale_by_triaccel are deprecated: "
-            "optax.inject_hyperparams traces every number, and these set array shapes; pass "
-            f"config=triaccel_jax.TriAccelConfig({listed}...) instead",
-            DeprecationWarning,
-            stacklevel=3,
-        )
     if config is None:
         return TriAccelConfig(**given)
     for name in given:

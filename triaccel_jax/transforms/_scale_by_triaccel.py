@@ -90,9 +90,6 @@ def scale_by_triaccel(
     axis_name: str | None = None,
     estimator: str | None = None,
     state_dtype: Any = None,
-    block_size: int | None = None,
-    rho: float | None = None,
-    num_samples: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Rescales updates by Adam's moments times a per-leaf curvature step-size scale.
 
@@ -122,9 +119,6 @@ def scale_by_triaccel(
       estimator: shorthand for ``config.estimator`` (``"fisher"`` or ``"hutchinson"``).
       state_dtype: shorthand for ``config.state_dtype`` (under ``inject_hyperparams`` give a
         dtype as its name, or in ``config``: a dtype type looks like a schedule there).
-      block_size: deprecated, use ``config``.
-      rho: deprecated, use ``config``.
-      num_samples: deprecated, use ``config``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. Its ``update`` takes the keyword-only extra
@@ -156,11 +150,8 @@ def scale_by_triaccel(
         config,
         estimator=estimator,
         state_dtype=state_dtype,
-        block_size=block_size,
-        rho=rho,
-        num_samples=num_samples,
     )
-    validation.check_in_range("curvature_every", curvature_every, 1.0, float("inf"))
+    validation.check_integer("curvature_every", curvature_every, 1)
     validation.check_in_range("curvature_decay", curvature_decay, 0.0, 1.0, high_inclusive=False)
     validation.check_in_range("alpha", alpha, 0.0, float("inf"))
     validation.check_in_range("min_scale", min_scale, 0.0, float("inf"), low_inclusive=False)
@@ -183,16 +174,11 @@ def scale_by_triaccel(
             dtype = _state_dtype(tree_lib.path_string(path), leaf.dtype, state_dtype)
             return _placed(jnp.zeros(leaf.shape, dtype), leaf, same_shape=True)
 
-        # The store's layout sets shapes, so it must be concrete here (the update reads it back
-        # from the store's shapes).
-        static_block_size = validation.static_value("block_size", config.block_size, int)
-        static_rho = validation.static_value("rho", config.rho, float)
-
         def store_or_skip(leaf):
             if not tree_lib.is_trainable(leaf):
                 return optax.MaskedNode()
             store = compression.empty_store(
-                leaf.shape, block_size=static_block_size, rho=static_rho
+                leaf.shape, block_size=config.block_size, rho=config.rho
             )
             return jax.tree.map(lambda x: _placed(x, leaf, same_shape=False), store)
 
