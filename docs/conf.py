@@ -13,6 +13,8 @@ import sys
 
 sys.path.insert(0, os.path.abspath(".."))
 
+from sphinx.util import logging as sphinx_logging
+
 import triaccel_jax
 
 project = "triaccel_jax"
@@ -27,8 +29,13 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    # MathJax 3.2.2 copied into _static/mathjax: the formulas render without a network (Sphinx's
+    # default loads MathJax from a CDN).
+    "sphinx-mathjax-offline",
     "sphinx.ext.viewcode",
+    "sphinx_design",
 ]
+mathjax_path = "mathjax/tex-chtml.js"
 
 exclude_patterns = ["_build", "jupyter_execute", "Thumbs.db", ".DS_Store", "notebooks/README.md"]
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
@@ -45,6 +52,21 @@ napoleon_use_ivar = True
 suppress_warnings = ["ref.python"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+# The code annotates with private module aliases (`policy_lib.PrecisionPolicy`). Where autodoc
+# cannot evaluate an annotation (a class's __init__, a Flax dataclass whose optax field names an
+# unexported alias) it prints that text, so each alias is rewritten to the public name, in
+# signatures, in the types of the description's fields and in napoleon's attribute types.
+autodoc_type_aliases = {
+    "policy_lib.PrecisionPolicy": "triaccel_jax.precision.PrecisionPolicy",
+    "policy_lib.PrecisionPlan": "triaccel_jax.precision.PrecisionPlan",
+    "policy_lib.LeafPrecision": "triaccel_jax.precision.LeafPrecision",
+    "memory_probe.MemoryProbe": "triaccel_jax.controller.MemoryProbe",
+    "loss_scaling_lib.LossScaling": "triaccel_jax.transforms.LossScaling",
+    "config_lib.ControllerConfig": "triaccel_jax.controller.ControllerConfig",
+    "config_lib.TriAccelConfig": "triaccel_jax.transforms.TriAccelConfig",
+}
+_ALIAS = re.compile(r"\b(?:%s)\b" % "|".join(map(re.escape, autodoc_type_aliases)))
+python_use_unqualified_type_names = True
 autodoc_default_options = {"members": True, "show-inheritance": False}
 autosummary_generate = False
 
@@ -64,6 +86,8 @@ nb_execution_show_tb = True
 html_theme = "sphinx_book_theme"
 html_title = "triaccel_jax"
 html_theme_options = {"show_toc_level": 2}
+html_static_path = ["_static"]
+html_css_files = ["triaccel.css"]
 
 
 # --- API summaries --------------------------------------------------------------------------------
@@ -72,12 +96,15 @@ html_theme_options = {"show_toc_level": 2}
 # each re-exported name links to the subpackage that documents it.
 
 _SUMMARY = re.compile(r"^<!-- api-summary: ([\w.]+) -->$", re.M)
+# The packages the API pages document with automodule, each name under its first package here.
 _HOMES = (
     "triaccel_jax.transforms",
     "triaccel_jax.precision",
     "triaccel_jax.controller",
     "triaccel_jax.flax",
     "triaccel_jax.checkpoint",
+    "triaccel_jax.data",
+    "triaccel_jax.models",
 )
 
 
@@ -117,6 +144,97 @@ def _join_split_literals(app, what, name, obj, options, lines):
         i += 1
 
 
+# --- Cross-references to re-exported names --------------------------------------------------------
+# The pages write names as code uses them, `{py:obj}`~triaccel_jax.triaccel``, and docstrings
+# annotate with private modules (`triaccel_jax.precision._policy.PrecisionPolicy`); the reference
+# documents each object once, under its package (`triaccel_jax.transforms.triaccel`). A reference
+# Sphinx cannot resolve is looked up by object: the first package in _HOMES that exports the same
+# object names it. A `triaccel_jax` reference that is found nowhere is a warning (an error in the
+# build), so a link in the guide cannot silently turn into plain text; a private name is not one.
+
+_logger = sphinx_logging.getLogger(__name__)
+
+
+def _documented_name(target: str) -> str | None:
+    parts = target.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            module = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        first, rest = parts[split], parts[split + 1 :]
+        if not hasattr(module, first):
+            return None
+        obj = getattr(module, first)
+        for home in _HOMES:
+            package = importlib.import_module(home)
+            if first in package.__all__ and getattr(package, first) is obj:
+                return ".".join((home, first, *rest))
+        return None
+    return None
+
+
+def _resolve_reexports(app, env, node, contnode):
+    if node.get("refdomain") != "py":
+        return None
+    target = node.get("reftarget", "")
+    if not target.startswith("triaccel_jax"):
+        return None
+    name = _documented_name(target)
+    if name is not None and name != target:
+        domain = env.domains["py"]
+        resolved = domain.resolve_xref(
+            env, node["refdoc"], app.builder, node["reftype"], name, node, contnode
+        )
+        if resolved is None:  # a method given as an attribute, a class as a function, ...
+            resolved = domain.resolve_xref(
+                env, node["refdoc"], app.builder, "obj", name, node, contnode
+            )
+        if resolved is not None:
+            return resolved
+    if any(part.startswith("_") for part in target.split(".")):
+        return None  # a docstring pointing at a private module's notes: shown as code, unlinked
+    _logger.warning(
+        "unresolved reference to %s", target, location=node, type="triaccel", subtype="ref"
+    )
+    return None
+
+
+def _public(text: str) -> str:
+    return _ALIAS.sub(lambda match: autodoc_type_aliases[match.group(0)], text)
+
+
+def _public_docstring(app, what, name, obj, options, lines):
+    lines[:] = [_public(line) for line in lines]
+
+
+def _public_annotations(app, domain, objtype, contentnode):
+    for annotations in app.env.current_document.autodoc_annotations.values():
+        if "_Sentinel" in annotations.get("parent", ""):
+            del annotations["parent"]  # Flax's own field of every Linen module (see below)
+        for key, value in annotations.items():
+            annotations[key] = _public(value)
+
+
+# A default that is a class prints as its repr with the private module (`<class
+# 'triaccel_jax.models._resnet.BasicBlock'>`), and Flax adds `parent=<..._Sentinel object>` to
+# every Linen module (a field set by Flax itself, never by the caller).
+_CLASS_REPR = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
+_FLAX_PARENT = re.compile(r",? ?parent=<flax\.linen\.module\._Sentinel object>")
+
+
+def _public_signature(app, what, name, obj, options, signature, return_annotation):
+    if signature is None:
+        return None
+    signature = _FLAX_PARENT.sub("", _CLASS_REPR.sub(r"\1", _public(signature)))
+    return signature, return_annotation and _public(return_annotation)
+
+
 def setup(app):
+    # After napoleon (500) has turned "Attributes:" into fields, before the types are merged.
+    app.connect("autodoc-process-docstring", _public_docstring, priority=600)
+    app.connect("object-description-transform", _public_annotations, priority=400)
+    app.connect("autodoc-process-signature", _public_signature)
+    app.connect("missing-reference", _resolve_reexports)
     app.connect("source-read", _expand_summaries)
     app.connect("autodoc-process-docstring", _join_split_literals, priority=400)
