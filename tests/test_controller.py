@@ -101,7 +101,7 @@ def test_grows_to_the_largest_bucket_that_fits():
     controller.run(12)
     # peak(b) = 1000 + 100 b under 85% of 20000 -> b <= 160 -> bucket 128 (256 would be 26600).
     assert controller.batch_size == 128
-    assert controller.events[-1].kind in ("learning_rate", "compile", "grow")
+    assert controller.events[-1].kind in ("learning_rate", "update_scale", "compile", "grow")
     assert [c[1] for c in changes(controller)] == ["grow"] * len(changes(controller))
 
 
@@ -284,8 +284,115 @@ def test_learning_rate_scaling_goes_through_inject_hyperparams_without_recompili
     assert lr == pytest.approx(1e-2 * np.sqrt(128 / 8), rel=1e-6)
     # Compiles: one step per bucket visited; none for the learning-rate changes.
     assert count_compiles.of("controller_step") == len({i.micro_batch for i in infos})
-    factors = [e.new for e in controller.events if e.kind == "learning_rate"]
-    assert factors[-1] == pytest.approx(4.0)
+    changes = [e for e in controller.events if e.kind == "learning_rate"]
+    assert changes[-1].figures["factor"] == pytest.approx(4.0)
+    assert changes[-1].new == pytest.approx(lr, rel=1e-6)
+
+
+def test_learning_rate_events_give_the_rate_itself_and_the_first_says_the_rule():
+    tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-2)
+    controller = make_controller(tx=tx, lr_scaling="sqrt", reference_batch=8)
+    start = controller.events[0]
+    assert start.kind == "start"
+    assert "learning rate 0.01, tuned at the reference batch 8, scaled by the sqrt rule" in (
+        start.reason
+    )
+    assert start.figures["lr_rule"] == "sqrt" and start.figures["reference_batch"] == 8
+    assert start.figures["tuned_learning_rate"] == pytest.approx(1e-2)
+    controller.run(4)
+    changes = [e for e in controller.events if e.kind == "learning_rate"]
+    assert changes
+    previous = 1e-2
+    for event in changes:
+        batch = event.figures["batch"]
+        assert event.old == pytest.approx(previous)
+        assert event.new == pytest.approx(1e-2 * np.sqrt(batch / 8), rel=1e-6)
+        assert event.figures["factor"] == pytest.approx(np.sqrt(batch / 8))
+        previous = event.new
+
+
+def test_a_rate_the_controller_cannot_write_is_reported_as_an_update_scale():
+    schedule = optax.linear_schedule(1e-2, 1e-3, 100)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
+    controller = make_controller(tx=tx, reference_batch=8, lr_scaling="linear")
+    assert "the update is multiplied by (batch / 8)" in controller.events[0].reason
+    controller.run(3)
+    scales = [e for e in controller.events if e.kind == "update_scale"]
+    assert scales and not [e for e in controller.events if e.kind == "learning_rate"]
+    assert scales[-1].new == pytest.approx(controller.batch_size / 8)
+
+
+# -- the loss function's forms -----------------------------------------------------------------
+
+
+def optax_style_loss(params, batch):
+    # The inputs in the params' dtype, as a model under a bf16 policy computes.
+    hidden = jnp.tanh(batch["x"].astype(params["w1"].dtype) @ params["w1"])
+    return jnp.mean(
+        ((hidden.astype(params["w2"].dtype) @ params["w2"]).astype(jnp.float32) - batch["y"]) ** 2
+    )
+
+
+@pytest.mark.parametrize("replan_every", [None, 2])
+def test_an_optax_style_loss_trains_and_gets_the_compute_copy(replan_every):
+    controller = make_controller(
+        loss_fn=optax_style_loss, replan_every=replan_every, max_batch=16, batch_size=16
+    )
+    reference = make_controller(max_batch=16, batch_size=16, replan_every=replan_every)
+    if replan_every is not None:
+        # A bf16 policy: the optax-style loss must see bf16 params, as a policy-aware loss would.
+        policy = triaccel_jax.PrecisionPolicy.uniform(controller.params, "bf16")
+        controller.set_policy(policy)
+
+        def policy_loss(params, batch, *, policy, rng):
+            return optax_style_loss(triaccel_jax.cast_params(params, policy), batch)
+
+        reference = make_controller(
+            loss_fn=policy_loss, max_batch=16, batch_size=16, replan_every=replan_every
+        )
+        reference.set_policy(policy)
+    infos = controller.run(4)
+    expected = reference.run(4)
+    assert [i.loss for i in infos] == pytest.approx([i.loss for i in expected], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("loss", "problem"),
+    [
+        (lambda params: 0.0, r"1 positional argument"),
+        (lambda params, batch, *, weights: 0.0, r"requires 'weights'"),
+        (lambda params, batch, scale: 0.0, r"requires 'scale'"),
+    ],
+)
+def test_a_loss_of_another_form_fails_at_construction_listing_the_accepted_forms(loss, problem):
+    with pytest.raises(TypeError, match=problem) as error:
+        make_controller(loss_fn=loss)
+    message = str(error.value)
+    assert "loss_fn(params, batch)  (optax's form)" in message
+    assert "loss_fn(params, batch, *, policy, rng)" in message
+
+
+def test_a_loss_without_model_state_is_refused_when_the_controller_holds_one():
+    with pytest.raises(TypeError, match=r"holds a model_state, and it takes no model_state="):
+        make_controller(loss_fn=optax_style_loss, model_state={"count": jnp.zeros(())})
+
+
+def test_keyword_forms_get_only_what_they_take():
+    seen = []
+
+    def rng_only(params, batch, *, rng):
+        seen.append(rng)
+        return optax_style_loss(params, batch)
+
+    def everything(params, batch, **kwargs):
+        seen.append(sorted(kwargs))
+        return optax_style_loss(params, batch)
+
+    make_controller(loss_fn=rng_only).run(1)
+    assert seen and all(isinstance(x, jax.Array) for x in seen)
+    seen.clear()
+    make_controller(loss_fn=everything).run(1)
+    assert seen and all(x == ["policy", "rng"] for x in seen)
 
 
 def test_learning_rate_scaling_without_injection_scales_the_update():

@@ -43,7 +43,7 @@ COMMON = textwrap.dedent(
         decisions = [
             [e.step, e.kind, e.old, e.new]
             for e in controller.events
-            if e.kind in ("grow", "shrink", "oom", "learning_rate")
+            if e.kind in ("grow", "shrink", "oom", "learning_rate", "update_scale")
         ]
         return {
             "losses": [i.loss for i in infos],

@@ -65,7 +65,7 @@ def test_every_event_is_logged_once_in_order(caplog, run):
     assert logged_events(caplog) == controller.events
     kinds = {e.kind for e in controller.events}
     expected = {
-        "grow": {"start", "compile", "grow", "learning_rate"},
+        "grow": {"start", "compile", "grow", "update_scale"},
         "background-compile": {"start", "compile", "grow_decided", "grow"},
         "replan": {"start", "compile", "replan"},
         "shrink": {"start", "compile", "grow", "shrink"},
@@ -142,5 +142,14 @@ def test_the_library_adds_only_a_null_handler():
 
 def test_event_levels():
     assert _logging.event_level("oom") == logging.WARNING
-    for kind in ("start", "grow", "shrink", "reject", "replan", "learning_rate", "compile"):
+    for kind in (
+        "start",
+        "grow",
+        "shrink",
+        "reject",
+        "replan",
+        "learning_rate",
+        "update_scale",
+        "compile",
+    ):
         assert _logging.event_level(kind) == logging.INFO

@@ -12,9 +12,11 @@ import math
 import subprocess
 import sys
 
+import optax
 import pytest
 from test_controller import make_controller
 
+import triaccel_jax
 from triaccel_jax.controller import Event
 from triaccel_jax.controller import MetricWriterCallback
 
@@ -55,7 +57,9 @@ class RecordingWriter:
 def test_every_step_and_every_decision_is_written():
     writer = RecordingWriter()
     callback = MetricWriterCallback(writer)
-    controller = make_controller(callback=callback)
+    # An injected rate, so that the rate itself is known and written beside its factor.
+    tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-2)
+    controller = make_controller(callback=callback, tx=tx)
     callback.write_events(controller.events)
     infos = controller.run(8)
     callback.close()
@@ -79,8 +83,10 @@ def test_every_step_and_every_decision_is_written():
     assert changes
     for step, scalars in writer.scalars.items():
         # An event taken at step k (before step k + 1 ran) comes with step k + 1's info.
-        known = [e.new for e in changes if e.step < step]
-        assert scalars.get("learning_rate_factor") == (known[-1] if known else None), step
+        known = [e for e in changes if e.step < step]
+        assert scalars.get("learning_rate") == (known[-1].new if known else None), step
+        expected_factor = known[-1].figures["factor"] if known else None
+        assert scalars.get("learning_rate_factor") == expected_factor, step
 
     # Every event, the start-up ones included, as a text at its step.
     written = sorted((step, tag) for step, items in writer.texts.items() for tag, _ in items)

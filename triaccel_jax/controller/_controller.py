@@ -71,12 +71,14 @@ class Controller:
       ``metrics["skipped"] == 1`` (the scale is kept across steps, policies and checkpoints).
 
     Args:
-      loss_fn: ``loss_fn(params, batch, *, policy, rng)`` returning the mean loss over ``batch``
-        (or ``(loss, aux)`` with ``has_aux``, ``aux`` a dict of scalar metrics). With
-        ``model_state`` it is also given ``model_state=`` and must return
-        ``(loss, aux)`` with ``aux["model_state"]`` the updated model state (e.g. BatchNorm
-        statistics). ``policy`` is the precision policy in force (None when precision is not
-        planned); ``rng`` a fresh key per step and micro-batch.
+      loss_fn: ``loss_fn(params, batch)`` returning the mean loss over ``batch`` (or
+        ``(loss, aux)`` with ``has_aux``, ``aux`` a dict of scalar metrics). It is also given
+        ``policy=`` (the precision policy in force, None when precision is not planned) and
+        ``rng=`` (a fresh key per step and micro-batch) when its signature takes them; a loss
+        without ``policy`` gets the params already cast to the policy's compute dtypes. With
+        ``model_state`` it must take ``model_state=`` and return ``(loss, aux)`` with
+        ``aux["model_state"]`` the updated model state (e.g. BatchNorm statistics). The
+        signature is checked here; a TypeError lists the accepted forms.
       params: the parameters.
       tx: the optimizer.
       data: a pytree of arrays with the samples on the leading axis (e.g.
@@ -97,7 +99,9 @@ class Controller:
         ``batch_size``, ``target``, ``check_every``, ``replan_every``, ``lr_scaling``, ``seed``, ...).
 
     Attributes:
-      params, opt_state, model_state: the training state after the last step.
+      params: the parameters after the last step.
+      opt_state: the optimizer state after the last step.
+      model_state: the non-trained state (e.g. BatchNorm statistics) after the last step.
       loss_scale: the dynamic loss scale's state (``scale``, ``good_steps``,
         ``skipped_steps``), updated only by steps that scale the loss.
       policy: the precision policy in force (None when precision is not planned).
@@ -204,7 +208,16 @@ class Controller:
         self._background = background_compile.BackgroundCompiler()
         self.timings = {"step": 0.0, "compile": 0.0, "data": 0.0, "control": 0.0}
         self._check_loss_structure()
-        self._log("start", None, self.batch_size, "controller created", buckets=list(self.buckets))
+        self._log(
+            "start",
+            None,
+            self.batch_size,
+            f"controller created; {self._lr.rule()}",
+            buckets=list(self.buckets),
+            lr_rule=config.lr_scaling,
+            reference_batch=self._lr.reference,
+            tuned_learning_rate=self._lr.base_lr,
+        )
         self._set_learning_rate()
 
     def _start_plan(self, policy: policy_lib.PrecisionPolicy | None) -> None:
@@ -354,13 +367,34 @@ class Controller:
     def _set_learning_rate(self) -> None:
         change = self._lr.follow(self.opt_state, self.batch_size)
         if change.new != change.old:
-            self._log(
-                "learning_rate",
-                change.old,
-                change.new,
-                f"{self.config.lr_scaling} scaling for batch {self.batch_size} against reference "
-                f"{self._lr.reference}",
-            )
+            figures = {
+                "factor": change.new,
+                "batch": self.batch_size,
+                "reference_batch": self._lr.reference,
+            }
+            old_rate, new_rate = self._lr.rate(change.old), self._lr.rate(change.new)
+            if old_rate is not None and new_rate is not None:
+                # The rate itself, so that a log reader sees what the optimizer really uses.
+                self._log(
+                    "learning_rate",
+                    old_rate,
+                    new_rate,
+                    f"{self.config.lr_scaling} rule for batch {self.batch_size}: "
+                    f"{self._lr.base_lr:.4g} (tuned at reference batch {self._lr.reference}) "
+                    f"x {change.new:.4g}",
+                    tuned_learning_rate=self._lr.base_lr,
+                    **figures,
+                )
+            else:
+                self._log(
+                    "update_scale",
+                    change.old,
+                    change.new,
+                    f"{self.config.lr_scaling} rule for batch {self.batch_size} against reference "
+                    f"batch {self._lr.reference}; the rate is not an injected constant, so the "
+                    "update is multiplied instead",
+                    **figures,
+                )
         if self._lr.base_lr is not None:
             self.opt_state = self._place(change.opt_state)
 

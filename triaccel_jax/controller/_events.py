@@ -17,7 +17,9 @@ class Event(NamedTuple):
     Attributes:
       step: the training step the decision was taken at (before that step ran).
       kind: what changed: ``"start"``, ``"grow"``, ``"shrink"``, ``"oom"``, ``"reject"``,
-        ``"replan"``, ``"learning_rate"``, ``"compile"``, ``"restore"``, or, with
+        ``"replan"``, ``"learning_rate"`` (old and new are the rates themselves),
+        ``"update_scale"`` (the batch's factor on the update, where the rate is a schedule or
+        not injected), ``"compile"``, ``"restore"``, or, with
         ``compile_in_background``, ``"grow_decided"`` and ``"replan_decided"`` (the step the
         change needs is compiling). Each is also logged (``triaccel_jax.controller`` logger:
         ``"oom"`` at WARNING, the others at INFO).

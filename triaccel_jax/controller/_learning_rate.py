@@ -118,6 +118,38 @@ class LearningRateScaling:
         self.base_lr = found.value if found is not None and not found.scheduled else None
         self.factor = 1.0
 
+    def rule(self) -> str:
+        """The rule in words: what follows the batch, by which formula, from which reference.
+
+        Example:
+          >>> import optax
+          >>> from triaccel_jax.controller._learning_rate import LearningRateScaling
+          >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.01)
+          >>> LearningRateScaling(tx.init({"w": 0.0}), "learning_rate", "sqrt", 32).rule()
+          'learning rate 0.01, tuned at the reference batch 32, scaled by the sqrt rule: 0.01 x sqrt(batch / 32)'
+        """
+        formula = {"sqrt": "sqrt(batch / {r})", "linear": "(batch / {r})"}.get(self.scaling)
+        if formula is None:
+            return "learning rate not scaled with the batch (lr_scaling='none')"
+        formula = formula.format(r=self.reference)
+        if self.base_lr is not None:
+            return (
+                f"learning rate {self.base_lr:.4g}, tuned at the reference batch {self.reference}, "
+                f"scaled by the {self.scaling} rule: {self.base_lr:.4g} x {formula}"
+            )
+        return (
+            f"the update is multiplied by {formula} ({self.scaling} rule, reference batch "
+            f"{self.reference}): the optimizer holds no injected constant learning rate "
+            "(a schedule, or no optax.inject_hyperparams) to write the scaled rate into"
+        )
+
+    def rate(self, factor: float | None = None) -> float | None:
+        """The learning rate at ``factor`` (default: the factor in force), or None when the rate
+        is not an injected constant (then only the factor is known)."""
+        if self.base_lr is None:
+            return None
+        return self.base_lr * (self.factor if factor is None else factor)
+
     def factor_for(self, batch: int) -> float:
         """The factor for ``batch``."""
         return lr_factor(batch, self.reference, self.scaling)

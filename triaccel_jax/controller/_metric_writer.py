@@ -88,8 +88,9 @@ class MetricWriterCallback:
     steps) it writes the scalars ``loss``, each metric of :attr:`StepInfo.metrics`
     (``loss_scale``, ``skipped`` and the loss's own), ``batch_size``, ``micro_batch``,
     ``seconds``, ``samples_per_second``, ``peak_bytes`` and ``limit_bytes`` (when measured), and
-    ``learning_rate_factor`` (the controller's batch scaling of the learning rate, once a
-    ``"learning_rate"`` event has set it); each :class:`triaccel_jax.controller.Event` (all of
+    ``learning_rate`` (the rate the optimizer uses, once a ``"learning_rate"`` event has set
+    it) and ``learning_rate_factor`` (the controller's batch scaling of the tuned rate, once a
+    ``"learning_rate"`` or ``"update_scale"`` event has set it); each :class:`triaccel_jax.controller.Event` (all of
     them, whatever ``every``) is written as the text ``events/<kind>`` at its step. All names
     get ``prefix``.
 
@@ -172,6 +173,7 @@ class MetricWriterCallback:
         self.writer = writer
         self.every = every
         self.prefix = prefix
+        self.learning_rate: float | None = None
         self.learning_rate_factor: float | None = None
 
     def __call__(self, info: events_lib.StepInfo) -> None:
@@ -195,6 +197,8 @@ class MetricWriterCallback:
             scalars["peak_bytes"] = info.peak_bytes
         if info.limit_bytes is not None:
             scalars["limit_bytes"] = info.limit_bytes
+        if self.learning_rate is not None:
+            scalars["learning_rate"] = self.learning_rate
         if self.learning_rate_factor is not None:
             scalars["learning_rate_factor"] = self.learning_rate_factor
         return {f"{self.prefix}{name}": float(value) for name, value in scalars.items()}
@@ -202,7 +206,8 @@ class MetricWriterCallback:
     def write_events(self, events: Iterable[events_lib.Event]) -> None:
         """Writes controller events as texts ``events/<kind>`` at their steps.
 
-        A ``"learning_rate"`` event also sets the ``learning_rate_factor`` written from then on.
+        A ``"learning_rate"`` event also sets the ``learning_rate`` (its new value) and
+        ``learning_rate_factor`` written from then on; an ``"update_scale"`` event the factor.
         """
         for event in events:
             if not isinstance(event, events_lib.Event):
@@ -210,9 +215,13 @@ class MetricWriterCallback:
                     "write_events takes triaccel_jax.controller.Event objects, got "
                     f"{type(event).__name__}"
                 )
-            factor = _scalar(event.new) if event.kind == "learning_rate" else None
-            if factor is not None and math.isfinite(factor):
-                self.learning_rate_factor = factor
+            if event.kind in ("learning_rate", "update_scale"):
+                factor = _scalar(event.figures.get("factor"))
+                if factor is not None and math.isfinite(factor):
+                    self.learning_rate_factor = factor
+            rate = _scalar(event.new) if event.kind == "learning_rate" else None
+            if rate is not None and math.isfinite(rate):
+                self.learning_rate = rate
             self.writer.write_texts(
                 event.step, {f"{self.prefix}events/{event.kind}": _event_text(event)}
             )

@@ -5,9 +5,12 @@ because only then can it split a batch that ran out of memory into micro-batches
 gradient is the big batch's gradient (the mean of equal-sized micro-batch means is the batch
 mean), so the update is the one the big batch would have produced (docs/design.md §5).
 
-The loss function is called as ``loss_fn(params, batch, *, policy, rng)`` (plus
-``model_state=`` when the controller holds one, e.g. BatchNorm statistics) and returns the mean
-loss, or ``(loss, aux)`` with ``has_aux=True`` where ``aux`` is a dict of scalar metrics; with a
+The loss function is called as ``loss_fn(params, batch)``, optax's form, and is also given
+``policy=`` and ``rng=`` when its signature takes them (by name or through ``**kwargs``), and
+``model_state=`` when the controller holds one (e.g. BatchNorm statistics; then it must take it).
+A loss that does not take ``policy`` is handed the compute copy of the params under the policy in
+force (:func:`triaccel_jax.cast_params`), so the precision policy applies to it too. It returns the
+mean loss, or ``(loss, aux)`` with ``has_aux=True`` where ``aux`` is a dict of scalar metrics; with a
 model state, ``aux["model_state"]`` is the updated model state. Micro-batches run in order, each
 seeing the model state the previous one left (as in any gradient accumulation).
 
@@ -20,6 +23,7 @@ keeps the state, and backs the scale off, with the rule of :class:`LossScaling`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -30,6 +34,7 @@ import optax
 from jax import lax
 
 from triaccel_jax._src import arrays
+from triaccel_jax.precision import _casting as casting
 from triaccel_jax.transforms import _fused_apply as fused_lib
 from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
 
@@ -51,15 +56,99 @@ class StepOutput(NamedTuple):
     metrics: dict[str, jax.Array]
 
 
+LOSS_KEYWORDS = ("policy", "rng", MODEL_STATE)
+
+ACCEPTED_LOSS_FORMS = (
+    "loss_fn(params, batch)  (optax's form)",
+    "loss_fn(params, batch, *, policy, rng)  (either keyword alone, or both)",
+    "loss_fn(params, batch, *, model_state, ...)  (needed when the controller holds a model_state)",
+    "loss_fn(params, batch, **kwargs)  (given every keyword above)",
+)
+
+
+def loss_keywords(loss_fn: Callable[..., Any], *, has_model_state: bool) -> frozenset[str]:
+    """The keywords among ``policy``, ``rng`` and ``model_state`` that ``loss_fn`` takes.
+
+    Read from its signature once, when the controller is built, so that a loss of a form the
+    controller cannot call fails there with the forms it can, not inside the first compiled step.
+    A callable whose signature Python cannot read is given every keyword.
+
+    Args:
+      loss_fn: the user's loss function.
+      has_model_state: whether the controller holds a model state (the loss must then take
+        ``model_state=``).
+
+    Returns:
+      The keywords to pass.
+
+    Raises:
+      TypeError: ``loss_fn`` cannot be called as ``loss_fn(params, batch, **keywords)``; the
+        message lists the accepted forms.
+
+    Example:
+      >>> from triaccel_jax.controller._train_step import loss_keywords
+      >>> sorted(loss_keywords(lambda params, batch, *, rng: 0.0, has_model_state=False))
+      ['rng']
+    """
+    try:
+        parameters = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or an object Python cannot introspect
+        return frozenset(LOSS_KEYWORDS if has_model_state else LOSS_KEYWORDS[:2])
+    kinds = inspect.Parameter
+    positional = [
+        p for p in parameters if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+    ]
+    var_positional = any(p.kind is kinds.VAR_POSITIONAL for p in parameters)
+    var_keyword = any(p.kind is kinds.VAR_KEYWORD for p in parameters)
+    by_name = {p.name: p for p in parameters if p.kind is not kinds.POSITIONAL_ONLY}
+    problems = []
+    if len(positional) < 2 and not var_positional:
+        problems.append(f"it takes {len(positional)} positional argument(s), not (params, batch)")
+    named_positional = {p.name for p in positional[:2]}
+    wanted = set(LOSS_KEYWORDS if has_model_state else LOSS_KEYWORDS[:2])
+    taken = {
+        name for name in wanted if var_keyword or (name in by_name and name not in named_positional)
+    }
+    if has_model_state and MODEL_STATE not in taken:
+        problems.append("the controller holds a model_state, and it takes no model_state=")
+    required = [
+        p.name
+        for p in parameters[2 if len(positional) >= 2 else len(positional) :]
+        if p.default is kinds.empty
+        and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)
+        and p.name not in taken
+    ]
+    if required:
+        problems.append(
+            f"it requires {', '.join(map(repr, required))}, which the controller never passes"
+        )
+    if problems:
+        name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+        forms = "\n  ".join(ACCEPTED_LOSS_FORMS)
+        raise TypeError(
+            f"`loss_fn` {name}{inspect.signature(loss_fn)} cannot be called by the controller: "
+            f"{'; '.join(problems)}. Accepted forms:\n  {forms}"
+        )
+    return frozenset(taken)
+
+
 def normalize_loss_fn(
     loss_fn: Callable[..., Any], *, has_aux: bool, has_model_state: bool
 ) -> Callable[..., tuple[jax.Array, tuple[dict[str, Any], Any]]]:
-    """``(params, model_state, batch, policy, rng) -> (loss, (metrics, model_state))``."""
+    """``(params, model_state, batch, policy, rng) -> (loss, (metrics, model_state))``.
+
+    Raises:
+      TypeError: ``loss_fn``'s signature is not one of the accepted forms (see
+        :func:`loss_keywords`).
+    """
+    keywords = loss_keywords(loss_fn, has_model_state=has_model_state)
 
     def normalized(params, model_state, batch, policy, rng):
-        kwargs = {"policy": policy, "rng": rng}
-        if has_model_state:
-            kwargs[MODEL_STATE] = model_state
+        given = {"policy": policy, "rng": rng, MODEL_STATE: model_state}
+        kwargs = {name: given[name] for name in keywords}
+        if "policy" not in keywords and policy is not None:
+            # The loss cannot apply the policy itself: it computes on the compute copy.
+            params = casting.cast_params(params, policy)
         out = loss_fn(params, batch, **kwargs)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):

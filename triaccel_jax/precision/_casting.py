@@ -45,7 +45,9 @@ def cast_params(
     dtype), so ``jax.grad`` of a loss of the compute copy, taken with respect to the masters, gives
     gradients in the masters' dtype. fp8 leaves are rounded to float8_e4m3 with a per-leaf scale
     (``max |w| / 448``) and carried in bfloat16, since XLA has no general unscaled fp8 matmul:
-    their values are exactly fp8 times the scale, their storage is that of bf16.
+    each carried value is an fp8 value times the scale, rounded to bfloat16, so it is not exactly
+    fp8 times ``max |w| / 448``: the scale's rounding to bfloat16 (up to 2^-8, about 0.39%
+    relative) and the product's make up to about 0.5% relative. Their storage is that of bf16.
 
     Args:
       params: the masters.

@@ -37,8 +37,8 @@ if hasattr(jnp, "float8_e4m3fn"):
 
 COMPUTE_NAMES = ("fp32", "bf16", "fp16", "fp8_e4m3")
 
-# fp8 values are carried in bf16 (fp8 times a per-leaf scale), since XLA has no general unscaled
-# fp8 matmul: an fp8 compute copy, and an fp8 leaf's master under ``master_dtype="policy"``, are
+# fp8 values are carried in bf16 (fp8 times a per-leaf scale, rounded to bf16), since XLA has no
+# general unscaled fp8 matmul: an fp8 compute copy, and an fp8 leaf's master under ``master_dtype="policy"``, are
 # bf16 arrays. This is the one place that rule lives.
 _CARRIED_IN = {"fp8_e4m3": "bf16"}
 

@@ -52,8 +52,8 @@ _COPY_PRIMITIVES = frozenset({"convert_element_type", "copy", "copy_p"})
 def compute_copy_dtype(name: str) -> jnp.dtype:
     """The dtype a compute copy in format ``name`` is stored in.
 
-    fp8 copies are carried in bfloat16 (their values are fp8 times a per-leaf scale, since XLA has
-    no general unscaled fp8 matmul; see :func:`triaccel_jax.cast_params`), so they occupy and
+    fp8 copies are carried in bfloat16 (their values are fp8 times a per-leaf scale, rounded to
+    bf16, since XLA has no general unscaled fp8 matmul; see :func:`triaccel_jax.cast_params`), so they occupy and
     compute as bf16 (the rule is :func:`triaccel_jax.precision._dtypes.carrier_dtype`).
 
     Example:
