@@ -65,7 +65,8 @@ autodoc_type_aliases = {
     "config_lib.ControllerConfig": "triaccel_jax.controller.ControllerConfig",
     "config_lib.TriAccelConfig": "triaccel_jax.transforms.TriAccelConfig",
 }
-_ALIAS = re.compile(r"\b(?:%s)\b" % "|".join(map(re.escape, autodoc_type_aliases)))
+_ALIAS = re.compile(r"\b(?:{})\b".format("|".join(map(re.escape, autodoc_type_aliases))))
+# A type that links shows its name only (`PrecisionPolicy`); the link says where it lives.
 python_use_unqualified_type_names = True
 autodoc_default_options = {"members": True, "show-inheritance": False}
 autosummary_generate = False
@@ -209,11 +210,11 @@ def _public_docstring(app, what, name, obj, options, lines):
 
 
 def _public_annotations(app, domain, objtype, contentnode):
-    for annotations in app.env.current_document.autodoc_annotations.values():
-        if "_Sentinel" in annotations.get("parent", ""):
-            del annotations["parent"]  # Flax's own field of every Linen module (see below)
-        for key, value in annotations.items():
-            annotations[key] = _public(value)
+    for fields in app.env.current_document.autodoc_annotations.values():
+        if "_Sentinel" in fields.get("parent", ""):
+            del fields["parent"]  # Flax's own field of every Linen module (see below)
+        for key, value in fields.items():
+            fields[key] = _public(value)
 
 
 # A default that is a class prints as its repr with the private module (`<class

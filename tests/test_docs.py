@@ -92,3 +92,62 @@ def test_readme_python_blocks_run():
     assert blocks, "README.md has no python example"
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
+
+
+# --- The built site's check (tools/check_docs_site.py, run by tools/docs.sh after the build) ---
+
+
+def _check_site():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "check_docs_site", ROOT / "tools" / "check_docs_site.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.check_site
+
+
+def _site(tmp_path, index_body, css=""):
+    (tmp_path / "_static").mkdir()
+    (tmp_path / "_static" / "theme.css").write_text(css)
+    (tmp_path / "_static" / "local.js").write_text("")
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "page.html").write_text(
+        '<html><body><h1 id="top">API</h1><a href="../index.html#intro">back</a></body></html>'
+    )
+    (tmp_path / "index.html").write_text(
+        '<html><head><link rel="stylesheet" href="_static/theme.css">'
+        '<script src="_static/local.js"></script></head>'
+        f'<body><p id="intro">hi</p><a href="api/page.html#top">API</a>'
+        f'<a href="https://arxiv.org/abs/2508.16905">paper</a>{index_body}</body></html>'
+    )
+    return tmp_path
+
+
+def test_site_check_passes_an_offline_site_with_working_links(tmp_path):
+    problems, summary = _check_site()(_site(tmp_path, ""))
+    assert problems == [], problems
+    assert "internal links" in summary
+
+
+@pytest.mark.parametrize(
+    ("body", "css", "expected"),
+    [
+        # The MathJax tag Sphinx writes by default: the formulas need the network.
+        (
+            '<script defer src="https://cdn.jsdelivr.net/npm/mathjax@4/tex-mml-chtml.js"></script>',
+            "",
+            "remote resource",
+        ),
+        ('<link rel="stylesheet" href="//fonts.example.org/x.css">', "", "remote resource"),
+        ("", "@font-face { src: url(https://fonts.example.org/a.woff2); }", "remote resource"),
+        ('<a href="api/page.html#no-such-entry">x</a>', "", "missing anchor"),
+        ('<a href="#nowhere">x</a>', "", "missing anchor"),
+        ('<a href="guide.html">x</a>', "", "missing file"),
+        ("<pre>File /work/main/triaccel_jax/x.py</pre>", "", "contains"),
+    ],
+)
+def test_site_check_finds_remote_resources_broken_links_and_paths(tmp_path, body, css, expected):
+    problems, _ = _check_site()(_site(tmp_path, body, css), forbid=["/work/main/"])
+    assert len(problems) == 1 and expected in problems[0], problems

@@ -82,3 +82,12 @@ def test_notebook_runs(name, kernel_specs):
         if cell.cell_type == "code" and "plt.show()" in cell.source:
             kinds = {key for output in cell.outputs for key in output.get("data", {})}
             assert "image/png" in kinds, f"{name}: cell {index} drew no figure"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_plotting_cells_are_folded_in_the_documentation(name):
+    # The documentation shows a plotting cell's figure and folds its code behind a toggle.
+    nb = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and "plt.show()" in cell.source:
+            assert "hide-input" in cell.metadata.get("tags", []), f"{name}: cell {index}"
