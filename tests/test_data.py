@@ -65,7 +65,7 @@ def test_missing_files_list_every_way_to_get_them(no_fashion_mnist):
         assert str(no_fashion_mnist / folder) in message, folder
     assert "apt-get install -y dataset-fashion-mnist" in message  # 1. Debian's package
     assert "TRIACCEL_DATA_DIR=" in message and "--data-dir" in message  # 2. a folder
-    assert "download_fashion_mnist()" in message and "--download" in message  # 3. download
+    assert "download_fashion_mnist()" in message and "the main job does so" in message  # 3.
     assert "--dataset digits" in message  # 4. the main job's fallback
     with pytest.raises(ValueError, match="split"):
         load_fashion_mnist("validation", no_fashion_mnist)

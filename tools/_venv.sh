@@ -172,11 +172,10 @@ ensure_kernels_venv() {
 #
 # No hidden system change: apt-get runs only with TRIACCEL_INSTALL_SYSTEM_DATA=1 (opt-in; .ci/run
 # sets it), as root, and says what it is about to run first. Otherwise a missing data set is one
-# message listing the ways to get it; the tests that need it skip, the main job uses digits.
-# `ensure_fashion_mnist quiet` prints nothing when the data set is missing and not installed
-# (tools/main.sh, when its arguments choose a data folder or the download themselves).
+# message listing the ways to get it; the tests that need it skip. (The main job finds, downloads
+# or installs its data itself: triaccel_jax/cli/_data_source.py.)
 ensure_fashion_mnist() {
-    local quiet="${1:-}" data_dir d name found
+    local data_dir d name found
     data_dir="${TRIACCEL_DATA_DIR:-${XDG_CACHE_HOME:-${HOME:-/nonexistent}/.cache}/triaccel_jax/data}"
     for d in "$data_dir" "$data_dir/fashion-mnist" /usr/share/datasets/fashion-mnist; do
         found=1
@@ -196,14 +195,13 @@ ensure_fashion_mnist() {
             _log "warning: apt-get could not install dataset-fashion-mnist; Fashion-MNIST tests will skip"
         else
             _log "TRIACCEL_INSTALL_SYSTEM_DATA=1, but installing Debian's dataset-fashion-mnist needs root and"
-            _log "  apt-get: nothing was installed. Fashion-MNIST tests will skip; the main job uses digits."
+            _log "  apt-get: nothing was installed. Fashion-MNIST tests will skip."
         fi
         return 0
     fi
-    [[ "$quiet" == "quiet" ]] && return 0
     _log "Fashion-MNIST not found (looked in $data_dir, $data_dir/fashion-mnist and"
-    _log "  /usr/share/datasets/fashion-mnist); its tests skip and the main job uses digits. To get it:"
+    _log "  /usr/share/datasets/fashion-mnist); its tests skip. To get it:"
     _log "  as root: TRIACCEL_INSTALL_SYSTEM_DATA=1 bash $0 (runs apt-get install -y dataset-fashion-mnist),"
     _log "  or put the four *-ubyte.gz files in a folder and set TRIACCEL_DATA_DIR=/that/folder,"
-    _log "  or download them (official source, MD5-checked): bash tools/main.sh --download"
+    _log "  or run the main job once (bash tools/main.sh), which downloads them (MD5s verified)"
 }

@@ -12,6 +12,15 @@ from triaccel_jax.cli._runs import RUNS
 from triaccel_jax.cli._task import MODELS
 
 DATASETS = ("auto", "fashion_mnist", "digits", "cifar10", "cifar100")
+
+# The settings that depend on the data set, where not given: two epochs of Fashion-MNIST (or
+# CIFAR) at batch 128, or, on the 1,437 images of the embedded digits, enough epochs at a small
+# batch that the batch grows and precision is re-planned more than once (about 1,800 steps at
+# batch 32 for the fixed runs; a few seconds a run on two CPU cores).
+WORKLOADS = {
+    "digits": dict(epochs=40, batch_size=32, max_batch=128, replan_every=100, eval_every=100),
+    "default": dict(epochs=2, batch_size=128, max_batch=256, replan_every=100, eval_every=200),
+}
 DESCRIPTION = "The main job: FP32 AdamW, static bf16 AdamW and Tri-Accel side by side on real data."
 
 
@@ -26,6 +35,23 @@ def check_output_dir(path: pathlib.Path) -> pathlib.Path:
             f"error: output dir {path} is not writable: {error.strerror or error}"
         ) from None
     return path
+
+
+def fill_workload(args: argparse.Namespace, dataset: str) -> argparse.Namespace:
+    """``args`` with the data-dependent settings not given on the command line filled in for
+    ``dataset`` (:data:`WORKLOADS`).
+
+    Example::
+
+      >>> args = parse_args(["--epochs", "3"])
+      >>> filled = fill_workload(args, "digits")
+      >>> filled.epochs, filled.batch_size, filled.max_batch
+      (3, 32, 128)
+    """
+    for name, value in WORKLOADS.get(dataset, WORKLOADS["default"]).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def image_shape(text: str) -> tuple[int, int, int]:
@@ -53,15 +79,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="data set; auto: Fashion-MNIST if its files are found (see --data-dir), else digits",
     )
     parser.add_argument("--model", choices=MODELS, default="auto", help="model; auto: small_cnn")
-    parser.add_argument("--epochs", type=int, default=2, help="training epochs per run")
+    parser.add_argument(
+        "--epochs", type=int, default=None, help="training epochs per run (default: see below)"
+    )
     parser.add_argument(
         "--batch-size",
         type=int,
-        default=128,
-        help="batch of the fixed runs; Tri-Accel's start and reference batch",
+        default=None,
+        help="batch of the fixed runs; Tri-Accel's start and reference batch (default: see below)",
     )
     parser.add_argument(
-        "--max-batch", type=int, default=256, help="largest batch Tri-Accel may grow to"
+        "--max-batch",
+        type=int,
+        default=None,
+        help="largest batch Tri-Accel may grow to (default: see below)",
     )
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate at --batch-size")
     parser.add_argument(
@@ -75,7 +106,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="memory budget of Tri-Accel's controller; default: the device's limit, or half the free RAM on CPU",
     )
     parser.add_argument(
-        "--replan-every", type=int, default=100, help="steps between precision re-plans"
+        "--replan-every",
+        type=int,
+        default=None,
+        help="steps between precision re-plans (default: see below)",
     )
     parser.add_argument(
         "--first-replan",
@@ -88,8 +122,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--compile-in-background",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="compile a grown batch's step on a worker thread while training goes on (Tri-Accel)",
+        default=None,
+        help="compile a grown batch's or a new policy's step on a worker thread while training "
+        "goes on (Tri-Accel); default: on with an accelerator, off on a CPU, where the worker "
+        "and the steps share the same cores and the compile can trail the steps for hundreds "
+        "of them",
     )
     parser.add_argument(
         "--output-dir",
@@ -106,18 +143,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "tensorflow-datasets data_dir",
     )
     parser.add_argument(
-        "--download",
+        "--offline",
         action="store_true",
-        help="download Fashion-MNIST from the official source (MD5-checked) into "
-        "DIR/fashion-mnist (--data-dir, else $TRIACCEL_DATA_DIR, else "
-        "~/.cache/triaccel_jax/data) when it is not found; never done without this flag",
+        help="where Fashion-MNIST is not found, neither download it (official source, MD5s "
+        "verified, into DIR/fashion-mnist: --data-dir, else $TRIACCEL_DATA_DIR, else "
+        "~/.cache/triaccel_jax/data) nor, as root, install Debian's dataset-fashion-mnist; "
+        "--dataset auto then uses the embedded digits",
     )
     parser.add_argument(
         "--eval-every",
         type=int,
-        default=200,
+        default=None,
         help="also measure test accuracy every N steps (for the time to FP32's accuracy; "
-        "evaluations are not counted in the wall time)",
+        "evaluations are not counted in the wall time; default: see below)",
     )
     parser.add_argument(
         "--max-steps", type=int, default=None, help="stop each run after this many steps"
@@ -151,19 +189,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="compile everything afresh (no persistent compilation cache)",
     )
+    parser.epilog = "Defaults that depend on the data set: " + "; ".join(
+        f"{name}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
+        for name, settings in WORKLOADS.items()
+    )
     args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "max_batch", "replan_every", "check_every"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("max_steps", "train_subset", "test_subset", "eval_every"):
+    if args.check_every < 1:
+        parser.error("--check-every must be >= 1")
+    for name in ("max_steps", "train_subset", "test_subset", *WORKLOADS["default"]):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         parser.error("--lr must be a positive number")
     if args.budget_mib is not None and not args.budget_mib > 0:
         parser.error("--budget-mib must be positive")
-    if args.download and args.dataset not in ("auto", "fashion_mnist"):
-        parser.error(f"--download fetches Fashion-MNIST only, not --dataset {args.dataset}")
     if args.compilation_cache is not None and args.no_compilation_cache:
         parser.error("--compilation-cache and --no-compilation-cache contradict each other")
     return args

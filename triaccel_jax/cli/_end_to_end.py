@@ -69,8 +69,11 @@ class Settings:
         args += ["--batch-size", str(self.batch_size), "--max-batch", str(self.max_batch)]
         args += ["--eval-every", str(self.eval_every), "--check-every", str(self.check_every)]
         args += ["--no-progress", "--no-plots"]
-        if not self.compile_in_background:
-            args.append("--no-compile-in-background")
+        args.append(
+            "--compile-in-background"
+            if self.compile_in_background
+            else "--no-compile-in-background"
+        )
         for name in ("train_subset", "test_subset", "max_steps"):
             if getattr(self, name) is not None:
                 args += [f"--{name.replace('_', '-')}", str(getattr(self, name))]

@@ -23,6 +23,7 @@ import jax
 
 from triaccel_jax.cli import _arguments as arguments
 from triaccel_jax.cli import _compilation_cache as compilation_cache
+from triaccel_jax.cli import _data_source as data_source
 from triaccel_jax.cli import _results as results_lib
 from triaccel_jax.cli import _runs as runs
 from triaccel_jax.cli import _task as task
@@ -31,23 +32,30 @@ from triaccel_jax.cli._runs import RUN_LABELS
 __all__ = ("RUN_LABELS", "main")
 
 
+def _announce(message: str) -> None:
+    print(f"[data] {message}", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the comparison; returns the exit status."""
     args = arguments.parse_args(argv)
     output = arguments.check_output_dir(args.output_dir)
     try:
+        source = data_source.resolve(
+            args.dataset, data_dir=args.data_dir, offline=args.offline, announce=_announce
+        )
+        arguments.fill_workload(args, source.dataset)
         data = task.load_data(
-            args.dataset,
+            source.dataset,
             data_dir=args.data_dir,
             train_subset=args.train_subset,
             test_subset=args.test_subset,
             image_shape=args.image_shape,
-            download=args.download,
         )
     except (FileNotFoundError, ImportError) as error:
         print(f"error: data set {args.dataset!r} is not available: {error}", file=sys.stderr)
         return 2
-    except (ValueError, OSError) as error:  # a bad argument, or a download that failed
+    except (ValueError, OSError) as error:  # a bad argument, or a data file that failed
         print(f"error: {error}", file=sys.stderr)
         return 2
     model_name = "small_cnn" if args.model == "auto" else args.model
@@ -58,29 +66,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.compilation_cache = cache_dir
     print(
         f"triaccel_jax main job: {model_name} on {data.name} ({len(data.train['label'])} train / "
-        f"{len(data.test['label'])} test), {args.epochs} epochs, seed {args.seed}, runs "
-        f"{', '.join(args.runs)}; {jax.device_count()} x {jax.devices()[0].platform}; "
-        f"compilation cache {cache_dir or 'off'}"
+        f"{len(data.test['label'])} test), {args.epochs} epochs, batch {args.batch_size} (Tri-Accel "
+        f"up to {args.max_batch}), seed {args.seed}, runs {', '.join(args.runs)}; "
+        f"{jax.device_count()} x {jax.devices()[0].platform}; compilation cache "
+        f"{cache_dir or 'off'}\ndata: {source.how}"
     )
     from tqdm.auto import tqdm
 
-    total = len(data.train["label"]) * args.epochs * len(args.runs)
     results = []
     with (
         compilation_cache.persistent_cache(cache_dir),
-        tqdm(total=total, unit="img", disable=args.no_progress, dynamic_ncols=True) as progress,
+        tqdm(
+            total=runs.planned_samples(data, args) * len(args.runs),
+            unit="img",
+            disable=args.no_progress,
+            dynamic_ncols=True,
+        ) as progress,
     ):
-        for run in args.runs:
+        for done, run in enumerate(args.runs, start=1):
             results.append(runs.train_run(run, data, args, progress))
+            # A run that trained more or fewer samples than planned moves the total, not the
+            # runs still to come.
+            progress.total = progress.n + runs.planned_samples(data, args) * (len(args.runs) - done)
+            progress.refresh()
+    platform = jax.devices()[0].platform
     table = results_lib.results_table(results, RUN_LABELS)
-    print("\n" + table)
+    notes = results_lib.reading_notes(
+        results, source, platform, args, test_size=len(data.test["label"])
+    )
+    print("\n" + table + "\n\n" + notes)
 
     pictures = []
     if not args.no_plots:
         from triaccel_jax.cli import _plots as plots
 
         pictures = plots.write_plots(results, output, labels=RUN_LABELS)
-    platform = jax.devices()[0].platform
-    written = results_lib.write_results(output, table, args, data.name, platform, results)
+    written = results_lib.write_results(output, table, notes, args, source, platform, results)
     print("\nwrote " + ", ".join(str(p) for p in [*written, *pictures]))
     return 0

@@ -32,7 +32,8 @@ def _smooth(values: np.ndarray, window: int) -> np.ndarray:
 def write_plots(
     results: Sequence[Any], output: pathlib.Path, *, labels: Mapping[str, str]
 ) -> list[pathlib.Path]:
-    """Writes ``curves.png``, ``batch_memory.png`` and ``precision_map.png``; returns the paths.
+    """Writes ``curves.png``, ``batch_memory.png``, ``precision_map.png`` and ``step_scales.png``;
+    returns the paths.
 
     Args:
       results: the runs' results (``name``, ``history``, ``epoch_accuracy``, ``policies``).
@@ -143,6 +144,25 @@ def write_plots(
         bar.set_label("compute dtype")
         figure.tight_layout()
         written.append(output / "precision_map.png")
+        figure.savefig(written[-1], dpi=110)
+        plt.close(figure)
+
+    if elastic is not None and elastic.step_scales:
+        paths = sorted(elastic.step_scales[0]["scales"])
+        steps = [record["step"] for record in elastic.step_scales]
+        figure, ax = plt.subplots(figsize=(9, 4))
+        for path in paths:
+            ax.plot(steps, [record["scales"][path] for record in elastic.step_scales], label=path)
+        ax.axhline(1.0, color="grey", ls=":", lw=1)
+        ax.set(
+            title="Tri-Accel: per-layer step-size scale (the learning rate's multiplier)",
+            xlabel="training step",
+            ylabel="step scale",
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        figure.tight_layout()
+        written.append(output / "step_scales.png")
         figure.savefig(written[-1], dpi=110)
         plt.close(figure)
     return written

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
+# Memory leads with XLA's compiled figure of one step; memory_report's analytic estimate (of the
+# parts it counts) follows, labelled as such.
 RESULT_COLUMNS = (
     "run",
     "wall s",
@@ -18,12 +20,13 @@ RESULT_COLUMNS = (
     "steps",
     "final batch",
     "trained at batch",
-    "memory_report MiB at trained batch",
     "compiled MiB at trained batch",
+    "memory_report estimate MiB at trained batch",
     "common batch",
-    "memory_report MiB at common batch",
-    "vs FP32 at common batch",
     "compiled MiB at common batch",
+    "compiled vs FP32 at common batch",
+    "memory_report estimate MiB at common batch",
+    "estimate vs FP32 at common batch",
     "test accuracy",
     "s to FP32's accuracy (less compiles)",
 )
@@ -82,12 +85,12 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
     def mib(value: float | None, digits: int) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
+    def ratio(run: Any, value: float | None, base_value: float | None) -> str:
+        if value is None or base_value is None or base.common_batch != run.common_batch:
+            return "-"
+        return f"{value / base_value:.3f}x"
+
     for r in results:
-        ratio = (
-            f"{r.common_batch_memory_mib / base.common_batch_memory_mib:.3f}x"
-            if base is not None and base.common_batch == r.common_batch
-            else "-"
-        )
         cells = (
             labels[r.name],
             f"{r.seconds:.1f}",
@@ -97,12 +100,13 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
             str(r.steps),
             str(r.final_batch),
             str(r.run_batch),
-            mib(r.run_batch_memory_mib, 2),
             mib(r.run_batch_compiled_mib, 1),
+            mib(r.run_batch_memory_mib, 2),
             str(r.common_batch),
-            mib(r.common_batch_memory_mib, 2),
-            ratio,
             mib(r.common_batch_compiled_mib, 1),
+            ratio(r, r.common_batch_compiled_mib, base and base.common_batch_compiled_mib),
+            mib(r.common_batch_memory_mib, 2),
+            ratio(r, r.common_batch_memory_mib, base and base.common_batch_memory_mib),
             f"{100 * r.accuracy:.2f}%",
             _time_to_fp32(r, base),
         )
@@ -110,18 +114,107 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
     return "\n".join(lines)
 
 
+def reading_notes(
+    results: Sequence[Any], source: Any, platform: str, args: Any, test_size: int
+) -> str:
+    """What the table's figures can and cannot show, in Markdown: the data it used, what its
+    accuracies are worth, what Tri-Accel's adaptations did, and which memory figure is which.
+
+    Args:
+      results: the runs' results, as given to :func:`results_table`.
+      source: the :class:`triaccel_jax.cli._data_source.Source` the data came from.
+      platform: the JAX platform the runs ran on (``"cpu"``, ``"gpu"``, ...).
+      args: the main job's arguments (epochs, batch sizes, re-plan steps).
+      test_size: the number of test images the accuracies are measured on.
+
+    Returns:
+      Paragraphs of Markdown.
+    """
+    notes = [f"**Data.** {source.how}."]
+    if source.dataset == "digits":
+        notes.append(
+            f"**Accuracy.** The digits are a small embedded workload (8x8 images, {test_size} for "
+            f"testing: one test image is {100 / test_size:.2f} points): with one seed the accuracy differences between the runs say nothing about which "
+            "optimizer is better (the tuned, five-seed comparison is docs/accuracy.md). What these "
+            "runs do show is each adaptation at work, and time and memory side by side."
+            + (
+                " Install Fashion-MNIST for the real comparison (the [data] lines above say what "
+                "was tried)."
+                if source.stand_in
+                else ""
+            )
+        )
+    else:
+        notes.append(
+            "**Accuracy.** One seed at one learning rate, not tuned per run: differences under "
+            "about half a point are within seed noise (tuned, multi-seed comparisons are in "
+            "docs/accuracy.md)."
+        )
+    elastic = next((r for r in results if r.name == "triaccel"), None)
+    if elastic is not None and elastic.history:
+        batches = [int(h["batch"]) for h in elastic.history]
+        kinds = [e["kind"] for e in elastic.events]
+        if max(batches) != batches[0] or min(batches) != batches[0]:
+            batch = (
+                f"the batch went {batches[0]} -> {max(batches)} ({kinds.count('grow')} grow(s), "
+                f"{kinds.count('shrink') + kinds.count('oom')} shrink(s))"
+            )
+        else:
+            batch = f"the batch stayed at {batches[0]} (no larger bucket was allowed in time)"
+        replans = kinds.count("replan")
+        if replans:
+            last = elastic.policies[-1]["leaves"] if elastic.policies else {}
+            counts = {
+                dtype: list(last.values()).count(dtype) for dtype in sorted(set(last.values()))
+            }
+            mix = ", ".join(f"{n} leaves {dtype}" for dtype, n in counts.items())
+            precision = f"precision was re-planned {replans} time(s), ending at {mix}"
+        else:
+            precision = "precision was never re-planned (no plan changed the policy)"
+        scales = elastic.step_scales[-1]["scales"] if elastic.step_scales else {}
+        spread = (
+            f"per-layer step scales ended between {min(scales.values()):.2f} and "
+            f"{max(scales.values()):.2f}"
+            if scales
+            else "no step scales were recorded"
+        )
+        notes.append(f"**Tri-Accel's adaptations.** {batch}; {precision}; {spread}.")
+    notes.append(
+        "**Memory.** *compiled MiB* is XLA's compiled memory analysis of one training step (on a "
+        "CPU, XLA computes bf16 convolutions in float32, so it understates bf16's saving); "
+        "*memory_report estimate* is an analytic count of the parts it covers (parameters, "
+        "gradients, optimizer state, activations saved for backward) at their dtypes. Each is "
+        f"given at the batch the run trained at and at the common batch {args.batch_size}, where "
+        "the ratios to FP32 are taken."
+    )
+    if platform == "cpu":
+        notes.append(
+            "**Time.** On a CPU bfloat16 is emulated, so lower precision costs time here; read "
+            "the ratios between runs of one job, not the seconds (shared cores vary)."
+        )
+    return "\n\n".join(notes)
+
+
 def write_results(
-    output: pathlib.Path, table: str, args: Any, dataset: str, platform: str, results: Sequence[Any]
+    output: pathlib.Path,
+    table: str,
+    notes: str,
+    args: Any,
+    source: Any,
+    platform: str,
+    results: Sequence[Any],
 ) -> list[pathlib.Path]:
-    """Writes ``results.md`` (the table) and ``results.json`` (arguments and every figure).
+    """Writes ``results.md`` (the table and its notes) and ``results.json`` (arguments, the data
+    source and every figure).
 
     Returns:
       The paths written.
     """
-    (output / "results.md").write_text(table + "\n")
+    (output / "results.md").write_text(table + "\n\n" + notes + "\n")
     record = {
         "args": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-        "dataset": dataset,
+        "dataset": source.dataset,
+        "data_source": dataclasses.asdict(source),
         "platform": platform,
         "results": [dataclasses.asdict(r) for r in results],
     }

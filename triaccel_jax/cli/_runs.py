@@ -28,6 +28,7 @@ from triaccel_jax.controller import _memory_probe as memory_probe
 from triaccel_jax.precision import _memory as memory
 from triaccel_jax.precision import _policy as policy_lib
 from triaccel_jax.transforms import _alias as alias
+from triaccel_jax.transforms import _signals as signals_lib
 
 RUNS = ("fp32", "bf16", "triaccel")
 RUN_LABELS = {"fp32": "FP32 AdamW", "bf16": "static bf16 AdamW", "triaccel": "Tri-Accel"}
@@ -70,6 +71,8 @@ class RunResult:
     evals: list[dict[str, float]]
     events: list[dict[str, Any]]
     policies: list[dict[str, Any]]  # {"step": the first step it ran, "leaves": {path: dtype}}
+    # Tri-Accel's per-leaf step-size scales over training: {"step", "scales": {path: scale}}.
+    step_scales: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def memory_mib(self) -> float:
@@ -85,6 +88,7 @@ class _RunLog:
     epoch_accuracy: list[float] = dataclasses.field(default_factory=list)
     evals: list[dict[str, float]] = dataclasses.field(default_factory=list)
     policies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    step_scales: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     eval_seconds: float = 0.0  # spent evaluating: not training time
     common_batch_peak_bytes: int | None = None
 
@@ -121,7 +125,11 @@ def build_controller(
             first_replan=min(args.first_replan, args.replan_every),
             lr_scaling="sqrt",
             # A grow's bigger step compiles on a worker thread while training goes on.
-            compile_in_background=args.compile_in_background,
+            compile_in_background=(
+                args.compile_in_background
+                if args.compile_in_background is not None
+                else jax.devices()[0].platform != "cpu"
+            ),
         )
     else:
         tx = optax.adamw(args.lr, weight_decay=1e-4)
@@ -137,10 +145,10 @@ def build_controller(
     return controller_lib.Controller(loss_fn, params, tx, data.train, **common, **kwargs)
 
 
-def _history_row(info: Any, controller: Any) -> dict[str, float]:
+def _history_row(info: Any, samples: int) -> dict[str, float]:
     return {
         "step": info.step,
-        "samples": controller.sampler.samples_seen,
+        "samples": samples,
         "loss": info.loss,
         "batch": info.batch_size,
         "peak_mib": math.nan if info.peak_bytes is None else info.peak_bytes / 2**20,
@@ -148,13 +156,36 @@ def _history_row(info: Any, controller: Any) -> dict[str, float]:
     }
 
 
-_MAX_CHUNK = 64  # steps per Controller.run call: bounds the overshoot when the batch grows
+_MAX_CHUNK = 64  # steps per Controller.run call
+
+
+def planned_samples(data: task.Data, args: Any) -> int:
+    """The samples one fixed-batch run trains: ``--epochs`` epochs, or ``--max-steps`` steps."""
+    samples = len(data.train["label"]) * args.epochs
+    if args.max_steps is not None:
+        samples = min(samples, args.max_steps * args.batch_size)
+    return samples
+
+
+def _advance(progress: Any, samples: int) -> None:
+    """Moves the bar by ``samples``, first stretching its total where a run trains more than
+    planned (a grown batch's last step of an epoch draws from the next one)."""
+    total = getattr(progress, "total", None)
+    if total is not None and progress.n + samples > total:
+        progress.total = progress.n + samples
+        progress.refresh()
+    progress.update(samples)
 
 
 def _chunk_steps(controller: Any, args: Any, max_steps: float) -> int:
-    """Steps to the epoch's end, the next evaluation or the step limit, at the current batch."""
+    """Steps to the epoch's end, the next evaluation or the step limit.
+
+    Counted at the largest batch the run may reach, so that a batch that grows inside the chunk
+    cannot carry it past the epoch's end (at most the epoch's last step draws into the next).
+    """
     sampler = controller.sampler
-    left_in_epoch = -(-(sampler.num_examples - sampler.cursor) // controller.batch_size)
+    largest = max(controller.batch_size, *controller.buckets)
+    left_in_epoch = -(-(sampler.num_examples - sampler.cursor) // largest)
     steps = min(left_in_epoch, _MAX_CHUNK, max_steps - controller.step_count)
     if args.eval_every:
         steps = min(steps, args.eval_every - controller.step_count % args.eval_every)
@@ -188,6 +219,13 @@ def _train_epochs(
 
     max_steps = args.max_steps if args.max_steps is not None else math.inf
     grown = False
+    samples = 0
+
+    def record_step_scales() -> None:
+        leaves = signals_lib.signals(controller.opt_state)
+        scales = {path: float(figures["step_scale"]) for path, figures in leaves.items()}
+        log.step_scales.append({"step": controller.step_count, "scales": scales})
+
     for epoch in range(args.epochs):
         while controller.sampler.epoch <= epoch and controller.step_count < max_steps:
             # Steps run in chunks through Controller.run, which keeps a step in flight (the
@@ -195,19 +233,22 @@ def _train_epochs(
             # the next evaluation or the step limit at the current batch (a batch that grows
             # inside a chunk may end it a few steps into the next epoch).
             for info in controller.run(_chunk_steps(controller, args, max_steps)):
-                log.history.append(_history_row(info, controller))
+                samples += info.batch_size
+                log.history.append(_history_row(info, samples))
                 grown = grown or info.batch_size > args.batch_size
                 replanned = any(e.kind == "replan" for e in info.events)
                 if run == "triaccel" and (not log.policies or replanned):
                     leaves = {path: controller.policy.compute(path) for path in controller.policy}
                     log.policies.append({"step": info.step - 1, "leaves": leaves})
-                progress.update(info.batch_size)
+                _advance(progress, info.batch_size)
                 progress.set_postfix(
                     run=run,
                     loss=f"{info.loss:.3f}",
                     batch=info.batch_size,
                     mem=f"{(info.peak_bytes or 0) / 2**20:.0f}MiB",
                 )
+            if run == "triaccel":
+                record_step_scales()
             # The high-water mark at the common batch: read until the batch first grows.
             if not grown:
                 log.common_batch_peak_bytes = device_peak_bytes()
@@ -274,6 +315,7 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
         evals=log.evals,
         events=[_jsonable(r) for r in controller.event_records()],
         policies=log.policies,
+        step_scales=log.step_scales,
     )
 
 

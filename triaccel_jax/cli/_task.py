@@ -61,22 +61,15 @@ def load_data(
     train_subset: int | None,
     test_subset: int | None,
     image_shape: tuple[int, int, int] | None = None,
-    download: bool = False,
 ):
-    """The data set ``name`` ("auto": Fashion-MNIST if found, else digits), its images padded and
-    replicated to ``image_shape`` if given (see :func:`to_image_shape`).
+    """The data set ``name`` (as :func:`triaccel_jax.cli._data_source.resolve` chose it), its
+    images padded and replicated to ``image_shape`` if given (see :func:`to_image_shape`).
 
-    Fashion-MNIST is looked for in ``data_dir``, ``$TRIACCEL_DATA_DIR`` and Debian's folder
-    (:func:`triaccel_jax.data.find_fashion_mnist`); with ``download`` it is first downloaded
-    (checksummed) when it is found nowhere.
+    Fashion-MNIST is read where :func:`triaccel_jax.data.find_fashion_mnist` finds it
+    (``data_dir``, ``$TRIACCEL_DATA_DIR``, Debian's folder).
     """
     from triaccel_jax import data as data_lib
 
-    fashion = name in ("auto", "fashion_mnist")
-    if download and fashion and data_lib.find_fashion_mnist(data_dir) is None:
-        data_lib.download_fashion_mnist(data_dir)
-    if name == "auto":
-        name = "fashion_mnist" if data_lib.find_fashion_mnist(data_dir) is not None else "digits"
     if name == "fashion_mnist":
         train = data_lib.load_fashion_mnist("train", data_dir)
         test = data_lib.load_fashion_mnist("test", data_dir)

@@ -8,8 +8,8 @@ at as ``D`` and ``D/fashion-mnist``):
    :func:`download_fashion_mnist` writes by default);
 3. Debian's ``/usr/share/datasets/fashion-mnist`` (``apt-get install dataset-fashion-mnist``).
 
-Nothing is ever downloaded unless :func:`download_fashion_mnist` is called (the main job's
-``--download`` calls it).
+Nothing is downloaded unless :func:`download_fashion_mnist` is called (the main job calls it,
+announced, where the data is found nowhere, unless given ``--offline``).
 """
 
 from __future__ import annotations
@@ -141,15 +141,15 @@ def not_found_message(directory: str | os.PathLike | None = None, split: str | N
     return (
         f"Fashion-MNIST ({files}) not found; searched {searched}. Any one of these provides it:\n"
         "  1. Debian/Ubuntu, as root: apt-get update && apt-get install -y dataset-fashion-mnist "
-        f"(installs {FASHION_MNIST_DIR}; tools/test.sh and tools/main.sh do it when run as root "
-        "with TRIACCEL_INSTALL_SYSTEM_DATA=1);\n"
+        f"(installs {FASHION_MNIST_DIR}; the main job does it when run as root, and "
+        "tools/test.sh with TRIACCEL_INSTALL_SYSTEM_DATA=1);\n"
         "  2. put the four *-ubyte.gz files in a folder and point to it: "
         f"{DATA_DIR_ENV}=/that/folder, or the main job's --data-dir /that/folder, or "
         "load_fashion_mnist(split, directory=...);\n"
-        "  3. download them from the official source, checksums verified: the main job's "
-        "--download (into --data-dir, else $TRIACCEL_DATA_DIR, else ~/.cache/triaccel_jax/data), "
-        'or python -c "from triaccel_jax.data import download_fashion_mnist; '
-        'download_fashion_mnist()";\n'
+        "  3. download them from the official source, checksums verified (the main job does so "
+        "where it finds them nowhere, into --data-dir, else $TRIACCEL_DATA_DIR, else "
+        '~/.cache/triaccel_jax/data), or python -c "from triaccel_jax.data import '
+        'download_fashion_mnist; download_fashion_mnist()";\n'
         "  4. the main job without it: --dataset digits (scikit-learn's digits, bundled; "
         "--dataset auto falls back to them by itself)."
     )
