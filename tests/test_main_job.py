@@ -7,6 +7,8 @@ import io
 import itertools
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -268,3 +270,21 @@ def test_the_default_main_job_without_fashion_mnist_shows_every_adaptation(
         assert planned <= samples[-1] < planned + max(batches), run["name"]
     for name in ("curves.png", "batch_memory.png", "precision_map.png", "step_scales.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_the_command_without_its_extra_names_every_missing_package_at_once():
+    # A base install ships the `triaccel` command: run without the demo extra, it says in one
+    # message everything to install, instead of one extra per attempt.
+    code = (
+        "import sys\n"
+        "for name in ('flax', 'sklearn', 'matplotlib'):\n"
+        "    sys.modules[name] = None\n"
+        "from triaccel_jax.cli import main\n"
+        "sys.exit(main(['--help']))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "error: the main job (triaccel, python -m triaccel_jax) needs Flax, scikit-learn and "
+        "matplotlib, which are not installed: pip install 'triaccel-jax[demo]'"
+    )

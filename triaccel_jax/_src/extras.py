@@ -11,11 +11,17 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-# What each extra of pyproject.toml provides, for the messages: (top-level module, pip name).
+# What each extra of pyproject.toml provides, for the messages: (module, pip name) pairs.
 EXTRAS = {
-    "flax": ("flax", "Flax"),
-    "checkpoint": ("orbax.checkpoint", "orbax-checkpoint"),
-    "clu": ("clu", "clu"),
+    "flax": (("flax", "Flax"),),
+    "checkpoint": (("orbax.checkpoint", "orbax-checkpoint"),),
+    "clu": (("clu", "clu"),),
+    "demo": (
+        ("flax", "Flax"),
+        ("sklearn", "scikit-learn"),
+        ("tqdm", "tqdm"),
+        ("matplotlib", "matplotlib"),
+    ),
 }
 
 
@@ -36,15 +42,16 @@ def is_installed(module: str) -> bool:
 
 
 def require(extra: str, feature: str) -> None:
-    """Raises ``ModuleNotFoundError`` naming ``extra`` when its package is not installed.
+    """Raises ``ModuleNotFoundError`` naming ``extra`` when any of its packages is not installed.
 
     Args:
       extra: the extra of pyproject.toml, a key of :data:`EXTRAS` (e.g. ``"flax"``).
       feature: what needs it, for the message (e.g. ``"triaccel_jax.flax"``).
 
     Raises:
-      ModuleNotFoundError: (an ``ImportError``) the package is missing; the message names the
-        extra, and ``name`` is the missing module, as Python's own error has it.
+      ModuleNotFoundError: (an ``ImportError``) packages are missing; the message names all of
+        them and the extra, and ``name`` is the first missing module, as Python's own error has
+        it.
 
     Example:
       >>> from triaccel_jax._src import extras
@@ -52,10 +59,12 @@ def require(extra: str, feature: str) -> None:
     """
     if extra not in EXTRAS:
         raise ValueError(f"unknown extra {extra!r}; choose one of {sorted(EXTRAS)}")
-    module, package = EXTRAS[extra]
-    if not is_installed(module):
+    missing = [(module, package) for module, package in EXTRAS[extra] if not is_installed(module)]
+    if missing:
+        names = [package for _, package in missing]
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        which = "which is" if len(names) == 1 else "which are"
         raise ModuleNotFoundError(
-            f"{feature} needs {package}, which is not installed: "
-            f"pip install 'triaccel-jax[{extra}]'",
-            name=module,
+            f"{feature} needs {listed}, {which} not installed: pip install 'triaccel-jax[{extra}]'",
+            name=missing[0][0],
         )
