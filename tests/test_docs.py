@@ -94,6 +94,22 @@ def test_readme_python_blocks_run():
         exec(compile(block, "README.md", "exec"), {})
 
 
+@pytest.mark.standard_promotion("optax promotes inside its own transforms")
+def test_the_readme_example_shows_per_layer_step_scales_that_differ(capsys):
+    # The headline example must show the feature: with one leaf the median curvature is its own
+    # and every scale is 1.00. It prints what the README says it prints, to the shown digits.
+    text = (ROOT / "README.md").read_text()
+    example = text.split("## Example", 1)[1]
+    code = re.search(r"```python\n(.*?)```", example, re.S).group(1)
+    shown = re.search(r"It prints.*?```text\n(.*?)```", example, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    scales = [float(s) for s in re.findall(r"step scale (\d+\.\d+)", printed)]
+    assert len(scales) >= 3 and len(set(scales)) >= 2, printed
+    assert scales == [float(s) for s in re.findall(r"step scale (\d+\.\d+)", shown)]
+    assert printed.splitlines()[0] == shown.splitlines()[0]  # the loss line
+
+
 # --- The built site's check (tools/check_docs_site.py, run by tools/docs.sh after the build) ---
 
 
