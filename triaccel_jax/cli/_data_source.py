@@ -114,7 +114,8 @@ def resolve(
         try:
             folder = data_lib.download_fashion_mnist(data_dir, timeout=30.0)
         except OSError as error:
-            reason = str(error).splitlines()[-1].strip()
+            # The last source's failure stands for all (each is logged as a warning).
+            reason = str(error).splitlines()[-1].strip().replace(": download failed: ", ": ")
             announce(f"the download failed: {reason}")
             failures.append(f"the download failed ({reason})")
         else:
