@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         args.seeds = args.seeds[:2]
         job += ["--max-steps", "20", "--train-subset", "4096", "--test-subset", "1000"]
         job += ["--eval-every", "10", "--replan-every", "10"]
-    job_args = arguments.parse_args(job)
+    job_args = arguments.fill_workload(arguments.parse_args(job), "fashion_mnist")
     data = task.load_data(
         "fashion_mnist",
         data_dir=None,
