@@ -7,7 +7,9 @@ the checkout, with the path of README.md as the argument::
 
 It checks, in order: ``import triaccel_jax``; the README's example (the ```python block under
 "## Example", read from README.md at run time so it stays in step with the README); and an
-optax-only step (the transform, ``plan_precision``, a Controller with a pure-JAX loss).
+optax-only step (the transform, ``plan_precision``, a Controller with a pure-JAX loss); and
+``memory_report`` of a step with a jitted helper (it walks the step's jaxpr with
+``jax.extend.core``).
 """
 
 from __future__ import annotations
@@ -81,6 +83,25 @@ def optax_only_step() -> None:
     assert triaccel_jax.BudgetMemoryProbe().read(batch_size=1).limit_bytes > 0
 
 
+def memory_report_step() -> None:
+    """memory_report reads the residuals of a step with a jitted helper from its jaxpr."""
+    import jax
+    import jax.numpy as jnp
+
+    import triaccel_jax
+
+    params = {"w": jnp.ones((64, 64)), "b": jnp.zeros(64)}
+    opt_state = triaccel_jax.triaccel(1e-2).init(params)
+    policy = triaccel_jax.PrecisionPolicy.from_patterns(params, {"w": "bf16"})
+    layer = jax.jit(lambda w, x: jnp.tanh(x @ w))
+
+    def step(p, batch):
+        return jnp.mean(layer(p["w"].astype(jnp.bfloat16), batch.astype(jnp.bfloat16)) + p["b"])
+
+    report = triaccel_jax.memory_report(params, opt_state, policy, step, jnp.ones((8, 64)))
+    assert report.total > 0, report
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         raise SystemExit(f"usage: {argv[0]} path/to/README.md")
@@ -105,6 +126,9 @@ def main(argv: list[str]) -> int:
 
     optax_only_step()
     print("[smoke] ok: an optax-only step (triaccel, plan_precision, Controller)", flush=True)
+
+    memory_report_step()
+    print("[smoke] ok: memory_report of a step with a jitted helper", flush=True)
     return 0
 
 
