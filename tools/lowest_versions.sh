@@ -11,8 +11,8 @@
 # A dependency without a single `>=` floor is an error here.
 #
 # The extras' floors (flax, orbax-checkpoint, clu, tensorflow-cpu, tensorboard) are not installed
-# here: flax's floor needs a newer jax than jax's floor, and TensorFlow is large. CHANGELOG.md says
-# how they were checked.
+# here, to keep this to about a minute (TensorFlow alone takes two to install); they were checked by
+# hand (CHANGELOG.md), and tests/test_optional_extras.py checks the clu extra's requirements.
 #
 # .venv-lowest is reused when pyproject.toml and the interpreter are unchanged (the project itself
 # is reinstalled every run); TRIACCEL_REINSTALL=1 rebuilds it. TRIACCEL_LOWEST_PYTHON=/path/to/python
