@@ -90,3 +90,17 @@ def test_noise_around_the_high_water_mark_changes_the_bucket_at_most_twice():
         changes += decision.bucket != bucket
         bucket = decision.bucket
     assert changes <= 2
+
+
+def test_a_grow_resets_the_streak_so_the_next_grow_waits_for_patience_again():
+    # Hysteresis must hold after every move, not only the first: a grow starts a new streak.
+    peaks = {8: 100, 16: 200}
+    buckets = (8, 16, 32, 64)
+    first = decide_bucket(8, buckets, peaks, 1000, patience=2, grow_streak=1, target=0.3)
+    assert first.kind == "grow" and first.bucket == 16
+    assert first.grow_streak == 0 and first.shrink_streak == 0
+    # More memory became free right after: one check alone does not grow again.
+    second = decide_bucket(16, buckets, peaks, 10_000, patience=2, grow_streak=first.grow_streak)
+    assert second.kind == "keep" and second.grow_streak == 1
+    third = decide_bucket(16, buckets, peaks, 10_000, patience=2, grow_streak=second.grow_streak)
+    assert third.kind == "grow"

@@ -189,7 +189,8 @@ def decide_bucket(
         return BucketDecision(
             current, "keep", f"{reason} ({grow_streak}/{patience})", grow_streak, 0
         )
-    return BucketDecision(choice, "grow", reason, grow_streak, 0)
+    # A move starts a new streak: the next grow waits for `patience` checks again.
+    return BucketDecision(choice, "grow", reason, 0, 0)
 
 
 def _fits(batch: int, peaks: Mapping[int, int], fixed_bytes: int, allowance: float) -> bool:
