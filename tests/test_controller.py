@@ -663,3 +663,15 @@ def test_the_first_replan_moves_leaves_at_once_and_first_replan_sets_when():
     assert early.policy == default.policy
     with pytest.raises(ValueError, match="first_replan"):
         make_controller(first_replan=2)  # precision is not planned
+
+
+@pytest.mark.parametrize("replan_every", [None, 5])
+def test_set_policy_converts_the_moments_whether_or_not_precision_is_replanned(replan_every):
+    # set_policy's docstring promises converted moments; it held only with replan_every set.
+    controller = make_controller(replan_every=replan_every, max_batch=8)
+    policy = triaccel_jax.PrecisionPolicy.uniform(controller.params, "bf16", "bf16")
+    controller.set_policy(policy)
+    moments = controller.opt_state[0].mu
+    assert {str(m.dtype) for m in jax.tree.leaves(moments)} == {"bfloat16"}
+    controller.run(3)
+    assert {str(m.dtype) for m in jax.tree.leaves(controller.opt_state[0].mu)} == {"bfloat16"}

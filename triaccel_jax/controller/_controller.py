@@ -313,8 +313,8 @@ class Controller:
         """
         if policy is not None:
             policy_lib.check_policy(policy, self.params)
-            if self.config.replan_every is not None:
-                self.opt_state = self._place(state_conversion.convert_state(self.opt_state, policy))
+            # Only triaccel states hold per-leaf moment dtypes; any other state is kept as is.
+            self.opt_state = self._place(state_conversion.convert_state(self.opt_state, policy))
         if policy != self.policy:
             self._bucket.measured = {}  # measured peaks were for the old policy
         self.plan = None if policy is None else policy_lib.PrecisionPlan(policy, {})
