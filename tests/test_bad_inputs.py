@@ -594,6 +594,38 @@ CASES = [
     ),
     Case("controller-tx-a-string", lambda _: controller(tx="adam"), TypeError, "`tx` must be"),
     Case(
+        "triaccel-leaf-of-2-31-elements",
+        lambda _: jax.eval_shape(
+            T.triaccel(0.1).init, {"big": jax.ShapeDtypeStruct((2**31,), jnp.float32)}
+        ),
+        ValueError,
+        r"leaf 'big' has 2,147,483,648 elements; triaccel holds at most 2,147,483,647",
+    ),
+    Case(
+        "plan-precision-signals-of-other-paths",
+        lambda _: T.plan_precision({"x": SIGNALS["w"]}, PARAMS),
+        ValueError,
+        r"`signals` holds 1 leaf path\(s\) that `params` has no trainable leaf for \('x'\)",
+    ),
+    Case(
+        "fused-apply-on-another-optimizers-state",
+        lambda _: triaccel_jax.transforms.fused_apply(
+            T.triaccel(0.1), PARAMS, optax.adam(0.1).init(PARAMS), PARAMS
+        ),
+        ValueError,
+        r"`opt_state` is not a state of `tx` \(another optimizer's",
+    ),
+    Case(
+        "controller-callable-data-returns-wrong-rows",
+        lambda _: controller(
+            # One row per call, whatever the indices: right for the first sample, wrong after.
+            data=lambda idx: {k: v[:1] for k, v in controller_data().items()},
+            num_examples=64,
+        ).step(),
+        ValueError,
+        r"`data` returned leaf \"\['x'\]\" of shape \(1, 4\) for 8 indices; expected \(8, 4\)",
+    ),
+    Case(
         "controller-loss-not-callable",
         lambda _: controller(loss_fn="mse"),
         TypeError,

@@ -91,13 +91,38 @@ class BatchFeeder:
             self.sample_spec = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct((0, *np.shape(x)[1:]), np.asarray(x).dtype), one
             )
-            self._fetch = data
+            self._fetch = self._checked(data)
         else:
             host, self.num_examples = _check_arrays(data, num_examples)
             self.sample_spec = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct((0, *x.shape[1:]), x.dtype), host
             )
             self._fetch = lambda idx: jax.tree.map(lambda x: x[idx], host)
+
+    def _checked(self, data: Callable[[np.ndarray], Any]) -> Callable[[np.ndarray], Any]:
+        """``data`` with each reply checked against the first sample's structure and shapes, so
+        that a callable returning the wrong rows fails naming the leaf, not in a reshape."""
+        expected = jax.tree.structure(self.sample_spec)
+
+        def fetch(indices: np.ndarray) -> Any:
+            batch = data(indices)
+            if jax.tree.structure(batch) != expected:
+                raise ValueError(
+                    f"`data({len(indices)} indices)` returned a tree of structure "
+                    f"{jax.tree.structure(batch)}, but its first sample had {expected}"
+                )
+            pairs = jax.tree_util.tree_flatten_with_path(batch)[0]
+            for (path, leaf), spec in zip(pairs, jax.tree.leaves(self.sample_spec), strict=True):
+                shape = np.shape(leaf)
+                if shape[:1] != (len(indices),) or shape[1:] != spec.shape[1:]:
+                    raise ValueError(
+                        f"`data` returned leaf {jax.tree_util.keystr(path)!r} of shape {shape} for "
+                        f"{len(indices)} indices; expected {(len(indices), *spec.shape[1:])} (one "
+                        "row per index, each shaped as the first sample's)"
+                    )
+            return batch
+
+        return fetch
 
     def sharding(self) -> NamedSharding | None:
         """The sharding of a ``(micro-batches, micro-batch, ...)`` batch: split on the batch axis."""

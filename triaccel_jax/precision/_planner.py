@@ -140,6 +140,17 @@ def plan_precision(
     allowed_names, budget = _check_options(allowed, budget, loss, min_size, patience, margin, state)
 
     shapes = {path: tuple(leaf.shape) for path, leaf in policy_lib.trainable_paths(params)}
+    foreign = sorted(set(signals) - set(shapes))
+    if foreign:
+        # Signals of another model (or of params renamed since) would plan nothing: every leaf
+        # would silently stay fp32.
+        listed = ", ".join(map(repr, foreign[:4])) + (" ..." if len(foreign) > 4 else "")
+        known = ", ".join(map(repr, sorted(shapes)[:4])) + (" ..." if len(shapes) > 4 else "")
+        raise ValueError(
+            f"`signals` holds {len(foreign)} leaf path(s) that `params` has no trainable leaf "
+            f"for ({listed}); the params' leaves are {known or 'none'}: pass the signals of "
+            "this model's optimizer state"
+        )
     stores = {
         path: curvature_cost.as_store(path, record["curvature_store"], shapes[path])
         for path, record in signals.items()

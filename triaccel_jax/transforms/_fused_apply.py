@@ -187,6 +187,7 @@ def fused_apply(
     if compute_policy is not None:
         policy_lib.check_policy(compute_policy)
         compute_policy.check_matches(params)
+    _check_state_of(tx, opt_state, params)
     spec = _spec(tx)
     if spec is None or unfused_reason(tx, opt_state) is not None:
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
@@ -197,6 +198,24 @@ def fused_apply(
             compute = casting.cast_params(new_params, compute_policy, impl=_impl(spec))
         return FusedApply(new_params, opt_state, compute)
     return _fused(spec, grads, opt_state, params, learning_rate_factor, compute_policy, extra_args)
+
+
+def _check_state_of(tx: Any, opt_state: Any, params: Any) -> None:
+    """Raises ``ValueError`` when ``opt_state`` is not shaped as ``tx.init(params)``'s state
+    (another optimizer's state, say), instead of failing inside the update."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+    expected = jax.tree.structure(jax.eval_shape(tx.init, shapes))
+    got = jax.tree.structure(opt_state)
+    if got != expected:
+
+        def short(text: Any) -> str:
+            text = str(text)
+            return text if len(text) <= 200 else text[:200] + "..."
+
+        raise ValueError(
+            "`opt_state` is not a state of `tx` (another optimizer's, or of other params): "
+            f"tx.init(params) makes {short(expected)}, got {short(got)}"
+        )
 
 
 def _impl(spec: FusedSpec | None) -> str:

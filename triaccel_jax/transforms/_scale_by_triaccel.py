@@ -19,6 +19,7 @@ The per-leaf scalars are kept in the state for :func:`triaccel_jax.signals`.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,11 @@ def _state_dtype(path: str, param_dtype: Any, state_dtype: Any) -> jnp.dtype:
             raise ValueError(f"the precision policy has no entry for leaf {path!r}")
         return dtypes.FORMATS[state_dtype.state(path)].dtype
     return jnp.dtype(state_dtype)
+
+
+# The curvature store's outlier indices are int32 flat indices into a leaf (and XLA's top_k
+# over a flattened leaf counts in int32).
+MAX_LEAF_SIZE = 2**31 - 1
 
 
 def _make_estimator(estimator: str, num_samples: int, seed: int):
@@ -171,6 +177,12 @@ def scale_by_triaccel(
                 )
             if not tree_lib.is_trainable(leaf):
                 return optax.MaskedNode()
+            if math.prod(leaf.shape) > MAX_LEAF_SIZE:
+                raise ValueError(
+                    f"leaf {tree_lib.path_string(path)!r} has {math.prod(leaf.shape):,} elements; "
+                    f"triaccel holds at most {MAX_LEAF_SIZE:,} (2**31 - 1) per leaf, because its "
+                    "curvature store indexes a leaf's elements with int32: split the leaf in two"
+                )
             dtype = _state_dtype(tree_lib.path_string(path), leaf.dtype, state_dtype)
             return _placed(jnp.zeros(leaf.shape, dtype), leaf, same_shape=True)
 
