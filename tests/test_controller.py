@@ -675,3 +675,48 @@ def test_set_policy_converts_the_moments_whether_or_not_precision_is_replanned(r
     assert {str(m.dtype) for m in jax.tree.leaves(moments)} == {"bfloat16"}
     controller.run(3)
     assert {str(m.dtype) for m in jax.tree.leaves(controller.opt_state[0].mu)} == {"bfloat16"}
+
+
+def test_resuming_with_opt_state_and_load_state_dict_does_not_compound_the_rate():
+    # The documented recipe: a new controller given the step's params and opt_state= (which
+    # holds the batch-scaled rate), then load_state_dict. The tuned rate comes from the record.
+    tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-2)
+    options = dict(lr_scaling="sqrt", reference_batch=8, probe=FakeMemoryProbe(BIG))
+    reference = make_controller(tx=tx, **options)
+    reference.run(4)
+    assert reference.batch_size > 8  # the rate is scaled
+    saved = json.loads(json.dumps(reference.state_dict()))
+    params, opt_state = reference.params, reference.opt_state
+    rate = float(optax.tree_utils.tree_get(opt_state, "learning_rate"))
+    expected = reference.run(3)
+
+    resumed = make_controller(tx=tx, opt_state=opt_state, **options)
+    resumed.params = params
+    resumed.load_state_dict(saved)
+    assert float(optax.tree_utils.tree_get(resumed.opt_state, "learning_rate")) == (
+        pytest.approx(rate)
+    )
+    got = resumed.run(3)
+    assert [i.loss for i in got] == pytest.approx([i.loss for i in expected], rel=1e-6)
+
+
+def test_a_train_state_resumed_with_load_state_dict_counts_its_steps_once():
+    from flax.training import train_state
+
+    tx = triaccel_jax.triaccel(1e-2)
+    reference = make_controller(tx=tx, max_batch=8)
+    reference.run(12)
+    state = train_state.TrainState(
+        step=12,
+        apply_fn=None,
+        params=reference.params,
+        tx=tx,
+        opt_state=reference.opt_state,
+    )
+    resumed = Controller.from_train_state(
+        loss_fn, state, make_data(), min_batch=8, max_batch=8, probe=FakeMemoryProbe(BIG)
+    )
+    resumed.load_state_dict(reference.state_dict())
+    assert int(resumed.train_state.step) == 12
+    resumed.run(3)
+    assert int(resumed.train_state.step) == resumed.step_count == 15

@@ -349,6 +349,10 @@ class Controller:
         """
         in_flight.flush(self)
         state_record.load_controller_state(self, state)
+        if self._train_state is not None:
+            # The train state given to from_train_state is the saved step's: its step counter
+            # already counts the steps the record does.
+            self._train_state = (self._train_state[0], self.step_count)
         self._log("restore", None, self.step_count, "controller state loaded")
         self._set_learning_rate()
 

@@ -166,6 +166,13 @@ class LearningRateScaling:
             opt_state = set_hyperparam(opt_state, self.hyperparam, self.base_lr * self.factor)
         return LearningRateChange(old, self.factor, opt_state)
 
+    def restore_tuned(self, tuned: float | None) -> None:
+        """Takes ``tuned`` (a saved state's tuned rate) as the rate to scale, when this
+        controller writes an injected constant rate: the optimizer state it was given holds that
+        rate already scaled for the saved batch, and scaling it again would compound."""
+        if tuned is not None and self.base_lr is not None:
+            self.base_lr = float(tuned)
+
     def tuned(self, opt_state: Any) -> Any:
         """``opt_state`` holding the tuned (reference-batch) rate, for handing the state back."""
         if self.base_lr is None:

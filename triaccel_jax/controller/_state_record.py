@@ -37,6 +37,9 @@ class ControllerRecord(NamedTuple):
       limit_bytes: the memory limit at the last check, or None.
       last_loss: the last finite loss, or None.
       lr_factor: the learning-rate factor in force (saved for reading; it follows the bucket).
+      tuned_learning_rate: the injected rate at the reference batch (None when the optimizer
+        holds no injected constant rate); a resumed controller scales this one, not the scaled
+        rate its optimizer state holds.
       loss_scale: the dynamic loss scale's state, or None (records from before it existed).
       policy: the precision policy, or None.
       pending: the planner's hysteresis streaks ``{path: (compute dtype, count)}``.
@@ -57,6 +60,7 @@ class ControllerRecord(NamedTuple):
     policy: policy_lib.PrecisionPolicy | None
     pending: dict[str, tuple[str, int]]
     sampler: Mapping[str, Any]
+    tuned_learning_rate: float | None = None
 
 
 def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict[str, Any]:
@@ -126,6 +130,7 @@ def from_state_dict(state: Any, identity: Mapping[str, Any]) -> ControllerRecord
         policy=policy,
         pending=pending,
         sampler=state["sampler"],
+        tuned_learning_rate=state["tuned_learning_rate"],
     )
 
 
@@ -163,6 +168,7 @@ def controller_state_dict(controller: Any) -> dict[str, Any]:
         policy=controller.policy,
         pending=dict(plan.pending) if plan is not None else {},
         sampler=controller.sampler.state_dict(),
+        tuned_learning_rate=controller._lr.base_lr,
     )
     return to_state_dict(record, controller._identity())
 
@@ -176,6 +182,7 @@ def load_controller_state(controller: Any, state: Mapping[str, Any]) -> None:
     record = from_state_dict(state, controller._identity())
     controller.sampler.load_state_dict(record.sampler)
     controller.step_count, controller._last_loss = record.step, record.last_loss
+    controller._lr.restore_tuned(record.tuned_learning_rate)
     controller._bucket.restore(record)
     controller._compiled.load_peaks_record(record.compiled_peaks)
     if record.loss_scale is not None:  # absent from states saved before it existed
