@@ -96,3 +96,29 @@ def test_estimators_are_gradient_transformations():
         triaccel_jax.transforms.hutchinson_diagonal(),
     ):
         assert isinstance(tx, optax.GradientTransformationExtraArgs)
+
+
+@pytest.mark.parametrize("wrapper", ["masked", "multi_transform"])
+def test_hutchinson_under_masked_explains_and_unmask_gives_the_trained_leaves_curvature(wrapper):
+    # optax hands the inner update the params with MaskedNode for the leaves it leaves out; a
+    # plain loss cannot take them. The error says how to give the loss the whole tree back.
+    params = {"w": jnp.array([1.0, 2.0]), "b": jnp.array([0.5])}
+    scale = jnp.array([3.0, 5.0])  # H_w = diag(6, 10): Hutchinson is exact for it
+    loss = lambda p: jnp.sum(scale * p["w"] ** 2) + jnp.sum(jnp.sin(p["b"]))
+    inner = triaccel_jax.triaccel(0.1, estimator="hutchinson")
+    if wrapper == "masked":
+        tx = optax.masked(inner, {"w": True, "b": False})
+    else:
+        labels = {"w": "curved", "b": "plain"}
+        tx = optax.multi_transform({"curved": inner, "plain": optax.sgd(0.1)}, labels)
+    state = tx.init(params)
+    grads = jax.grad(loss)(params)
+    with pytest.raises(
+        ValueError, match=r"MaskedNode.*triaccel_jax\.transforms\.unmask\(p, params\)"
+    ):
+        jax.jit(lambda g, s: tx.update(g, s, params, loss_fn=loss))(grads, state)
+    unmasked_loss = lambda p: loss(triaccel_jax.transforms.unmask(p, params))
+    _, state = jax.jit(lambda g, s: tx.update(g, s, params, loss_fn=unmasked_loss))(grads, state)
+    signals = triaccel_jax.signals(state)
+    assert set(signals) == {"w"}
+    np.testing.assert_allclose(signals["w"]["mean_curvature"], 8.0, rtol=1e-5)

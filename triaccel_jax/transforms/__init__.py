@@ -5,7 +5,8 @@ model):
 
 * :func:`triaccel` (the optimizer) and :func:`scale_by_triaccel` (its direction, Adam moments
   times a per-leaf curvature step scale), configured by :class:`TriAccelConfig`;
-* the curvature estimators :func:`fisher_diagonal` and :func:`hutchinson_diagonal`;
+* the curvature estimators :func:`fisher_diagonal` and :func:`hutchinson_diagonal` (with
+  :func:`unmask` for a loss under ``optax.masked``);
 * the compressed curvature store (:class:`CompressedDiagonal`, :func:`compress_diagonal`,
   :func:`expand_diagonal`), updated without gathering sharded leaves;
 * :func:`signals`, the per-leaf curvature, noise and step-size figures of any state holding a
@@ -27,6 +28,7 @@ from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._curvature import HutchinsonDiagonalState
 from triaccel_jax.transforms._curvature import fisher_diagonal
 from triaccel_jax.transforms._curvature import hutchinson_diagonal
+from triaccel_jax.transforms._curvature import unmask
 from triaccel_jax.transforms._fused_apply import FusedApply
 from triaccel_jax.transforms._fused_apply import fused_apply
 from triaccel_jax.transforms._fused_apply import unfused_reason
@@ -66,5 +68,6 @@ __all__ = (
     "signals",
     "triaccel",
     "unfused_reason",
+    "unmask",
     "uses_triton",
 )

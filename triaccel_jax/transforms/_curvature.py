@@ -129,6 +129,50 @@ def _no_tangent(leaf: Any) -> Any:
     return np.zeros(leaf.shape, jax.dtypes.float0)
 
 
+_MASKED_PARAMS_HELP = (
+    "estimator='hutchinson' called `loss_fn` on params with optax.MaskedNode in place of the "
+    "leaves an optax.masked / optax.multi_transform leaves out (optax hands the inner transform "
+    "only its own leaves), and the loss could not take them ({error}). Give the loss the whole "
+    "tree back: `loss_fn=lambda p: loss(triaccel_jax.transforms.unmask(p, params))`, with "
+    "`params` the full params of your step (the masked-out leaves are then constants of the "
+    "estimate)."
+)
+
+
+def _holds_masked_nodes(tree: Any) -> bool:
+    is_masked = lambda x: isinstance(x, optax.MaskedNode)
+    return any(is_masked(x) for x in jax.tree.leaves(tree, is_leaf=is_masked))
+
+
+def unmask(masked_params: Any, params: Any) -> Any:
+    """``masked_params`` with each ``optax.MaskedNode`` replaced by that leaf of ``params``.
+
+    Under ``optax.masked`` or ``optax.multi_transform`` the inner transform gets the params
+    with ``MaskedNode`` in place of the leaves it does not train, while a loss needs them all.
+    Wrap the loss given to a Hessian-based estimator with it.
+
+    Args:
+      masked_params: the params as the inner transform sees them.
+      params: the full params (the step's).
+
+    Returns:
+      A tree like ``params``: the inner transform's leaves where it has them, ``params``'
+      elsewhere.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from triaccel_jax.transforms import unmask
+      >>> params = {"w": jnp.ones(2), "b": jnp.zeros(2)}
+      >>> masked = {"w": jnp.full(2, 3.0), "b": optax.MaskedNode()}
+      >>> {k: v.tolist() for k, v in unmask(masked, params).items()}
+      {'b': [0.0, 0.0], 'w': [3.0, 3.0]}
+    """
+    is_masked = lambda x: isinstance(x, optax.MaskedNode)
+    return jax.tree.map(
+        lambda m, p: p if is_masked(m) else m, masked_params, params, is_leaf=is_masked
+    )
+
+
 def hutchinson_diagonal(
     num_samples: int = 1, *, seed: int = 0
 ) -> optax.GradientTransformationExtraArgs:
@@ -206,7 +250,12 @@ def hutchinson_diagonal(
             lambda p: jnp.zeros(p.shape, jnp.float32) if tree_lib.is_trainable(p) else p, params
         )
         samples = jnp.asarray(num_samples, jnp.int32)
-        total = lax.fori_loop(0, samples, probe, zeros)
+        try:
+            total = lax.fori_loop(0, samples, probe, zeros)
+        except TypeError as error:
+            if not _holds_masked_nodes(params):
+                raise
+            raise ValueError(_MASKED_PARAMS_HELP.format(error=error)) from None
         count = samples.astype(jnp.float32)
         estimate = jax.tree.map(
             lambda t, g: t / count if tree_lib.is_trainable(g) else g, total, updates
