@@ -132,3 +132,35 @@ SCRIPT = textwrap.dedent(
 
 def test_state_follows_sharded_params_and_training_matches_one_device():
     print(run_script(SCRIPT, devices=8))
+
+
+EXPLICIT_MESH_SCRIPT = textwrap.dedent(
+    """
+    import chex, jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import triaccel_jax
+
+    # jax.make_mesh's default axes are Explicit (sharding in types): a sharded kernel and a
+    # sharded bias go through the optimizer's update, and match the unsharded update.
+    mesh = jax.make_mesh((8,), ("model",))
+    assert mesh.axis_types == (jax.sharding.AxisType.Explicit,)
+    keys = jax.random.split(jax.random.key(0), 2)
+    params = {"w": jax.random.normal(keys[0], (64, 32)), "b": jax.random.normal(keys[1], (32,))}
+    tx = triaccel_jax.triaccel(1e-2, curvature_every=1)
+    grads = jax.tree.map(lambda x: 0.1 * x, params)
+    expected, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    specs = {"w": P(None, "model"), "b": P("model")}
+    with jax.set_mesh(mesh):
+        sharded = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+        state = tx.init(sharded)
+        updates, state = jax.jit(tx.update)(jax.tree.map(lambda x: 0.1 * x, sharded), state, sharded)
+    for k in params:
+        assert jax.typeof(updates[k]).sharding.spec == specs[k], (k, jax.typeof(updates[k]))
+    chex.assert_trees_all_close(updates, expected, rtol=1e-5, atol=1e-7)
+    print("ok")
+    """
+)
+
+
+def test_params_on_an_explicit_axis_mesh_train_and_match_the_unsharded_update():
+    run_script(EXPLICIT_MESH_SCRIPT, devices=8)

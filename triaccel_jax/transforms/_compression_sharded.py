@@ -55,10 +55,34 @@ def update_compressed_ema(
       outlier indices and values exactly), replicated.
     """
     decay = jnp.asarray(decay, jnp.float32)
-    means, indices, values = _partitioned_update(
+    update = _partitioned_update
+    explicit = _explicit_axes(h)
+    if explicit:
+        # Under sharding in types (jax.make_mesh's default Explicit axes) the leaf's type carries
+        # its sharding, and the reshape and top-k refuse a sharded dimension; custom
+        # partitioning does not see through it. The leaf is gathered (replicated) for the
+        # update, as for unevenly sharded leaves: correct, at the cost of one gather every
+        # curvature step. Auto-axis meshes keep the shard-by-shard update.
+        h = jax.sharding.reshard(h, NamedSharding(jax.typeof(h).sharding.mesh, P()))
+        update = _reference
+    means, indices, values = update(
         h.astype(jnp.float32), store.block_means, store.outlier_indices, store.outlier_values, decay
     )
     return compression.CompressedDiagonal(means, indices, values)
+
+
+def _explicit_axes(x: jax.Array) -> tuple[str, ...]:
+    """The mesh axes of ``x``'s type that are Explicit (sharding in types); empty otherwise."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not getattr(mesh, "axis_names", ()):
+        return ()
+    explicit = jax.sharding.AxisType.Explicit
+    return tuple(
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == explicit
+    )
 
 
 def _reference(h, block_means, outlier_indices, outlier_values, decay):
