@@ -167,11 +167,26 @@ def test_bucket_tracker_prefers_measured_peaks_and_refuses_a_compiled_peak_over_
 def test_out_of_memory_retry_shrinks_then_raises_at_the_smallest_bucket():
     tracker = BucketTracker((8, 16, 32), 32, target=0.8, high_water=0.9, patience=1)
     tracker.grow_streak = 1
-    decision = tracker.retry_after_out_of_memory(step=4, tried=["1x32"], error=MemoryError("x"))
+    decision = tracker.retry_after_out_of_memory(
+        32, step=4, tried=["1x32"], error=MemoryError("x")
+    )
     assert (decision.bucket, decision.ceiling, tracker.micro) == (16, 32, 16)
     assert tracker.grow_streak == 0 and "32 is now a ceiling" in decision.reason
     with pytest.raises(OutOfMemoryError, match=r"step 7 .* bucket 8 \(tried micro-batches 1x8"):
         retry_after_out_of_memory(8, (8, 16), 16, step=7, tried=["1x8"], error=MemoryError("y"))
+
+
+
+def test_out_of_memory_is_charged_to_the_bucket_the_step_ran_at():
+    # A background grow moved the tracker to 16 while a step that ran at 8 was in flight; that
+    # step's failure bans 8 (and what is above), not 16 alone, and retries below 8.
+    tracker = BucketTracker((4, 8, 16), 16, target=0.8, high_water=0.9, patience=1)
+    decision = tracker.retry_after_out_of_memory(8, step=3, tried=["1x8"], error=MemoryError("x"))
+    assert (decision.bucket, decision.ceiling, tracker.micro, tracker.ceiling) == (4, 8, 4, 8)
+    # The same step's failure seen twice (its late read, then the next dispatch at 8) shrinks
+    # once: the second charge is to 8 again, not to the bucket the first moved to.
+    again = tracker.retry_after_out_of_memory(8, step=3, tried=["1x8"], error=MemoryError("x"))
+    assert (again.bucket, again.ceiling, tracker.micro, tracker.ceiling) == (4, 8, 4, 8)
 
 
 # -- state record ----------------------------------------------------------------------------------

@@ -114,17 +114,21 @@ class BucketTracker:
         )
 
     def retry_after_out_of_memory(
-        self, *, step: int, tried: Sequence[str], error: BaseException
+        self, micro: int, *, step: int, tried: Sequence[str], error: BaseException
     ) -> out_of_memory.RetryDecision:
-        """Moves to the next smaller bucket after the current one ran out of memory.
+        """Moves below ``micro``, the bucket a step ran out of memory at.
+
+        The failure is charged to the bucket the step ran at, which under steps in flight and
+        background compiles need not be the tracker's current one: ``micro`` becomes the
+        ceiling, and the tracker moves to the next smaller bucket unless it is already below.
 
         Raises:
-          OutOfMemoryError: the current bucket is the smallest.
+          OutOfMemoryError: ``micro`` is the smallest bucket.
         """
         decision = out_of_memory.retry_after_out_of_memory(
-            self.micro, self.buckets, self.ceiling, step=step, tried=tried, error=error
+            micro, self.buckets, self.ceiling, step=step, tried=tried, error=error
         )
-        self.ceiling, self.micro = decision.ceiling, decision.bucket
+        self.ceiling, self.micro = decision.ceiling, min(self.micro, decision.bucket)
         self.grow_streak = self.shrink_streak = 0
         return decision
 

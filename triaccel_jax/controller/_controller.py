@@ -426,7 +426,7 @@ class Controller:
 
     def _on_out_of_memory(self, micro: int, tried: list[str], error: BaseException) -> None:
         decision = self._bucket.retry_after_out_of_memory(
-            step=self.step_count, tried=tried, error=error
+            micro, step=self.step_count, tried=tried, error=error
         )
         self._log("oom", micro, decision.bucket, decision.reason, ceiling=decision.ceiling)
         self._background.cancel_switch()  # a grow decided before the OOM is not taken
