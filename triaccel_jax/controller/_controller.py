@@ -368,12 +368,17 @@ class Controller:
     def _replan(self) -> None:
         replan_lib.replan_controller(self)
 
-    def _set_learning_rate(self) -> None:
-        change = self._lr.follow(self.opt_state, self.batch_size)
+    def _set_learning_rate(self, samples: int | None = None) -> None:
+        """Scales the rate for a step of ``samples`` (default: the batch in force).
+
+        Each step trains at the rate of the samples it trains, so a step re-run after an
+        out-of-memory error, or queued behind one, keeps its own batch's rate."""
+        batch = self.batch_size if samples is None else samples
+        change = self._lr.follow(self.opt_state, batch)
         if change.new != change.old:
             figures = {
                 "factor": change.new,
-                "batch": self.batch_size,
+                "batch": batch,
                 "reference_batch": self._lr.reference,
             }
             old_rate, new_rate = self._lr.rate(change.old), self._lr.rate(change.new)
@@ -383,7 +388,7 @@ class Controller:
                     "learning_rate",
                     old_rate,
                     new_rate,
-                    f"{self.config.lr_scaling} rule for batch {self.batch_size}: "
+                    f"{self.config.lr_scaling} rule for batch {batch}: "
                     f"{self._lr.base_lr:.4g} (tuned at reference batch {self._lr.reference}) "
                     f"x {change.new:.4g}",
                     tuned_learning_rate=self._lr.base_lr,
@@ -394,7 +399,7 @@ class Controller:
                     "update_scale",
                     change.old,
                     change.new,
-                    f"{self.config.lr_scaling} rule for batch {self.batch_size} against reference "
+                    f"{self.config.lr_scaling} rule for batch {batch} against reference "
                     f"batch {self._lr.reference}; the rate is not an injected constant, so the "
                     "update is multiplied instead",
                     **figures,

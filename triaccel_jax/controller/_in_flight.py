@@ -43,6 +43,8 @@ class PendingStep(NamedTuple):
       inputs: ``(params, opt_state, model_state, loss_scale)`` it started from, for a retry.
       metrics: its metrics, on the device.
       first_event: the index of the first event logged for it.
+      plan: the precision plan it ran under: a rollback to ``inputs`` restores it too, since a
+        switch taken after it was dispatched converted a state the rollback discards.
     """
 
     step: int
@@ -51,6 +53,7 @@ class PendingStep(NamedTuple):
     inputs: tuple[Any, Any, Any, Any]
     metrics: Any
     first_event: int
+    plan: Any
 
 
 class InFlight:
@@ -96,7 +99,7 @@ def dispatch(controller: Any) -> None:
         controller._replan()
     controller.timings["control"] += time.perf_counter() - start
     indices = controller.sampler.take(controller.batch_size)
-    inputs = _state(controller)
+    inputs, plan = _state(controller), controller.plan
     micro = controller._micro
     num_micro = controller._num_micro(micro)
     try:
@@ -108,14 +111,18 @@ def dispatch(controller: Any) -> None:
         tried = [f"{num_micro}x{micro}"]
         controller._on_out_of_memory(micro, tried, error)
         _rerun(
-            controller, PendingStep(count, indices, (num_micro, micro), inputs, None, first_event)
+            controller,
+            PendingStep(
+                count, indices, (num_micro, micro), inputs, None, first_event, controller.plan
+            ),
+            last=True,
         )
         return
     for leaf in jax.tree.leaves(out.metrics):
         leaf.copy_to_host_async()  # the read a step later then finds the figures on the host
     _set_state(controller, (out.params, out.opt_state, out.model_state, out.loss_scale))
     controller.step_count += 1
-    step = PendingStep(count, indices, (num_micro, micro), inputs, out.metrics, first_event)
+    step = PendingStep(count, indices, (num_micro, micro), inputs, out.metrics, first_event, plan)
     flight.pending.append(step)
 
 
@@ -133,15 +140,16 @@ def finish_oldest(controller: Any) -> None:
         queued = list(flight.pending)
         flight.pending.clear()
         _set_state(controller, oldest.inputs)
+        controller.plan = oldest.plan  # the policy those inputs' moments are in
         controller.step_count = oldest.step
         num_micro, micro = oldest.attempt
         controller._on_out_of_memory(micro, [f"{num_micro}x{micro}"], error)
         for step in queued:
-            _rerun(controller, step)
+            _rerun(controller, step, last=step is queued[-1])
         return
     controller.timings["step"] += time.perf_counter() - start
     flight.pending.popleft()
-    _deliver(controller, oldest, metrics)
+    _deliver(controller, oldest, metrics, oldest.attempt[1])
 
 
 def run_steps(controller: Any, num_steps: int, window: int) -> list[events_lib.StepInfo]:
@@ -178,19 +186,23 @@ def flush(controller: Any) -> None:
         finish_oldest(controller)
 
 
-def _rerun(controller: Any, step: PendingStep) -> None:
-    """Re-runs ``step`` on its samples from the state it started from, synchronously."""
+def _rerun(controller: Any, step: PendingStep, *, last: bool) -> None:
+    """Re-runs ``step`` on its samples from the state it started from, synchronously.
+
+    Each re-run trains at the rate of its own samples; after the ``last`` one the rate follows
+    the batch in force for the steps to come (the retry shrank it), logged with that step.
+    """
     controller.step_count = step.step
-    metrics = step_runner.run_with_retry(controller, step.indices)
+    metrics, micro = step_runner.run_with_retry(controller, step.indices)
     controller.step_count += 1
-    _deliver(controller, step, metrics)
+    if last:
+        controller._set_learning_rate()
+    _deliver(controller, step, metrics, micro)
 
 
-def _deliver(controller: Any, step: PendingStep, metrics: dict[str, float]) -> None:
+def _deliver(controller: Any, step: PendingStep, metrics: dict[str, float], micro: int) -> None:
     """The bookkeeping of a step whose metrics are read: loss, rate, :class:`StepInfo`, callback."""
     flight = controller._in_flight
-    if controller._lr.factor != controller._lr.factor_for(controller.batch_size):
-        controller._set_learning_rate()  # an out-of-memory retry shrank the batch
     if math.isfinite(metrics["loss"]):
         controller._last_loss = metrics["loss"]
     # A re-run logs its events after those of the steps queued behind it; each StepInfo takes
@@ -203,10 +215,10 @@ def _deliver(controller: Any, step: PendingStep, metrics: dict[str, float]) -> N
     info = events_lib.StepInfo(
         step.step + 1,
         len(step.indices),
-        controller._micro,
+        micro,  # the micro-batch the step ran at, not the bucket in force when it is read
         metrics["loss"],
         metrics,
-        controller._known_peaks().get(controller._micro),
+        controller._known_peaks().get(micro),
         controller._bucket.limit,
         tuple(controller.events[begin:end]),
         now - flight.last_finish,

@@ -37,12 +37,11 @@ def run_step(controller: Any) -> events_lib.StepInfo:
     if controller.config.replan_due(controller.step_count):
         controller._replan()
     indices = controller.sampler.take(controller.batch_size)
-    metrics = run_with_retry(controller, indices)
+    metrics, micro = run_with_retry(controller, indices)
     controller.step_count += 1
-    if controller._lr.factor != controller._lr.factor_for(controller.batch_size):
-        # An out-of-memory retry shrank the batch: the retried step kept the rate of the
-        # samples it trained; the steps from now on train the smaller batch.
-        controller._set_learning_rate()
+    # The rate between steps is the next batch's (an out-of-memory retry may have shrunk it);
+    # the step itself trained at the rate of its own samples.
+    controller._set_learning_rate()
     # A non-finite loss is a step the loss scaling skipped: it changed nothing, and the
     # planner's relative budget needs a finite loss, so the last finite one is kept.
     if math.isfinite(metrics["loss"]):
@@ -53,10 +52,10 @@ def run_step(controller: Any) -> events_lib.StepInfo:
     info = events_lib.StepInfo(
         controller.step_count,
         len(indices),  # the samples this step trained, also when an OOM shrank the bucket
-        controller._micro,
+        micro,  # the micro-batch it ran at, which an out-of-memory retry may have lowered
         metrics["loss"],
         metrics,
-        controller._known_peaks().get(controller._micro),
+        controller._known_peaks().get(micro),
         controller._bucket.limit,
         tuple(controller.events[first_event:]),
         seconds,
@@ -66,11 +65,11 @@ def run_step(controller: Any) -> events_lib.StepInfo:
     return info
 
 
-def run_with_retry(controller: Any, indices: np.ndarray) -> dict[str, float]:
+def run_with_retry(controller: Any, indices: np.ndarray) -> tuple[dict[str, float], int]:
     """Trains ``indices`` as one step, re-running them at smaller buckets while out of memory.
 
     Returns:
-      The step's metrics as floats.
+      The step's metrics as floats, and the micro-batch it ran at.
 
     Raises:
       OutOfMemoryError: the step ran out of memory at the smallest bucket.
@@ -103,7 +102,7 @@ def run_with_retry(controller: Any, indices: np.ndarray) -> dict[str, float]:
             out.loss_scale,
         )
         timings["step"] += time.perf_counter() - start
-        return metrics
+        return metrics, micro
 
 
 def dispatch_step(controller: Any, indices: np.ndarray, micro: int, num_micro: int) -> Any:
@@ -116,6 +115,7 @@ def dispatch_step(controller: Any, indices: np.ndarray, micro: int, num_micro: i
     Raises:
       jax.errors.JaxRuntimeError: XLA's error when the step fails at dispatch (e.g. out of memory).
     """
+    controller._set_learning_rate(len(indices))  # the rate of the samples this step trains
     compiled = controller._compiled_step(micro, num_micro)
     start = time.perf_counter()
     batch = controller._feeder.device_batch(indices, num_micro, micro)

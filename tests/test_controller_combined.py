@@ -1,0 +1,149 @@
+"""The controller's features combined: steps in flight, background compiles, out-of-memory
+recovery, learning-rate scaling and re-planning at once, as a GPU run uses them.
+
+Each test drives a situation where two features meet (a switch while a step is in flight, a late
+out-of-memory error behind which steps are queued) and checks the invariants that must hold
+whatever the order: a step's record is its own (micro-batch, rate), and a rollback restores a
+consistent whole (the moments' dtypes are the policy's).
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+import pytest
+from test_controller import FakeMemoryProbe
+from test_controller import linear_probe
+from test_controller import make_controller
+from test_controller_in_flight import ReadFaultController
+
+from triaccel_jax._src import tree as tree_lib
+from triaccel_jax.precision import _dtypes as dtypes
+
+BIG = 10**12
+BASE_LR = 0.1
+
+
+class RecordingController(ReadFaultController):
+    """Records every call of a compiled step: the step, its micro-batch, the samples it trains,
+    the update multiplier and the injected learning rate it ran with."""
+
+    def __init__(self, *args, **kwargs):
+        self.calls: list[dict[str, float]] = []
+        super().__init__(*args, **kwargs)
+
+    def _compiled_step(self, micro, num_micro):
+        compiled = super()._compiled_step(micro, num_micro)
+
+        def run(params, opt_state, model_state, batch, step, lr_factor, loss_scale):
+            out = compiled(params, opt_state, model_state, batch, step, lr_factor, loss_scale)
+            rate = optax.tree_utils.tree_get(opt_state, "learning_rate", None)
+            self.calls.append(
+                {
+                    "step": int(step),
+                    "micro": micro,
+                    "samples": int(batch["id"].size),
+                    "factor": float(lr_factor),
+                    "rate": None if rate is None else float(rate),
+                }
+            )
+            return out
+
+        return run
+
+    def last_call(self, step: int) -> dict[str, float]:
+        """The call that trained ``step`` (a rolled-back call is followed by its re-run)."""
+        return [c for c in self.calls if c["step"] == step][-1]
+
+
+def wait_for_background_compile(controller, kind):
+    """A callback that, when a ``kind`` decision is delivered, waits until its compile is ready,
+    so that the very next dispatch switches while a step is in flight."""
+    seen = []
+
+    def callback(info):
+        if any(e.kind == kind for e in info.events) and controller._background.job is not None:
+            controller._background.job.future.result()
+            seen.append(info.step)
+
+    return callback, seen
+
+
+def test_a_step_delivered_after_a_switch_reports_the_micro_batch_it_ran_at():
+    controller = make_controller(
+        RecordingController,
+        min_batch=8,
+        max_batch=16,
+        check_every=1,
+        probe=linear_probe(),
+        compile_in_background=True,
+    )
+    callback, seen = wait_for_background_compile(controller, "grow_decided")
+    controller._callback = callback
+    infos = controller.run(12)
+    assert seen and any(e.kind == "grow" for e in controller.events)
+    for info in infos:
+        ran = controller.last_call(info.step - 1)
+        assert info.micro_batch == ran["micro"] <= info.batch_size, (info, ran)
+
+
+@pytest.mark.parametrize("injected", [True, False], ids=["injected", "update-scaled"])
+def test_steps_queued_behind_a_late_out_of_memory_train_at_the_rate_of_their_samples(injected):
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=BASE_LR) if injected else None
+    controller = make_controller(
+        RecordingController,
+        tx=tx or optax.sgd(BASE_LR),
+        read_faults={3: 1},
+        min_batch=32,
+        max_batch=64,
+        batch_size=64,
+        reference_batch=64,
+        lr_scaling="linear",
+        check_every=1000,
+        probe=FakeMemoryProbe(BIG),
+        steps_in_flight=2,
+    )
+    infos = controller.run(8)
+    assert [e.kind for e in controller.events].count("oom") == 1
+    for info in infos:
+        ran = controller.last_call(info.step - 1)
+        assert ran["samples"] == info.batch_size
+        expected = BASE_LR * info.batch_size / 64
+        if injected:
+            assert ran["rate"] == pytest.approx(expected) and ran["factor"] == 1.0, ran
+        else:
+            assert ran["factor"] * BASE_LR == pytest.approx(expected), ran
+    # The failed step and the two queued behind it trained 64 samples each; then 32.
+    assert [i.batch_size for i in infos][:7] == [64] * 6 + [32]
+
+
+def test_a_rollback_past_a_policy_switch_restores_the_policy_with_the_moments():
+    controller = make_controller(
+        ReadFaultController,
+        min_batch=4,
+        max_batch=8,
+        batch_size=8,
+        check_every=1000,
+        replan_every=4,
+        planner_options={"budget": float("inf"), "min_size": 0, "state": "bf16"},
+        compile_in_background=True,
+        probe=FakeMemoryProbe(BIG),
+    )
+    callback, seen = wait_for_background_compile(controller, "replan_decided")
+
+    def fail_the_step_in_flight(info):
+        callback(info)
+        if len(seen) == 1 and seen[0] == info.step:
+            # The next dispatch switches policy while step `info.step` is queued: make its read
+            # run out of memory, so that it and what follows roll back past the switch.
+            controller.read_faults[info.step] = 1
+
+    controller._callback = fail_the_step_in_flight
+    controller.run(16)
+    assert seen and "oom" in [e.kind for e in controller.events]
+    policy = controller.policy
+    moments = controller.opt_state[0].mu
+    assert {controller.policy.state(p) for p in controller.policy} == {"bf16"}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(moments)[0]:
+        key = tree_lib.path_string(path)
+        assert leaf.dtype == dtypes.FORMATS[policy.state(key)].dtype, (key, leaf.dtype)
