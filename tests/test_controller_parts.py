@@ -167,14 +167,11 @@ def test_bucket_tracker_prefers_measured_peaks_and_refuses_a_compiled_peak_over_
 def test_out_of_memory_retry_shrinks_then_raises_at_the_smallest_bucket():
     tracker = BucketTracker((8, 16, 32), 32, target=0.8, high_water=0.9, patience=1)
     tracker.grow_streak = 1
-    decision = tracker.retry_after_out_of_memory(
-        32, step=4, tried=["1x32"], error=MemoryError("x")
-    )
+    decision = tracker.retry_after_out_of_memory(32, step=4, tried=["1x32"], error=MemoryError("x"))
     assert (decision.bucket, decision.ceiling, tracker.micro) == (16, 32, 16)
     assert tracker.grow_streak == 0 and "32 is now a ceiling" in decision.reason
     with pytest.raises(OutOfMemoryError, match=r"step 7 .* bucket 8 \(tried micro-batches 1x8"):
         retry_after_out_of_memory(8, (8, 16), 16, step=7, tried=["1x8"], error=MemoryError("y"))
-
 
 
 def test_out_of_memory_is_charged_to_the_bucket_the_step_ran_at():

@@ -86,7 +86,9 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     def ratio(run: Any, value: float | None, base_value: float | None) -> str:
-        if value is None or base_value is None or base.common_batch != run.common_batch:
+        if value is None or base_value is None or base is None:
+            return "-"
+        if base.common_batch != run.common_batch:
             return "-"
         return f"{value / base_value:.3f}x"
 

@@ -102,11 +102,12 @@ class BatchFeeder:
     def _checked(self, data: Callable[[np.ndarray], Any]) -> Callable[[np.ndarray], Any]:
         """``data`` with each reply checked against the first sample's structure and shapes, so
         that a callable returning the wrong rows fails naming the leaf, not in a reshape."""
-        expected = jax.tree.structure(self.sample_spec)
+        expected: Any = jax.tree.structure(self.sample_spec)  # a PyTreeDef (no stubs)
 
         def fetch(indices: np.ndarray) -> Any:
             batch = data(indices)
-            if jax.tree.structure(batch) != expected:
+            got: Any = jax.tree.structure(batch)
+            if got != expected:
                 raise ValueError(
                     f"`data({len(indices)} indices)` returned a tree of structure "
                     f"{jax.tree.structure(batch)}, but its first sample had {expected}"

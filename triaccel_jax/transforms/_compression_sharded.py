@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -55,7 +56,7 @@ def update_compressed_ema(
       outlier indices and values exactly), replicated.
     """
     decay = jnp.asarray(decay, jnp.float32)
-    update = _partitioned_update
+    update: Callable[..., Any] = _partitioned_update
     explicit = _explicit_axes(h)
     if explicit:
         # Under sharding in types (jax.make_mesh's default Explicit axes) the leaf's type carries

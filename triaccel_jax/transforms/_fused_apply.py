@@ -204,8 +204,8 @@ def _check_state_of(tx: Any, opt_state: Any, params: Any) -> None:
     """Raises ``ValueError`` when ``opt_state`` is not shaped as ``tx.init(params)``'s state
     (another optimizer's state, say), instead of failing inside the update."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
-    expected = jax.tree.structure(jax.eval_shape(tx.init, shapes))
-    got = jax.tree.structure(opt_state)
+    expected: Any = jax.tree.structure(jax.eval_shape(tx.init, shapes))  # PyTreeDefs
+    got: Any = jax.tree.structure(opt_state)
     if got != expected:
 
         def short(text: Any) -> str:
