@@ -374,6 +374,13 @@ def plan_examples(draw: Any) -> tuple[Any, dict[str, Any], PrecisionPolicy | Non
 @given(example=plan_examples())
 def test_plan_precision(example):
     params, signals, previous, kwargs = example
+    paths = set(trainable_leaves(params))
+    if paths and set(signals) - paths and not set(signals) & paths:
+        # Signals only for leaves the params lack: another model's, refused rather than
+        # planning nothing.
+        with pytest.raises(ValueError, match="no trainable leaf for"):
+            triaccel_jax.plan_precision(signals, params, previous, **kwargs)
+        return
     plan = triaccel_jax.plan_precision(signals, params, previous, **kwargs)
     policy = plan.policy
     leaves = trainable_leaves(params)

@@ -141,9 +141,10 @@ def plan_precision(
 
     shapes = {path: tuple(leaf.shape) for path, leaf in policy_lib.trainable_paths(params)}
     foreign = sorted(set(signals) - set(shapes))
-    if foreign:
+    if foreign and shapes and not set(signals) & set(shapes):
         # Signals of another model (or of params renamed since) would plan nothing: every leaf
-        # would silently stay fp32.
+        # would silently stay fp32. (A state that covers more leaves than `params`, say a
+        # frozen part left out, still plans the leaves it shares.)
         listed = ", ".join(map(repr, foreign[:4])) + (" ..." if len(foreign) > 4 else "")
         known = ", ".join(map(repr, sorted(shapes)[:4])) + (" ..." if len(shapes) > 4 else "")
         raise ValueError(
