@@ -374,6 +374,8 @@ class Controller:
         Each step trains at the rate of the samples it trains, so a step re-run after an
         out-of-memory error, or queued behind one, keeps its own batch's rate."""
         batch = self.batch_size if samples is None else samples
+        if self._lr.is_current(batch):
+            return  # every step asks: the state is rewritten only when the rate changes
         change = self._lr.follow(self.opt_state, batch)
         if change.new != change.old:
             figures = {

@@ -117,6 +117,8 @@ class LearningRateScaling:
             found = find_hyperparam(opt_state, hyperparam)
         self.base_lr = found.value if found is not None and not found.scheduled else None
         self.factor = 1.0
+        # Whether the state may hold a rate other than base_lr * factor (after restore_tuned).
+        self._stale = False
 
     def rule(self) -> str:
         """The rule in words: what follows the batch, by which formula, from which reference.
@@ -158,9 +160,13 @@ class LearningRateScaling:
         """What the compiled step multiplies the update by: 1 when the rate is written instead."""
         return 1.0 if self.base_lr is not None else self.factor
 
+    def is_current(self, batch: int) -> bool:
+        """Whether the state already holds the rate for ``batch`` (nothing to write)."""
+        return not self._stale and self.factor_for(batch) == self.factor
+
     def follow(self, opt_state: Any, batch: int) -> LearningRateChange:
         """Sets the factor for ``batch``; returns it with ``opt_state`` holding the scaled rate."""
-        old, self.factor = self.factor, self.factor_for(batch)
+        old, self.factor, self._stale = self.factor, self.factor_for(batch), False
         if self.base_lr is not None:
             assert self.hyperparam is not None  # base_lr is only found under a named hyperparam
             opt_state = set_hyperparam(opt_state, self.hyperparam, self.base_lr * self.factor)
@@ -172,6 +178,7 @@ class LearningRateScaling:
         rate already scaled for the saved batch, and scaling it again would compound."""
         if tuned is not None and self.base_lr is not None:
             self.base_lr = float(tuned)
+            self._stale = True
 
     def tuned(self, opt_state: Any) -> Any:
         """``opt_state`` holding the tuned (reference-batch) rate, for handing the state back."""
