@@ -31,6 +31,7 @@ from triaccel_jax.kernels import fused_update as fused_kernel
 from triaccel_jax.precision import _casting as casting
 from triaccel_jax.precision import _dtypes as dtypes
 from triaccel_jax.precision import _policy as policy_lib
+from triaccel_jax.transforms import _triaccel_state as triaccel_state
 from triaccel_jax.transforms._triaccel_step import TriAccelParts
 from triaccel_jax.transforms._triaccel_step import next_state
 
@@ -187,8 +188,9 @@ def fused_apply(
     if compute_policy is not None:
         policy_lib.check_policy(compute_policy)
         compute_policy.check_matches(params)
-    _check_state_of(tx, opt_state, params)
     spec = _spec(tx)
+    if spec is not None:
+        _check_state_of(opt_state)
     if spec is None or unfused_reason(tx, opt_state) is not None:
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
         updates = jax.tree.map(lambda u: _times(u, learning_rate_factor), updates)
@@ -200,21 +202,21 @@ def fused_apply(
     return _fused(spec, grads, opt_state, params, learning_rate_factor, compute_policy, extra_args)
 
 
-def _check_state_of(tx: Any, opt_state: Any, params: Any) -> None:
-    """Raises ``ValueError`` when ``opt_state`` is not shaped as ``tx.init(params)``'s state
-    (another optimizer's state, say), instead of failing inside the update."""
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
-    expected: Any = jax.tree.structure(jax.eval_shape(tx.init, shapes))  # PyTreeDefs
-    got: Any = jax.tree.structure(opt_state)
-    if got != expected:
-
-        def short(text: Any) -> str:
-            text = str(text)
-            return text if len(text) <= 200 else text[:200] + "..."
-
+def _check_state_of(opt_state: Any) -> None:
+    """Raises ``ValueError`` unless ``opt_state`` is shaped as a ``triaccel`` state (the
+    direction's state, then the masked weight-decay and rate states), instead of failing inside
+    the update on another optimizer's state. Any other transform's update checks its own."""
+    if not (
+        isinstance(opt_state, tuple)
+        and len(opt_state) == 2
+        and triaccel_state.is_triaccel_state(opt_state[0])
+        and isinstance(opt_state[1], optax.MaskedState)
+    ):
+        kind = type(opt_state).__name__
+        first = type(opt_state[0]).__name__ if isinstance(opt_state, tuple) and opt_state else "-"
         raise ValueError(
-            "`opt_state` is not a state of `tx` (another optimizer's, or of other params): "
-            f"tx.init(params) makes {short(expected)}, got {short(got)}"
+            "`opt_state` is not a state of `tx` (another optimizer's?): a triaccel optimizer's "
+            f"state is (ScaleByTriAccelState, MaskedState), got a {kind} starting with {first}"
         )
 
 
