@@ -137,11 +137,9 @@ def resolve(
         else:
             failures.append(f"Debian's package was not installed ({blocker})")
     if name == "fashion_mnist":
-        try:  # the loader's own message lists every way to get the data
-            data_lib.load_fashion_mnist("test", data_dir)
-        except FileNotFoundError as error:
-            raise FileNotFoundError("; ".join(failures) + ".\n" + str(error)) from None
-        return Source("fashion_mnist", "Fashion-MNIST, found on a second look")
+        raise FileNotFoundError(
+            "; ".join(failures) + ".\n" + data_lib.fashion_mnist_not_found_message(data_dir)
+        )
     why = "; ".join(failures)
     announce(f"using the embedded workload (scikit-learn's digits) instead: {why}")
     return Source(

@@ -95,7 +95,7 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
     for r in results:
         cells = (
             labels[r.name],
-            f"{r.seconds:.1f}",
+            f"{r.seconds:.2f}",  # as compile s and step s, so that wall >= compile reads true
             f"{r.compile_seconds:.2f}",
             f"{r.step_seconds:.2f}",
             f"{r.samples_per_second:.0f}",

@@ -89,7 +89,7 @@ class _RunLog:
     evals: list[dict[str, float]] = dataclasses.field(default_factory=list)
     policies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     step_scales: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    eval_seconds: float = 0.0  # spent evaluating: not training time
+    eval_seconds: float = 0.0  # spent evaluating and recording figures: not training time
     common_batch_peak_bytes: int | None = None
 
 
@@ -222,9 +222,12 @@ def _train_epochs(
     samples = 0
 
     def record_step_scales() -> None:
+        # Reading the scales waits for the device: counted with the evaluations, not training.
+        begin = time.perf_counter()
         leaves = signals_lib.signals(controller.opt_state)
         scales = {path: float(figures["step_scale"]) for path, figures in leaves.items()}
         log.step_scales.append({"step": controller.step_count, "scales": scales})
+        log.eval_seconds += time.perf_counter() - begin
 
     for epoch in range(args.epochs):
         while controller.sampler.epoch <= epoch and controller.step_count < max_steps:

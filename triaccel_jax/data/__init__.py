@@ -20,6 +20,7 @@ from triaccel_jax.data._augment import random_crop_flip
 from triaccel_jax.data._fashion_mnist import DATA_DIR_ENV
 from triaccel_jax.data._fashion_mnist import default_data_dir
 from triaccel_jax.data._fashion_mnist import download_fashion_mnist
+from triaccel_jax.data._fashion_mnist import fashion_mnist_not_found_message
 from triaccel_jax.data._fashion_mnist import find_fashion_mnist
 from triaccel_jax.data._tfds import CifarNotFoundError
 from triaccel_jax.data._tfds import load_cifar
@@ -36,6 +37,7 @@ __all__ = (
     "CifarNotFoundError",
     "default_data_dir",
     "download_fashion_mnist",
+    "fashion_mnist_not_found_message",
     "find_fashion_mnist",
     "load_cifar",
     "load_digits",

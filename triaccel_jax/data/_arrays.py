@@ -85,7 +85,7 @@ def load_fashion_mnist(
     names = _fashion_mnist.split_files(split)  # checks `split`
     folder = _fashion_mnist.find_fashion_mnist(directory, split)
     if folder is None:
-        raise FileNotFoundError(_fashion_mnist.not_found_message(directory, split))
+        raise FileNotFoundError(_fashion_mnist.fashion_mnist_not_found_message(directory, split))
     images_path, labels_path = (folder / name for name in names)
     images = _read_idx(images_path)
     labels = _read_idx(labels_path)

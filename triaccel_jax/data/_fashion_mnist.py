@@ -134,8 +134,23 @@ def find_fashion_mnist(
     return None
 
 
-def not_found_message(directory: str | os.PathLike | None = None, split: str | None = None) -> str:
-    """Says where Fashion-MNIST was looked for and every way to get it."""
+def fashion_mnist_not_found_message(
+    directory: str | os.PathLike | None = None, split: str | None = None
+) -> str:
+    """Says where Fashion-MNIST was looked for and every way to get it.
+
+    Args:
+      directory: the data folder searched first, as for :func:`find_fashion_mnist`.
+      split: ``"train"``, ``"test"`` or ``None`` (all four files), for the files it names.
+
+    Returns:
+      The message :func:`load_fashion_mnist` raises when the files are missing.
+
+    Example:
+      >>> from triaccel_jax.data import fashion_mnist_not_found_message
+      >>> "apt-get install -y dataset-fashion-mnist" in fashion_mnist_not_found_message()
+      True
+    """
     searched = ", ".join(str(folder) for folder in search_path(directory))
     files = ", ".join(split_files(split))
     return (
