@@ -16,12 +16,13 @@ from test_controller import FakeMemoryProbe
 from test_controller import linear_probe
 from test_controller import make_controller
 from test_controller_in_flight import ReadFaultController
+from test_learning_rate import BASE_LR
+from test_learning_rate import shrink_settings
 
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.precision import _dtypes as dtypes
 
 BIG = 10**12
-BASE_LR = 0.1
 
 
 class RecordingController(ReadFaultController):
@@ -51,25 +52,35 @@ class RecordingController(ReadFaultController):
 
         return run
 
+    def wait_for_background_compile(self) -> bool:
+        """Blocks until the background compile in progress (if any) is ready; whether one was."""
+        job = self._background.job
+        if job is None:
+            return False
+        job.future.result()
+        return True
+
     def last_call(self, step: int) -> dict[str, float]:
         """The call that trained ``step`` (a rolled-back call is followed by its re-run)."""
         return [c for c in self.calls if c["step"] == step][-1]
 
 
-def wait_for_background_compile(controller, kind):
-    """A callback that, when a ``kind`` decision is delivered, waits until its compile is ready,
-    so that the very next dispatch switches while a step is in flight."""
+def waiting_for_compiles(holder: list, kind: str):
+    """A callback that, when a ``kind`` decision is delivered, waits until its background
+    compile is ready (``holder[0]`` is the controller), so that the very next dispatch switches
+    while a step is in flight; it records the steps it waited at."""
     seen = []
 
     def callback(info):
-        if any(e.kind == kind for e in info.events) and controller._background.job is not None:
-            controller._background.job.future.result()
+        if any(e.kind == kind for e in info.events) and holder[0].wait_for_background_compile():
             seen.append(info.step)
 
     return callback, seen
 
 
 def test_a_step_delivered_after_a_switch_reports_the_micro_batch_it_ran_at():
+    holder: list = []
+    callback, seen = waiting_for_compiles(holder, "grow_decided")
     controller = make_controller(
         RecordingController,
         min_batch=8,
@@ -77,9 +88,9 @@ def test_a_step_delivered_after_a_switch_reports_the_micro_batch_it_ran_at():
         check_every=1,
         probe=linear_probe(),
         compile_in_background=True,
+        callback=callback,
     )
-    callback, seen = wait_for_background_compile(controller, "grow_decided")
-    controller._callback = callback
+    holder.append(controller)
     infos = controller.run(12)
     assert seen and any(e.kind == "grow" for e in controller.events)
     for info in infos:
@@ -94,14 +105,8 @@ def test_steps_queued_behind_a_late_out_of_memory_train_at_the_rate_of_their_sam
         RecordingController,
         tx=tx or optax.sgd(BASE_LR),
         read_faults={3: 1},
-        min_batch=32,
-        max_batch=64,
-        batch_size=64,
-        reference_batch=64,
-        lr_scaling="linear",
-        check_every=1000,
-        probe=FakeMemoryProbe(BIG),
         steps_in_flight=2,
+        **shrink_settings(),
     )
     infos = controller.run(8)
     assert [e.kind for e in controller.events].count("oom") == 1
@@ -118,8 +123,18 @@ def test_steps_queued_behind_a_late_out_of_memory_train_at_the_rate_of_their_sam
 
 
 def test_a_rollback_past_a_policy_switch_restores_the_policy_with_the_moments():
+    holder: list = []
+    waited, seen = waiting_for_compiles(holder, "replan_decided")
+
+    def fail_the_step_in_flight(info):
+        waited(info)
+        if len(seen) == 1 and seen[0] == info.step:
+            # The next dispatch switches policy while step `info.step` is queued: make its read
+            # run out of memory, so that it and what follows roll back past the switch.
+            controller.read_faults[info.step] = 1
+
     controller = make_controller(
-        ReadFaultController,
+        RecordingController,
         min_batch=4,
         max_batch=8,
         batch_size=8,
@@ -128,17 +143,9 @@ def test_a_rollback_past_a_policy_switch_restores_the_policy_with_the_moments():
         planner_options={"budget": float("inf"), "min_size": 0, "state": "bf16"},
         compile_in_background=True,
         probe=FakeMemoryProbe(BIG),
+        callback=fail_the_step_in_flight,
     )
-    callback, seen = wait_for_background_compile(controller, "replan_decided")
-
-    def fail_the_step_in_flight(info):
-        callback(info)
-        if len(seen) == 1 and seen[0] == info.step:
-            # The next dispatch switches policy while step `info.step` is queued: make its read
-            # run out of memory, so that it and what follows roll back past the switch.
-            controller.read_faults[info.step] = 1
-
-    controller._callback = fail_the_step_in_flight
+    holder.append(controller)
     controller.run(16)
     assert seen and "oom" in [e.kind for e in controller.events]
     policy = controller.policy

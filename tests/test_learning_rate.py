@@ -21,6 +21,20 @@ from triaccel_jax.flax import TrainState
 BASE_LR = 0.1
 
 
+def shrink_settings() -> dict:
+    """A batch of 64 that an out-of-memory error shrinks to 32, the rate scaled linearly from 64
+    (a fresh probe each time: probes record their readings)."""
+    return dict(
+        min_batch=32,
+        max_batch=64,
+        batch_size=64,
+        reference_batch=64,
+        lr_scaling="linear",
+        probe=FakeMemoryProbe(BIG),
+        check_every=1000,
+    )
+
+
 def injected_lr(opt_state) -> float:
     return float(optax.tree_utils.tree_get(opt_state, "learning_rate"))
 
@@ -42,13 +56,7 @@ def test_after_an_out_of_memory_shrink_the_rate_follows_the_smaller_batch(inject
         tx or optax.sgd(BASE_LR),
         make_data(),
         faults={2: 1},
-        min_batch=32,
-        max_batch=64,
-        batch_size=64,
-        reference_batch=64,
-        lr_scaling="linear",
-        probe=FakeMemoryProbe(BIG),
-        check_every=1000,
+        **shrink_settings(),
     )
     controller.run(2)
     before_retry = controller.params
