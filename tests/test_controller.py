@@ -227,7 +227,7 @@ def test_keep_global_batch_makes_an_oom_retry_the_same_update():
 
 
 def test_accumulated_micro_batches_give_the_big_batch_gradient():
-    from triaccel_jax.controller import _train_step as train_step
+    from triaccel_jax import training as train_step
     from triaccel_jax.transforms._loss_scaling import LossScaling
 
     data = make_data(64)

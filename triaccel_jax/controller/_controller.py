@@ -34,7 +34,7 @@ from triaccel_jax.controller import _state_record as state_record
 from triaccel_jax.controller import _step_compiler as step_compiler
 from triaccel_jax.controller import _step_runner as step_runner
 from triaccel_jax.controller import _train_state_bridge as bridge
-from triaccel_jax.controller import _train_step as train_step
+from triaccel_jax import training as train_step
 from triaccel_jax.precision import _policy as policy_lib
 from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
 from triaccel_jax.transforms import _signals as signals_lib

@@ -1,7 +1,7 @@
 """Compiling the controller's step for a (micro-batch, micro-batches, policy), ahead of its data.
 
 The step is built from the loss, the optimizer, the policy and the loss-scaling rule in force and
-compiled on shapes only (:func:`triaccel_jax.controller._train_step.abstract_step_arguments`),
+compiled on shapes only (:func:`triaccel_jax.training.abstract_step_arguments`),
 so its compiled peak bytes are known before a batch of that size ever runs; that figure is what
 the memory-growth decision checks (docs/design.md §5).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from triaccel_jax.controller import _train_step as train_step
+from triaccel_jax import training as train_step
 from triaccel_jax.transforms import _fused_apply as fused_lib
 
 

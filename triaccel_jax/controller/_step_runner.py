@@ -109,7 +109,7 @@ def dispatch_step(controller: Any, indices: np.ndarray, micro: int, num_micro: i
     """Gathers ``indices`` as ``num_micro`` x ``micro`` and dispatches the compiled step on them.
 
     Returns:
-      The step's :class:`triaccel_jax.controller._train_step.StepOutput`, on the device (JAX
+      The step's :class:`triaccel_jax.training.StepOutput`, on the device (JAX
       dispatches asynchronously: nothing waits for the step to run).
 
     Raises:

@@ -86,7 +86,7 @@ def loss_keywords(loss_fn: Callable[..., Any], *, has_model_state: bool) -> froz
         message lists the accepted forms.
 
     Example:
-      >>> from triaccel_jax.controller._train_step import loss_keywords
+      >>> from triaccel_jax.training import loss_keywords
       >>> sorted(loss_keywords(lambda params, batch, *, rng: 0.0, has_model_state=False))
       ['rng']
     """

@@ -1,0 +1,26 @@
+"""The training stage: one pure training step, shared by the controller and Flax's train state.
+
+:func:`make_train_step` builds the step the :class:`triaccel_jax.Controller` compiles (gradients
+accumulated over micro-batches, dynamic loss scaling, the optional fused update, and the step's
+metrics). See ``docs/design.md`` (section 5).
+"""
+
+from triaccel_jax.training._step import ACCEPTED_LOSS_FORMS
+from triaccel_jax.training._step import StepOutput
+from triaccel_jax.training._step import abstract_step_arguments
+from triaccel_jax.training._step import check_loss_structure
+from triaccel_jax.training._step import loss_keywords
+from triaccel_jax.training._step import loss_scaling_for
+from triaccel_jax.training._step import make_train_step
+from triaccel_jax.training._step import normalize_loss_fn
+
+__all__ = (
+    "ACCEPTED_LOSS_FORMS",
+    "StepOutput",
+    "abstract_step_arguments",
+    "check_loss_structure",
+    "loss_keywords",
+    "loss_scaling_for",
+    "make_train_step",
+    "normalize_loss_fn",
+)
