@@ -111,9 +111,8 @@ EOF
     _log "installing the project into $(basename "$VENV_DIR") (editable, extras: $extras)"
     rm -f "$stamp"
     "$VENV_PY" -m pip install -qq --upgrade pip || _die "could not upgrade pip in $VENV_DIR"
-    # editable_mode=lenient (setuptools' default, named here on purpose) is the only mode that maps
-    # kernels/ to triaccel_jax.kernels both from the repo root and from elsewhere: `compat` drops
-    # the mapping and exposes a top-level `kernels`; `strict` fails from the repo root.
+    # editable_mode=lenient (setuptools' default, named here on purpose): the checkout's own
+    # triaccel_jax/ is what imports, from the repo root and from elsewhere.
     "$VENV_PY" -m pip install -q -e "$REPO_ROOT[$extras]" --config-settings editable_mode=lenient \
         || _die "pip install -e .[$extras] failed"
     printf '%s\n' "$want" >"$stamp"

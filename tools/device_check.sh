@@ -6,7 +6,7 @@
 # orbax-checkpoint and triton (no network needed). Wheels found in .whl/ (jax-triton, say) are
 # installed first into a private folder; the Fashion-MNIST IDX files in .data/fashion-mnist/, if
 # present, are copied to Debian's location so that the main job trains on them. The project runs
-# from this checkout (no install): triaccel_jax/ and kernels/ are assembled under a temporary folder.
+# from this checkout (no install): triaccel_jax/ is copied to a temporary folder.
 #
 # What runs, each under its own time limit (together at most 30 + 200 + 240 = 470 s, under the 8
 # minutes a device check may take), all output appended to OUTPUT_DIR/device.log:
@@ -37,10 +37,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
         || { echo "installing .whl/ failed" | tee -a "$log"; exit 1; }
 fi
-# The package layout that pyproject.toml maps: kernels/ ships as triaccel_jax.kernels. (`python3 -P`
-# below keeps the checkout's own triaccel_jax/, which lacks it, off sys.path.)
+# The package as installed, from the checkout (`python3 -P` below keeps the checkout itself off
+# sys.path, so that the copy is what runs).
 cp -r triaccel_jax "$site/triaccel_jax"
-cp -r kernels "$site/triaccel_jax/kernels"
 export PYTHONPATH="$site"
 if compgen -G ".data/fashion-mnist/*.gz" >/dev/null; then
     mkdir -p /usr/share/datasets/fashion-mnist && cp .data/fashion-mnist/*.gz /usr/share/datasets/fashion-mnist/
@@ -70,8 +69,9 @@ for p in (\"jax\", \"jaxlib\", \"flax\", \"optax\", \"orbax-checkpoint\", \"trit
     except m.PackageNotFoundError:
         print(p, \"-\")
 "'
-# The bandwidth section writes the auto table it measured (kernels/auto_table.json's format) beside
-# the log: copy it over kernels/auto_table.json to make impl="auto" follow this device's figures.
+# The bandwidth section writes the auto table it measured (triaccel_jax/kernels/auto_table.json's
+# format) beside the log: copy it over triaccel_jax/kernels/auto_table.json to make impl="auto"
+# follow this device's figures.
 step 200 gpu_check python3 benchmarks/gpu_check.py --auto-table "$out/auto_table.json" "$@"
 if [[ "${SKIP_END_TO_END:-0}" != 1 ]]; then
     step 240 end_to_end python3 benchmarks/gpu_check.py --sections end-to-end --output-dir "$out/end_to_end"
