@@ -33,7 +33,7 @@ from triaccel_jax._src import tree
 from triaccel_jax.cli import _task as task
 from triaccel_jax.controller import Controller
 from triaccel_jax.controller import replan
-from triaccel_jax.precision import PrecisionPolicy
+from triaccel_jax.policy import PrecisionPolicy
 from triaccel_jax.precision import memory_report
 from triaccel_jax.transforms import triaccel
 

@@ -12,12 +12,12 @@ import pytest
 import triaccel_jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Where each importable tree lies in the repository: kernels/ is installed as triaccel_jax.kernels.
-PACKAGE_ROOTS = {"triaccel_jax": ROOT / "triaccel_jax", "triaccel_jax.kernels": ROOT / "kernels"}
+# Where the importable tree lies in the repository.
+PACKAGE_ROOTS = {"triaccel_jax": ROOT / "triaccel_jax"}
 
 
 def _modules_with_examples() -> list[str]:
-    """Every module under triaccel_jax/ and kernels/ whose source has a ``>>>`` example."""
+    """Every module under triaccel_jax/ whose source has a ``>>>`` example."""
     names = []
     for package, folder in PACKAGE_ROOTS.items():
         for path in sorted(folder.rglob("*.py")):
@@ -46,7 +46,15 @@ def _import_or_skip(name: str):
 
 def test_the_collection_finds_modules_of_every_stage():
     # A collection that finds nothing (a moved folder, a broken glob) must not pass quietly.
-    for stage in ("transforms", "precision", "controller", "flax", "checkpoint", "kernels"):
+    for stage in (
+        "kernels",
+        "policy",
+        "transforms",
+        "precision",
+        "controller",
+        "flax",
+        "checkpoint",
+    ):
         assert any(name.startswith(f"triaccel_jax.{stage}.") for name in MODULES), stage
 
 

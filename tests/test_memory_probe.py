@@ -10,8 +10,8 @@ from triaccel_jax import BudgetMemoryProbe
 from triaccel_jax import DeviceMemoryProbe
 from triaccel_jax import FakeMemoryProbe
 from triaccel_jax.controller import MemoryReading
-from triaccel_jax.controller import compiled_peak_bytes
 from triaccel_jax.controller import default_memory_probe
+from triaccel_jax.precision import compiled_peak_bytes
 
 
 class _Device:

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from triaccel_jax.precision import _dtypes as dtypes
+from triaccel_jax.policy import PrecisionPolicy
+from triaccel_jax.policy import _dtypes as dtypes
 from triaccel_jax.precision._planner import plan_precision
-from triaccel_jax.precision._policy import PrecisionPolicy
 
 ORDER = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8_e4m3": 3}  # by unit roundoff, finest first
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import triaccel_jax
+from triaccel_jax.policy import _dtypes as dtypes
 from triaccel_jax.precision import _curvature_cost as curvature_cost
-from triaccel_jax.precision import _dtypes as dtypes
 from triaccel_jax.precision import _planner as planner
 from triaccel_jax.transforms import _compression as compression
 

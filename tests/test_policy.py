@@ -8,10 +8,10 @@ import pickle
 import jax.numpy as jnp
 import pytest
 
-from triaccel_jax.precision import _dtypes as dtypes
-from triaccel_jax.precision._policy import LeafPrecision
-from triaccel_jax.precision._policy import PrecisionPolicy
-from triaccel_jax.precision._policy import pending_from_document
+from triaccel_jax.policy import LeafPrecision
+from triaccel_jax.policy import PrecisionPolicy
+from triaccel_jax.policy import _dtypes as dtypes
+from triaccel_jax.policy import pending_from_document
 
 PARAMS = {
     "encoder": {"kernel": jnp.ones((16, 16)), "bias": jnp.zeros(16)},

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 import triaccel_jax
 from triaccel_jax import LeafPrecision
 from triaccel_jax import PrecisionPolicy
-from triaccel_jax.precision import PrecisionPlan
+from triaccel_jax.policy import PrecisionPlan
 
 PROPERTY = settings(
     max_examples=300,

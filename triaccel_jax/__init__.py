@@ -3,8 +3,9 @@
 An implementation of Tri-Accel (arXiv 2508.16905) as optax transforms, a precision planner and a
 host-side controller. One subpackage per stage of the data path::
 
+    triaccel_jax.policy       dtypes, PrecisionPolicy, PrecisionPlan, the casts
     triaccel_jax.transforms   the optimizer: moments, curvature store, signals, loss scaling
-    triaccel_jax.precision    dtypes, PrecisionPolicy, the planner, casts, memory_report
+    triaccel_jax.precision    the planner (plan_precision), memory_report
     triaccel_jax.controller   Controller and its parts: buckets, probes, sampler, events
     triaccel_jax.flax         TrainState and the Linen precision interceptor (the flax extra)
     triaccel_jax.checkpoint   Checkpointer (orbax, the checkpoint extra)
@@ -28,15 +29,15 @@ from triaccel_jax.controller import DeviceMemoryProbe
 from triaccel_jax.controller import FakeMemoryProbe
 from triaccel_jax.controller import OutOfMemoryError
 from triaccel_jax.controller import StepInfo
-from triaccel_jax.precision import LeafPrecision
+from triaccel_jax.policy import LeafPrecision
+from triaccel_jax.policy import PrecisionPlan
+from triaccel_jax.policy import PrecisionPolicy
+from triaccel_jax.policy import cast_params
+from triaccel_jax.policy import master_params
+from triaccel_jax.policy import stochastic_apply_updates
 from triaccel_jax.precision import MemoryReport
-from triaccel_jax.precision import PrecisionPlan
-from triaccel_jax.precision import PrecisionPolicy
-from triaccel_jax.precision import cast_params
-from triaccel_jax.precision import master_params
 from triaccel_jax.precision import memory_report
 from triaccel_jax.precision import plan_precision
-from triaccel_jax.precision import stochastic_apply_updates
 from triaccel_jax.transforms import TriAccelConfig
 from triaccel_jax.transforms import scale_by_triaccel
 from triaccel_jax.transforms import signals
@@ -93,5 +94,13 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(
-        {*__all__, "__version__", "controller", "precision", "transforms", *_LAZY_SUBPACKAGES}
+        {
+            *__all__,
+            "__version__",
+            "controller",
+            "policy",
+            "precision",
+            "transforms",
+            *_LAZY_SUBPACKAGES,
+        }
     )

@@ -223,17 +223,21 @@ def test_errors():
 
 def test_optimizer_and_reference_call_the_one_moment_update(monkeypatch):
     # One implementation of Adam's moments: scale_by_triaccel and the fused update's reference
-    # both go through kernels._adam.adam_moments (replacing it changes what both compute).
+    # both go through kernels._adam.adam_moments, which the optimizer reads as the package's
+    # public triaccel_jax.kernels.adam_moments (replacing it changes what both compute).
+    from triaccel_jax import kernels
     from triaccel_jax.kernels import _adam
 
     calls = []
     original = _adam.adam_moments
+    assert kernels.adam_moments is original
 
     def recording(grad, mu, nu, s):
         calls.append(grad.shape)
         return original(grad, mu, nu, s)
 
     monkeypatch.setattr(_adam, "adam_moments", recording)
+    monkeypatch.setattr(kernels, "adam_moments", recording)
     params, grads = _problem(n=8)
     tx = triaccel_jax.transforms.scale_by_triaccel(**HYPER)
     tx.update(grads[0], tx.init(params), params)

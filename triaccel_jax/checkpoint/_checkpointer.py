@@ -29,9 +29,9 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from triaccel_jax import policy as policy_lib
 from triaccel_jax.checkpoint import _records as records_lib
 from triaccel_jax.checkpoint._records import CheckpointError
-from triaccel_jax.precision import _policy as policy_lib
 
 META_FORMAT = "triaccel_jax.checkpoint"
 META_VERSION = 1

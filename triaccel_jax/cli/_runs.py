@@ -22,13 +22,11 @@ import jax
 import numpy as np
 import optax
 
+from triaccel_jax import controller as controller_lib
+from triaccel_jax import policy as policy_lib
+from triaccel_jax import precision as precision_lib
+from triaccel_jax import transforms
 from triaccel_jax.cli import _task as task
-from triaccel_jax.controller import _controller as controller_lib
-from triaccel_jax.controller import _memory_probe as memory_probe
-from triaccel_jax.precision import _memory as memory
-from triaccel_jax.precision import _policy as policy_lib
-from triaccel_jax.transforms import _alias as alias
-from triaccel_jax.transforms import _signals as signals_lib
 
 RUNS = ("fp32", "bf16", "triaccel")
 RUN_LABELS = {"fp32": "FP32 AdamW", "bf16": "static bf16 AdamW", "triaccel": "Tri-Accel"}
@@ -109,12 +107,12 @@ def build_controller(
         "check_every": args.check_every,
     }
     if run == "triaccel":
-        tx = optax.inject_hyperparams(alias.triaccel)(learning_rate=args.lr, weight_decay=1e-4)
+        tx = optax.inject_hyperparams(transforms.triaccel)(learning_rate=args.lr, weight_decay=1e-4)
         budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
         probe = (
-            memory_probe.default_memory_probe()
+            controller_lib.default_memory_probe()
             if budget is None
-            else memory_probe.BudgetMemoryProbe(budget)
+            else controller_lib.BudgetMemoryProbe(budget)
         )
         kwargs = dict(
             min_batch=min(32, args.batch_size),
@@ -138,7 +136,7 @@ def build_controller(
             min_batch=args.batch_size,
             max_batch=args.batch_size,
             # The batch is fixed (min = max); the probe only supplies the recorded figures.
-            probe=memory_probe.default_memory_probe(),
+            probe=controller_lib.default_memory_probe(),
             policy=policy,
             lr_scaling="none",
         )
@@ -224,7 +222,7 @@ def _train_epochs(
     def record_step_scales() -> None:
         # Reading the scales waits for the device: counted with the evaluations, not training.
         begin = time.perf_counter()
-        leaves = signals_lib.signals(controller.opt_state)
+        leaves = transforms.signals(controller.opt_state)
         scales = {path: float(figures["step_scale"]) for path, figures in leaves.items()}
         log.step_scales.append({"step": controller.step_count, "scales": scales})
         log.eval_seconds += time.perf_counter() - begin
@@ -324,7 +322,7 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
 
 def step_memory(
     loss_fn: Callable[..., Any], controller: Any, data: task.Data, batch_size: int
-) -> memory.MemoryReport:
+) -> precision_lib.MemoryReport:
     """``memory_report`` of one training step at ``batch_size`` under the controller's policy.
 
     The batch is the first ``batch_size`` training samples (repeated if the set is smaller:
@@ -340,7 +338,9 @@ def step_memory(
             p, b, policy=policy, rng=jax.random.key(0), model_state=controller.model_state
         )[0]
 
-    return memory.memory_report(controller.params, controller.opt_state, policy, step_fn, batch)
+    return precision_lib.memory_report(
+        controller.params, controller.opt_state, policy, step_fn, batch
+    )
 
 
 def device_peak_bytes() -> int | None:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from triaccel_jax.flax import _precision as flax_precision
+from triaccel_jax.flax import apply_with_policy
 
 MODELS = ("auto", "small_cnn", "resnet20", "resnet18", "efficientnet_b0")
 
@@ -136,7 +136,7 @@ def make_loss(
             kwargs["train"] = train
             if train:
                 kwargs["mutable"] = ["batch_stats"]
-        out = flax_precision.apply_with_policy(model, variables, images, policy=policy, **kwargs)
+        out = apply_with_policy(model, variables, images, policy=policy, **kwargs)
         logits, updates = out if isinstance(out, tuple) else (out, {})
         return logits.astype(jnp.float32), updates.get("batch_stats", model_state)
 

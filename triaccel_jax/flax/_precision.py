@@ -84,8 +84,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from triaccel_jax._src import tree as tree_lib
-from triaccel_jax.precision import _casting as casting
-from triaccel_jax.precision import _memory as memory
+from triaccel_jax.policy import cast_by_path
+from triaccel_jax.precision import compute_copy_dtype
 
 MIXED = ("widest", "largest")
 # A module that owns only vectors (a norm's scale and bias, a standalone bias) computes in the dtype
@@ -97,7 +97,7 @@ _PARAMS = "params"
 
 def _policy_dtypes(policy: Any) -> tuple[dict[str, Any], str]:
     """``{path: compute dtype}`` and the prefix of the ``params`` collection in those paths."""
-    by_path = {path: memory.compute_copy_dtype(leaf.compute) for path, leaf in policy.leaves}
+    by_path = {path: compute_copy_dtype(leaf.compute) for path, leaf in policy.leaves}
     prefix = f"{_PARAMS}/" if any(p.startswith(f"{_PARAMS}/") for p in by_path) else ""
     return by_path, prefix
 
@@ -348,7 +348,7 @@ def apply_with_policy(
     _check_covers(policy, variables[_PARAMS])
     if cast:
         _, prefix = _policy_dtypes(policy)
-        compute = casting.cast_by_path(
+        compute = cast_by_path(
             variables[_PARAMS],
             lambda path: policy.compute(prefix + path),
             rounding=rounding,

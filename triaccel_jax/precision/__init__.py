@@ -1,36 +1,30 @@
-"""The precision stage: which dtype each leaf computes and keeps its state in, and the casts.
+"""The precision stage: the planner that chooses a precision policy, and what it costs in memory.
 
-* formats and their unit roundoffs (``fp32``, ``bf16``, ``fp16``, ``fp8_e4m3``; fp8 compute
-  copies are carried in bfloat16);
-* :class:`PrecisionPolicy`, a plain, hashable map from leaf path to :class:`LeafPrecision`;
+The policy itself, the formats and the casts are ``triaccel_jax.policy``, below the optimizer;
+this stage sits above the optimizer, whose signals it reads:
+
 * :func:`plan_precision`, the planner: curvature-weighted rounding noise against a budget; it
-  returns a :class:`PrecisionPlan` (the policy, and the hysteresis streaks to pass back next
-  time);
-* the casts: :func:`cast_params` (the compute copy), :func:`master_params`,
-  :func:`stochastic_apply_updates` (stochastically rounded updates of low-precision masters);
-* :func:`memory_report`, the training memory by component at the dtypes the step really holds.
+  returns a :class:`triaccel_jax.policy.PrecisionPlan` (the policy, and the hysteresis streaks
+  to pass back next time);
+* :func:`memory_report`, the training memory by component at the dtypes the step really holds
+  (a :class:`MemoryReport`), with :func:`compute_copy_dtype`, the dtype a compute copy is
+  carried in;
+* :func:`compiled_peak_bytes`, XLA's predicted peak of a compiled function, which the report and
+  the controller's bucket decisions read.
 
 See ``docs/design.md`` (sections 3.6, 3.7 and 7).
 """
 
-from triaccel_jax.precision._casting import cast_params
-from triaccel_jax.precision._casting import master_params
-from triaccel_jax.precision._casting import stochastic_apply_updates
 from triaccel_jax.precision._memory import MemoryReport
+from triaccel_jax.precision._memory import compiled_peak_bytes
+from triaccel_jax.precision._memory import compute_copy_dtype
 from triaccel_jax.precision._memory import memory_report
 from triaccel_jax.precision._planner import plan_precision
-from triaccel_jax.precision._policy import LeafPrecision
-from triaccel_jax.precision._policy import PrecisionPlan
-from triaccel_jax.precision._policy import PrecisionPolicy
 
 __all__ = (
-    "LeafPrecision",
     "MemoryReport",
-    "PrecisionPlan",
-    "PrecisionPolicy",
-    "cast_params",
-    "master_params",
+    "compiled_peak_bytes",
+    "compute_copy_dtype",
     "memory_report",
     "plan_precision",
-    "stochastic_apply_updates",
 )

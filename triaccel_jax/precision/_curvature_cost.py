@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triaccel_jax.precision import _policy as policy_lib
-from triaccel_jax.transforms import _compression as compression
+from triaccel_jax import policy as policy_lib
+from triaccel_jax import transforms
 
 
 @jax.jit
-def weighted_curvature_sum(store: compression.CompressedDiagonal, leaf: jax.Array) -> jax.Array:
+def weighted_curvature_sum(store: transforms.CompressedDiagonal, leaf: jax.Array) -> jax.Array:
     """``sum_i h_i * w_i**2`` for the diagonal ``h`` a compressed store represents.
 
     Equal to ``sum(expand_diagonal(store, leaf.shape) * leaf**2)`` without building the full
@@ -50,12 +50,12 @@ def weighted_curvature_sum(store: compression.CompressedDiagonal, leaf: jax.Arra
     means = store.block_means.astype(jnp.float32)
     flat = w2.reshape(-1)
     indices = store.outlier_indices
-    if compression.uses_channel_pairs(leaf.shape):
+    if transforms.uses_channel_pairs(leaf.shape):
         block_w2 = jnp.sum(w2, axis=(0, 1))
         # Flat index j of an (h, w, in, out) kernel lies in channel pair j mod (in * out).
         outlier_means = means.reshape(-1)[indices % means.size]
     else:
-        length, _ = compression.block_counts(leaf.size, means.size)
+        length, _ = transforms.block_counts(leaf.size, means.size)
         padded = jnp.pad(flat, (0, means.size * length - leaf.size))
         block_w2 = jnp.sum(padded.reshape(means.size, length), axis=1)
         outlier_means = means[indices // length]
@@ -63,7 +63,7 @@ def weighted_curvature_sum(store: compression.CompressedDiagonal, leaf: jax.Arra
     return base + jnp.sum((store.outlier_values - outlier_means) * flat[indices])
 
 
-def as_store(path: str, store: Any, shape: tuple[int, ...]) -> compression.CompressedDiagonal:
+def as_store(path: str, store: Any, shape: tuple[int, ...]) -> transforms.CompressedDiagonal:
     """A record's ``curvature_store`` as a store of a leaf of ``shape``, or a clear error."""
     size = math.prod(shape)
     try:
@@ -73,7 +73,7 @@ def as_store(path: str, store: Any, shape: tuple[int, ...]) -> compression.Compr
     else:
         means_fit = (
             means.shape == shape[2:]
-            if compression.uses_channel_pairs(shape)
+            if transforms.uses_channel_pairs(shape)
             else means.ndim == 1 and 1 <= means.size <= max(size, 1)
         )
         fits = (
@@ -89,11 +89,11 @@ def as_store(path: str, store: Any, shape: tuple[int, ...]) -> compression.Compr
             f"of shape {shape} (block means, outlier indices, outlier values), as "
             f"triaccel_jax.signals returns; got {store!r}"
         )
-    return compression.CompressedDiagonal(means, indices, values)
+    return transforms.CompressedDiagonal(means, indices, values)
 
 
 def leaf_figures(
-    params: Any, stores: Mapping[str, compression.CompressedDiagonal]
+    params: Any, stores: Mapping[str, transforms.CompressedDiagonal]
 ) -> dict[str, tuple[int, float, float, float | None]]:
     """``{path: (size, sum w**2, max |w|, sum h w**2 or None)}`` of the trainable leaves.
 

@@ -22,12 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from triaccel_jax import policy as policy_lib
+from triaccel_jax import transforms
 from triaccel_jax._src import arrays
 from triaccel_jax._src import tree as tree_lib
-from triaccel_jax.controller import _memory_probe as memory_probe
-from triaccel_jax.precision import _dtypes as dtypes
-from triaccel_jax.precision import _policy as policy_lib
-from triaccel_jax.transforms import _loss_scaling as loss_scaling
 
 COMPONENTS = ("params", "compute_copies", "gradients", "optimizer_state", "residuals")
 
@@ -54,14 +52,14 @@ def compute_copy_dtype(name: str) -> jnp.dtype:
 
     fp8 copies are carried in bfloat16 (their values are fp8 times a per-leaf scale, rounded to
     bf16, since XLA has no general unscaled fp8 matmul; see :func:`triaccel_jax.cast_params`), so they occupy and
-    compute as bf16 (the rule is :func:`triaccel_jax.precision._dtypes.carrier_dtype`).
+    compute as bf16 (the rule is :func:`triaccel_jax.policy.carrier_dtype`).
 
     Example:
-      >>> from triaccel_jax.precision._memory import compute_copy_dtype
+      >>> from triaccel_jax.precision import compute_copy_dtype
       >>> compute_copy_dtype("fp16"), compute_copy_dtype("fp8_e4m3")
       (dtype('float16'), dtype(bfloat16))
     """
-    return dtypes.carrier_dtype(name)
+    return policy_lib.carrier_dtype(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,13 +250,49 @@ def _already_counted(var: Any, origin: _Origin, kept: list[tuple[Any, Any, Any]]
     return compute != master and var.aval.dtype == compute and tuple(var.aval.shape) == shape
 
 
+def compiled_peak_bytes(compiled: Any) -> int | None:
+    """XLA's predicted peak of a compiled function: temp + argument + output - alias bytes.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``).
+
+    Returns:
+      The bytes, or None when the backend gives no memory analysis. (XLA's own
+      ``peak_memory_in_bytes`` is not used: it is wrong on CPU.)
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from triaccel_jax.precision import compiled_peak_bytes
+      >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(1024)).compile()
+      >>> compiled_peak_bytes(compiled) >= 2 * 4096
+      True
+    """
+    if not callable(getattr(compiled, "memory_analysis", None)):
+        raise TypeError(
+            "`compiled` must be a compiled executable, `jax.jit(f).lower(...).compile()`, got "
+            f"{type(compiled).__name__}"
+        )
+    try:
+        stats = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError):
+        return None
+    if stats is None:
+        return None
+    return int(
+        stats.temp_size_in_bytes
+        + stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
+
+
 def _compiled_bytes(step_fn: Callable[[Any, Any], Any], params: Any, batch: Any) -> int | None:
     """XLA's temp + argument + output - alias bytes of ``jit(value_and_grad(step_fn))``."""
     grad_fn = jax.value_and_grad(step_fn, allow_int=True)
     compiled = (
         jax.jit(grad_fn).lower(arrays.abstract_tree(params), arrays.abstract_tree(batch)).compile()
     )
-    return memory_probe.compiled_peak_bytes(compiled)
+    return compiled_peak_bytes(compiled)
 
 
 def memory_report(
@@ -352,7 +386,7 @@ def memory_report(
         by_path = {}
 
     # Unscaling divides in float32, so the optimizer gets float32 gradients for every leaf.
-    scaled = loss_scaling.needs_loss_scaling(policy)
+    scaled = transforms.needs_loss_scaling(policy)
     params_bytes = compute_bytes = grad_bytes = 0
     kept = []  # per leaf: the dtypes in which params + compute_copies already count it
     for key_path, leaf in with_paths:

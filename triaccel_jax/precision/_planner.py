@@ -28,10 +28,9 @@ from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
+from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import validation
 from triaccel_jax.precision import _curvature_cost as curvature_cost
-from triaccel_jax.precision import _dtypes as dtypes
-from triaccel_jax.precision import _policy as policy_lib
 
 # Beyond this, gradient noise no longer discounts rounding noise: a leaf whose moments say "all
 # noise" (m_hat ~ 0 late in training) must not be made free to round arbitrarily coarsely.
@@ -63,12 +62,12 @@ def _ladder(allowed: Sequence[str], max_abs: float) -> tuple[list[str], list[str
     """
     by_width: dict[int, str] = {}
     rejected = []
-    for name in sorted(allowed, key=lambda n: dtypes.FORMATS[n].unit_roundoff):
-        fmt = dtypes.FORMATS[name]
+    for name in sorted(allowed, key=lambda n: policy_lib.float_format(n).unit_roundoff):
+        fmt = policy_lib.float_format(name)
         if name == "fp16" and max_abs * _FP16_HEADROOM > fmt.max_finite:
             rejected.append(f"fp16 out of range (max |w| {max_abs:.3g})")
             continue
-        by_width.setdefault(dtypes.carried_itemsize(name), name)
+        by_width.setdefault(policy_lib.carried_itemsize(name), name)
     ladder = [by_width[w] for w in sorted(by_width, reverse=True)]
     if ladder[0] != "fp32":
         ladder.insert(0, "fp32")
@@ -115,7 +114,7 @@ def plan_precision(
         compute below fp32, fp32 otherwise).
 
     Returns:
-      A :class:`triaccel_jax.precision.PrecisionPlan`: the
+      A :class:`triaccel_jax.policy.PrecisionPlan`: the
       :class:`triaccel_jax.PrecisionPolicy` (with ``reasons`` saying why each leaf got its
       format) and ``pending``, the hysteresis memory to pass back with it at the next call.
 
@@ -190,7 +189,7 @@ def _check_options(allowed, budget, loss, min_size, patience, margin, state):
     """The allowed formats (fp32 always among them) and the budget as a float, or an error."""
     if isinstance(allowed, str):
         raise TypeError(f"`allowed` must be a sequence of dtype names, e.g. ({allowed!r},)")
-    allowed_names = tuple(dtypes.format_name(a, what="allowed dtype") for a in allowed)
+    allowed_names = tuple(policy_lib.format_name(a, what="allowed dtype") for a in allowed)
     if "fp32" not in allowed_names:
         allowed_names = ("fp32", *allowed_names)
     budget = validation.real_scalar("budget", budget, "a number >= 0 (inf allowed)")
@@ -201,7 +200,7 @@ def _check_options(allowed, budget, loss, min_size, patience, margin, state):
     validation.check_integer("min_size", min_size, 0, strict=True)
     validation.check_integer("patience", patience, 1, strict=True)
     validation.check_in_range("margin", margin, 0, 1, high_inclusive=False)
-    validation.check_choice("state", state, ("auto", *dtypes.STATE_NAMES))
+    validation.check_choice("state", state, ("auto", *policy_lib.STATE_NAMES))
     return allowed_names, budget
 
 
@@ -242,7 +241,7 @@ def _price_leaves(signals, figures, shapes, allowed_names, min_size, previous, m
         before = previous.policy.compute(path) if previous is not None else "fp32"
         prices.cost[path] = {}
         for name in ladder:
-            increase = dtypes.FORMATS[name].unit_roundoff ** 2 / 6 * sensitivity
+            increase = policy_lib.float_format(name).unit_roundoff ** 2 / 6 * sensitivity
             if name == "fp32":
                 increase = 0.0
             elif previous is not None:
@@ -279,7 +278,7 @@ def _greedy(figures, prices: _Prices, allowance: float) -> dict[str, str]:
         ladder = ladders[path]
         if level + 1 < len(ladder):
             here, there = ladder[level], ladder[level + 1]
-            width = dtypes.carried_itemsize(here) - dtypes.carried_itemsize(there)
+            width = policy_lib.carried_itemsize(here) - policy_lib.carried_itemsize(there)
             saved = width * figures[path][0]
             extra = cost[path][there] - cost[path][here]
             heapq.heappush(heap, (extra / saved, path, level + 1))
@@ -326,7 +325,7 @@ def _reason(compute, cost, ladder, pending, patience, allowance, size) -> str:
         return f"{compute} (held): {pending[0]} won {pending[1]}/{patience} re-plans in a row"
     share = f"{100 * cost[compute] / allowance:.1f}% of budget" if allowance > 0 else "no budget"
     if compute != "fp32":
-        saved = (dtypes.carried_itemsize("fp32") - dtypes.carried_itemsize(compute)) * size
+        saved = (policy_lib.carried_itemsize("fp32") - policy_lib.carried_itemsize(compute)) * size
         return f"{compute}: predicted loss increase {cost[compute]:.2e} ({share}), saves {saved} B"
     cheaper = ladder[1] if len(ladder) > 1 else None
     if cheaper is None:

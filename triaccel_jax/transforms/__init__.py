@@ -8,11 +8,15 @@ model):
 * the curvature estimators :func:`fisher_diagonal` and :func:`hutchinson_diagonal` (with
   :func:`unmask` for a loss under ``optax.masked``);
 * the compressed curvature store (:class:`CompressedDiagonal`, :func:`compress_diagonal`,
-  :func:`expand_diagonal`), updated without gathering sharded leaves;
+  :func:`expand_diagonal`, with :func:`block_counts` and :func:`uses_channel_pairs` for its
+  layout), updated without gathering sharded leaves;
 * :func:`signals`, the per-leaf curvature, noise and step-size figures of any state holding a
   triaccel state, :func:`convert_state`, which recasts the moments for a precision policy, and
   :func:`find_triaccel_states`, which finds the triaccel states inside any optimizer state;
-* dynamic loss scaling (:class:`LossScaling`, :func:`dynamic_loss_scale`);
+* dynamic loss scaling (:class:`LossScaling`, :func:`dynamic_loss_scale`, and
+  :func:`select_tree`, which skips an overflowing step), with the pieces a train step uses:
+  :func:`needs_loss_scaling`, :func:`holds_loss_scale`, :func:`unscale`, :func:`leaf_finite`
+  and :func:`all_finite`;
 * :func:`fused_apply`, a triaccel step that writes the moments, the master and its compute copy
   in one pass per leaf (the fused kernel on CUDA where it is selected), with
   :func:`unfused_reason` and :func:`uses_triton` to say when it applies.
@@ -22,8 +26,10 @@ The algorithm is described in the repository's ``docs/design.md`` (sections 3.1 
 
 from triaccel_jax.transforms._alias import triaccel
 from triaccel_jax.transforms._compression import CompressedDiagonal
+from triaccel_jax.transforms._compression import block_counts
 from triaccel_jax.transforms._compression import compress_diagonal
 from triaccel_jax.transforms._compression import expand_diagonal
+from triaccel_jax.transforms._compression import uses_channel_pairs
 from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._curvature import HutchinsonDiagonalState
 from triaccel_jax.transforms._curvature import fisher_diagonal
@@ -36,8 +42,14 @@ from triaccel_jax.transforms._fused_apply import uses_triton
 from triaccel_jax.transforms._loss_scaling import DynamicLossScaleState
 from triaccel_jax.transforms._loss_scaling import LossScaleState
 from triaccel_jax.transforms._loss_scaling import LossScaling
+from triaccel_jax.transforms._loss_scaling import all_finite
 from triaccel_jax.transforms._loss_scaling import dynamic_loss_scale
+from triaccel_jax.transforms._loss_scaling import holds_loss_scale
+from triaccel_jax.transforms._loss_scaling import leaf_finite
 from triaccel_jax.transforms._loss_scaling import loss_scale
+from triaccel_jax.transforms._loss_scaling import needs_loss_scaling
+from triaccel_jax.transforms._loss_scaling import select_tree
+from triaccel_jax.transforms._loss_scaling import unscale
 from triaccel_jax.transforms._scale_by_triaccel import scale_by_triaccel
 from triaccel_jax.transforms._signals import signals
 from triaccel_jax.transforms._state_conversion import convert_state
@@ -55,6 +67,8 @@ __all__ = (
     "LossScaling",
     "ScaleByTriAccelState",
     "TriAccelConfig",
+    "all_finite",
+    "block_counts",
     "compress_diagonal",
     "convert_state",
     "dynamic_loss_scale",
@@ -62,12 +76,18 @@ __all__ = (
     "find_triaccel_states",
     "fisher_diagonal",
     "fused_apply",
+    "holds_loss_scale",
     "hutchinson_diagonal",
+    "leaf_finite",
     "loss_scale",
+    "needs_loss_scaling",
     "scale_by_triaccel",
+    "select_tree",
     "signals",
     "triaccel",
     "unfused_reason",
     "unmask",
+    "unscale",
+    "uses_channel_pairs",
     "uses_triton",
 )

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from triaccel_jax import kernels
+from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import validation
-from triaccel_jax.kernels import _dispatch
-from triaccel_jax.precision import _policy as policy_lib
 
 ESTIMATORS = ("fisher", "hutchinson")
 STATE_DTYPES = ("float32", "bfloat16")
@@ -71,7 +71,7 @@ class TriAccelConfig:
         XLA, else the pure-JAX reference), ``"reference"`` (always the reference; bit for bit
         what ``triaccel`` computed before this option) or ``"triton"`` (refused with a
         RuntimeError at the first update where Triton cannot run). See
-        :mod:`triaccel_jax.kernels._dispatch`.
+        :func:`triaccel_jax.kernels.resolve`.
       scale: granularity of the curvature step scale: ``"leaf"`` (default: one scale per leaf,
         ``clip((kappa_ref / kappa_l) ** alpha)``) or ``"block"`` (one per block of the
         curvature store, ``clip((kappa_ref / kappa_b) ** alpha)`` from the block means it
@@ -103,7 +103,7 @@ class TriAccelConfig:
     def __post_init__(self) -> None:
         validation.check_choice("estimator", self.estimator, ESTIMATORS)
         validation.check_choice("scale", self.scale, SCALES)
-        validation.check_choice("impl", self.impl, _dispatch.IMPLS)
+        validation.check_choice("impl", self.impl, kernels.IMPLS)
         validation.check_integer("block_size", self.block_size, 1)
         validation.check_in_range("rho", self.rho, 0.0, 1.0, low_inclusive=False)
         validation.check_integer("num_samples", self.num_samples, 1)

@@ -24,13 +24,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from triaccel_jax import kernels
+from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
-from triaccel_jax.kernels import _adam as adam
-from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import fused_update as fused_kernel
-from triaccel_jax.precision import _casting as casting
-from triaccel_jax.precision import _dtypes as dtypes
-from triaccel_jax.precision import _policy as policy_lib
 from triaccel_jax.transforms import _triaccel_state as triaccel_state
 from triaccel_jax.transforms._triaccel_step import TriAccelParts
 from triaccel_jax.transforms._triaccel_step import next_state
@@ -122,8 +119,8 @@ def uses_triton(tx: Any, opt_state: Any) -> bool:
     spec = _spec(tx)
     assert spec is not None
     moments = {jnp.dtype(x.dtype).name for x in jax.tree.leaves(opt_state[0].mu)}
-    op = _dispatch.fused_update_op("bfloat16" if "bfloat16" in moments else "float32")
-    return _dispatch.resolve(spec.direction.impl, "fused update", op) == "triton"
+    op = kernels.fused_update_op("bfloat16" if "bfloat16" in moments else "float32")
+    return kernels.resolve(spec.direction.impl, "fused update", op) == "triton"
 
 
 def fused_apply(
@@ -197,7 +194,7 @@ def fused_apply(
         new_params = optax.apply_updates(params, updates)
         compute = None
         if compute_policy is not None:
-            compute = casting.cast_params(new_params, compute_policy, impl=_impl(spec))
+            compute = policy_lib.cast_params(new_params, compute_policy, impl=_impl(spec))
         return FusedApply(new_params, opt_state, compute)
     return _fused(spec, grads, opt_state, params, learning_rate_factor, compute_policy, extra_args)
 
@@ -256,7 +253,7 @@ def _fused(
     def moments() -> tuple[dict[int, jax.Array], dict[int, jax.Array]]:
         # Only the steps that refresh the curvature read the moments outside the kernel.
         out = {
-            i: adam.adam_moments(grad_leaves[i], inputs.mu[i], inputs.nu[i], inputs.scalars)
+            i: kernels.adam_moments(grad_leaves[i], inputs.mu[i], inputs.nu[i], inputs.scalars)
             for i in active
         }
         return {i: m.m_hat for i, m in out.items()}, {i: m.v_hat for i, m in out.items()}
@@ -276,7 +273,9 @@ def _fused(
         fmt = None
         if compute_policy is not None:
             fmt = compute_policy.compute(tree_lib.path_string(with_paths[i][0]))
-        compute_dtype = param.dtype if fmt in (None, "fp8_e4m3") else dtypes.FORMATS[fmt].dtype
+        compute_dtype = (
+            param.dtype if fmt in (None, "fp8_e4m3") else policy_lib.float_format(fmt).dtype
+        )
         out = fused_kernel.fused_update(
             grad_leaves[i],
             inputs.mu[i],
@@ -295,7 +294,7 @@ def _fused(
         )
         new_mu[i], new_nu[i], new_params[i], compute[i] = out
         if fmt == "fp8_e4m3":
-            compute[i] = casting.cast_by_path(out.master, lambda _: "fp8_e4m3", impl=parts.impl)
+            compute[i] = policy_lib.cast_by_path(out.master, lambda _: "fp8_e4m3", impl=parts.impl)
     new_direction_state = next_state(direction_state, inputs, curvature, new_mu, new_nu)
     new_state = (
         new_direction_state,

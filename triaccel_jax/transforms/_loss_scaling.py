@@ -159,6 +159,45 @@ def all_finite(finite: Any) -> jax.Array:
     return jnp.all(jnp.stack([jnp.asarray(True), *jax.tree.leaves(finite)]))
 
 
+def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """``on_true`` where the scalar ``pred`` holds, else ``on_false``, leaf by leaf.
+
+    The one way a step with a non-finite gradient is skipped (the loss-scaled training step and
+    :func:`dynamic_loss_scale` both use it): both trees are computed and one is selected, as
+    jmp's ``select_tree`` and Flax's ``DynamicScale`` do, so that no device-side branch is
+    needed and a skipped step returns ``on_false`` bit for bit.
+
+    Args:
+      pred: a scalar boolean.
+      on_true: a pytree.
+      on_false: a pytree of the same structure, shapes and dtypes (PRNG key leaves included).
+
+    Returns:
+      The selected pytree.
+
+    Raises:
+      ValueError: the trees differ in structure, or ``pred`` is not a scalar boolean.
+      TypeError: two leaves differ in shape or dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from triaccel_jax.transforms import select_tree
+      >>> new, old = {"w": jnp.array([1.0, jnp.inf])}, {"w": jnp.array([0.5, 0.5])}
+      >>> select_tree(jnp.asarray(False), new, old)["w"].tolist()
+      [0.5, 0.5]
+
+    References:
+      jmp (DeepMind's mixed precision library), ``jmp.select_tree``; Flax,
+      ``flax.training.dynamic_scale.DynamicScale``.
+    """
+    pred = jnp.asarray(pred)
+    if pred.shape != () or pred.dtype != jnp.bool_:
+        raise ValueError(f"`pred` must be a scalar boolean, got {pred.dtype}{list(pred.shape)}")
+    return jax.tree.map(
+        lambda a, b: lax.select(pred, jnp.asarray(a), jnp.asarray(b)), on_true, on_false
+    )
+
+
 class DynamicLossScaleState(NamedTuple):
     """State of :func:`dynamic_loss_scale`.
 
@@ -253,24 +292,19 @@ def dynamic_loss_scale(
         finite_leaves = leaf_finite(grads)
         finite = all_finite(finite_leaves)
 
-        def apply(operand):
-            grads, inner_state = operand
-            return inner.update(grads, inner_state, params, **extra_args)
+        new_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
 
-        # The skipped step's updates have the dtypes the inner update would give, as cond needs.
-        shapes = jax.eval_shape(apply, (grads, state.inner_state))[0]
+        def skipped(update, grad):
+            if tree_lib.is_trainable(update):
+                return jnp.full(update.shape, -0.0, update.dtype)
+            return grad  # integer leaves pass through, as the inner update passes them
 
-        def skip(operand):
-            grads, inner_state = operand
-
-            def skipped(shape, grad):
-                if tree_lib.is_trainable(shape):
-                    return jnp.full(shape.shape, -0.0, shape.dtype)
-                return grad  # integer leaves pass through, as the inner update passes them
-
-            return jax.tree.map(skipped, shapes, grads), inner_state
-
-        new_updates, inner_state = lax.cond(finite, apply, skip, (grads, state.inner_state))
+        # A skipped step: -0.0 updates in the dtypes the inner update gives, its state kept.
+        new_updates, inner_state = select_tree(
+            finite,
+            (new_updates, inner_state),
+            (jax.tree.map(skipped, new_updates, grads), state.inner_state),
+        )
         scale_state = rule.update(
             LossScaleState(state.scale, state.good_steps, state.skipped_steps), finite
         )

@@ -28,13 +28,11 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from triaccel_jax import kernels
+from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
-from triaccel_jax.kernels import _adam as adam
-from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import cast as cast_kernel
-from triaccel_jax.precision import _dtypes as dtypes
-from triaccel_jax.precision import _policy as policy_lib
 from triaccel_jax.transforms import _block_scale as block_scale
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _curvature as curvature_lib
@@ -57,7 +55,7 @@ def _state_dtype(path: str, param_dtype: Any, state_dtype: Any) -> jnp.dtype:
     if isinstance(state_dtype, policy_lib.PrecisionPolicy):
         if path not in state_dtype:
             raise ValueError(f"the precision policy has no entry for leaf {path!r}")
-        return dtypes.FORMATS[state_dtype.state(path)].dtype
+        return policy_lib.float_format(state_dtype.state(path)).dtype
     return jnp.dtype(state_dtype)
 
 
@@ -233,7 +231,7 @@ def scale_by_triaccel(
                 raise ValueError(curvature_lib._LOSS_FN_HELP)
         # Checked on every trace, also for float32 moments (which no kernel writes), so that
         # impl="triton" where Triton cannot run is refused wherever it is asked for.
-        _dispatch.resolve(impl, "moment write")
+        kernels.resolve(impl, "moment write")
         treedef: Any  # a jaxlib PyTreeDef, which has no stubs mypy can see
         grads, treedef = jax.tree.flatten(updates)
         mu = _flatten_like_updates(treedef, state.mu)
@@ -246,7 +244,7 @@ def scale_by_triaccel(
             mu=mu,
             nu=treedef.flatten_up_to(state.nu),
             new_count=count,
-            scalars=adam.adam_scalars(count=count, b1=b1, b2=b2, eps=eps),
+            scalars=kernels.adam_scalars(count=count, b1=b1, b2=b2, eps=eps),
             step_key=jax.random.fold_in(jax.random.wrap_key_data(state.rounding_key), state.count),
         )
 
@@ -321,11 +319,11 @@ def scale_by_triaccel(
         grads, treedef, active = inputs.grads, inputs.treedef, inputs.active
 
         # Moments and direction (Adam, with bias correction): the math the fused update's
-        # reference shares (triaccel_jax.kernels._adam).
+        # reference shares (triaccel_jax.kernels.adam_moments).
         new_mu, new_nu = list(inputs.mu), list(inputs.nu)
         m_hat, v_hat, direction = {}, {}, {}
         for i in active:
-            moments = adam.adam_moments(grads[i], inputs.mu[i], inputs.nu[i], inputs.scalars)
+            moments = kernels.adam_moments(grads[i], inputs.mu[i], inputs.nu[i], inputs.scalars)
             m_hat[i], v_hat[i], direction[i] = moments.m_hat, moments.v_hat, moments.direction
             leaf_key = jax.random.fold_in(inputs.step_key, i)
             new_mu[i] = _write(moments.mu, new_mu[i].dtype, jax.random.fold_in(leaf_key, 0), impl)

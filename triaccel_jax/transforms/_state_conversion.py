@@ -11,9 +11,8 @@ from typing import Any
 
 import jax
 
+from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
-from triaccel_jax.precision import _dtypes as dtypes
-from triaccel_jax.precision import _policy as policy_lib
 from triaccel_jax.transforms import _triaccel_state as triaccel_state
 
 
@@ -47,7 +46,7 @@ def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
         name = tree_lib.path_string(path)
         if name not in policy:
             raise ValueError(f"the new policy has no entry for leaf {name!r}")
-        return moment.astype(dtypes.FORMATS[policy.state(name)].dtype)
+        return moment.astype(policy_lib.float_format(policy.state(name)).dtype)
 
     def convert(node):
         if not triaccel_state.is_triaccel_state(node):

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import jax
 
-from triaccel_jax.kernels import _adam as adam
+from triaccel_jax import kernels
 from triaccel_jax.transforms._triaccel_state import LeafSignals
 from triaccel_jax.transforms._triaccel_state import ScaleByTriAccelState
 
@@ -44,7 +44,7 @@ class StepInputs(NamedTuple):
     mu: list[Any]
     nu: list[Any]
     new_count: jax.Array
-    scalars: adam.Scalars
+    scalars: kernels.Scalars
     step_key: jax.Array
 
 

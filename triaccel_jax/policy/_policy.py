@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 
 from triaccel_jax._src import tree as tree_lib
-from triaccel_jax.precision import _dtypes as dtypes
+from triaccel_jax.policy import _dtypes as dtypes
 
 JSON_FORMAT = "triaccel_jax.PrecisionPolicy"
 JSON_VERSION = 1
@@ -67,7 +67,7 @@ class PrecisionPolicy:
     A plain value: equality and hashing use the leaves only (``reasons``, why the planner chose
     each leaf's precision, rides along without changing the policy's identity), so a policy keys
     a compile cache. The planner's hysteresis memory is not here but in the
-    :class:`triaccel_jax.precision.PrecisionPlan` it returns. Looking a leaf up by path takes
+    :class:`triaccel_jax.policy.PrecisionPlan` it returns. Looking a leaf up by path takes
     constant time (an index built once).
 
     Attributes:
@@ -246,7 +246,7 @@ class PrecisionPolicy:
         """Reads :meth:`to_json`'s output. Only JSON is accepted; nothing is ever unpickled.
 
         Documents written before the planner's memory moved to
-        :class:`triaccel_jax.precision.PrecisionPlan` may hold a ``"pending"`` entry; it is
+        :class:`triaccel_jax.policy.PrecisionPlan` may hold a ``"pending"`` entry; it is
         checked and ignored (:func:`pending_from_document` reads it).
 
         Raises:
@@ -320,7 +320,8 @@ class PrecisionPlan(NamedTuple):
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from triaccel_jax.precision import PrecisionPolicy, plan_precision
+      >>> from triaccel_jax.policy import PrecisionPolicy
+      >>> from triaccel_jax.precision import plan_precision
       >>> params = {"w": jnp.ones((64, 64))}
       >>> signals = {"w": {"mean_curvature": 1e-4, "noise_to_signal": 0.0}}
       >>> plan = plan_precision(signals, params, PrecisionPolicy.uniform(params), budget=1.0)

@@ -16,11 +16,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from triaccel_jax import kernels
 from triaccel_jax._src import tree as tree_lib
-from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import cast as cast_kernel
-from triaccel_jax.precision import _dtypes as dtypes
-from triaccel_jax.precision import _policy as policy_lib
+from triaccel_jax.policy import _dtypes as dtypes
+from triaccel_jax.policy import _policy as policy_lib
 
 MASTER_DTYPES = ("fp32", "policy")
 
@@ -172,7 +172,7 @@ def stochastic_apply_updates(
       updates: a tree like ``params`` (``None`` leaves keep their parameter).
       key: PRNG key for stochastic rounding of narrow masters (one stream per leaf).
       impl: how the stochastically rounded writes are computed, passed to the cast kernel:
-        ``"auto"`` (Triton only where CUDA runs it and ``kernels/auto_table.json`` measured it
+        ``"auto"`` (Triton only where CUDA runs it and ``triaccel_jax/kernels/auto_table.json`` measured it
         faster than XLA), ``"reference"`` or ``"triton"`` (a RuntimeError where Triton cannot
         run).
 
@@ -192,7 +192,7 @@ def stochastic_apply_updates(
       True
     """
     # Refused up front (not only where a narrow master needs the kernel), as the optimizer does.
-    _dispatch.resolve(impl, "master write")
+    kernels.resolve(impl, "master write")
     treedef: Any  # a jaxlib PyTreeDef, which has no stubs mypy can see
     leaves, treedef = jax.tree.flatten(params)
     try:

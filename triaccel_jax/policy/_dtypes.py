@@ -37,6 +37,21 @@ if hasattr(jnp, "float8_e4m3fn"):
 
 COMPUTE_NAMES = ("fp32", "bf16", "fp16", "fp8_e4m3")
 
+
+def float_format(name: str) -> FloatFormat:
+    """The :class:`FloatFormat` of the short name ``name`` (``"fp32"``, ``"bf16"``, ...).
+
+    Example:
+      >>> from triaccel_jax.policy import float_format
+      >>> float_format("bf16").dtype, float_format("bf16").unit_roundoff
+      (dtype(bfloat16), 0.00390625)
+
+    Raises:
+      KeyError: ``name`` is not a short name this JAX provides (see :func:`format_name`).
+    """
+    return FORMATS[name]
+
+
 # fp8 values are carried in bf16 (fp8 times a per-leaf scale, rounded to bf16), since XLA has no
 # general unscaled fp8 matmul: an fp8 compute copy, and an fp8 leaf's master under ``master_dtype="policy"``, are
 # bf16 arrays. This is the one place that rule lives.
@@ -47,7 +62,7 @@ def carrier_name(name: str) -> str:
     """The format whose dtype holds the values of format ``name`` (``"bf16"`` for fp8).
 
     Example:
-      >>> from triaccel_jax.precision._dtypes import carrier_name
+      >>> from triaccel_jax.policy._dtypes import carrier_name
       >>> carrier_name("fp16"), carrier_name("fp8_e4m3")
       ('fp16', 'bf16')
     """
@@ -58,7 +73,7 @@ def carrier_dtype(name: str) -> jnp.dtype:
     """The dtype an array rounded to format ``name`` is stored in (bfloat16 for fp8).
 
     Example:
-      >>> from triaccel_jax.precision._dtypes import carrier_dtype
+      >>> from triaccel_jax.policy import carrier_dtype
       >>> carrier_dtype("fp16"), carrier_dtype("fp8_e4m3")
       (dtype('float16'), dtype(bfloat16))
     """
