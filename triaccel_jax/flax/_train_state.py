@@ -22,15 +22,11 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 from flax.training import train_state
-from jax import lax
 
+from triaccel_jax import policy as policy_lib
+from triaccel_jax import training
+from triaccel_jax import transforms
 from triaccel_jax._src import tree as tree_lib
-from triaccel_jax.precision import _casting as precision
-from triaccel_jax.precision import _policy as policy_lib
-from triaccel_jax.transforms import _fused_apply as fused_lib
-from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
-from triaccel_jax.transforms import _state_conversion as state_conversion
-from triaccel_jax.transforms import _triaccel_state as triaccel_state
 
 # The extra arguments optax's transforms and triaccel's take: the loss (triaccel's and optax's
 # linesearch ``loss_fn``/``value_fn``, optax.contrib.sophia's ``obj_fn``), its value and gradient
@@ -98,8 +94,8 @@ class TrainState(train_state.TrainState):
     compute_params: Any = None
     extra_arg_names: tuple[str, ...] = struct.field(pytree_node=False, default=())
     loss_scale: Any = None
-    loss_scaling: loss_scaling_lib.LossScaling = struct.field(
-        pytree_node=False, default=loss_scaling_lib.LossScaling()
+    loss_scaling: transforms.LossScaling = struct.field(
+        pytree_node=False, default=transforms.LossScaling()
     )
 
     @classmethod
@@ -148,7 +144,7 @@ class TrainState(train_state.TrainState):
                     f"`extra_arg_names` holds {name!r}, a field of the state: apply_gradients "
                     "replaces fields, so it cannot also be an extra argument"
                 )
-        rule = loss_scaling_lib.LossScaling(**dict(loss_scaling or {}))
+        rule = transforms.LossScaling(**dict(loss_scaling or {}))
         if policy is not None:
             policy_lib.check_policy(policy, params)
         opt_state = tx.init(params)
@@ -177,7 +173,7 @@ class TrainState(train_state.TrainState):
     @property
     def scales_loss(self) -> bool:
         """Whether the policy computes any leaf in fp16 or fp8, so the loss is scaled."""
-        return self.loss_scale is not None and loss_scaling_lib.needs_loss_scaling(self.policy)
+        return self.loss_scale is not None and transforms.needs_loss_scaling(self.policy)
 
     def scale_loss(self, loss: jax.Array) -> jax.Array:
         """``loss`` times the current loss scale (unchanged when the loss is not scaled).
@@ -247,46 +243,35 @@ class TrainState(train_state.TrainState):
                 "`grads` must have the structure of `params`: got "
                 f"{jax.tree.structure(grads)}, params are {jax.tree.structure(self.params)}"
             )
-        tx = optax.with_extra_args_support(self.tx)
-        # Where the Triton kernel runs it (a triaccel optimizer on CUDA whose impl selects it),
-        # the moments and the master are written in one pass per leaf; the same result otherwise.
-        fused = fused_lib.uses_triton(self.tx, self.opt_state)
-
-        def update(operand):
-            params, opt_state, grads = operand
-            if fused:
-                out = fused_lib.fused_apply(self.tx, grads, opt_state, params, **extra)
-                return out.params, out.opt_state
-            updates, opt_state = tx.update(grads, opt_state, params, **extra)
-            return optax.apply_updates(params, updates), opt_state
-
-        if not self.scales_loss:
+        scaling = self.loss_scaling if self.scales_loss else None
+        if scaling is None:
+            # Scaled gradients are unscaled in float32 by apply_gradients, as from fp32 masters.
             grads = jax.tree.map(_to_master_dtype, grads, self.params)
-            params, opt_state = update((self.params, self.opt_state, grads))
-            loss_scale = self.loss_scale
-        else:
-            grads = loss_scaling_lib.unscale(grads, self.loss_scale.scale)  # float32
-            finite = loss_scaling_lib.all_finite(loss_scaling_lib.leaf_finite(grads))
-            # An overflowing step changes nothing (replaced fields such as batch statistics
-            # included); the optimizer sees float32 gradients, as from fp32 masters.
-            params, opt_state = lax.cond(
-                finite,
-                update,
-                lambda operand: operand[:2],
-                (self.params, self.opt_state, grads),
-            )
-            loss_scale = self.loss_scaling.update(self.loss_scale, finite)
-            replaced = {
-                name: _keep_unless(finite, value, getattr(self, name))
-                for name, value in replaced.items()
-            }
+        out = training.apply_gradients(
+            self.tx,
+            grads,
+            self.opt_state,
+            self.params,
+            loss_scale=self.loss_scale,
+            loss_scaling=scaling,
+            # Where the Triton kernel runs it (a triaccel optimizer on CUDA whose impl selects
+            # it), the moments and the master are written in one pass per leaf; the same
+            # result otherwise.
+            fused=transforms.uses_triton(self.tx, self.opt_state),
+            # An overflowing step keeps the replaced fields (batch statistics) too.
+            carry=replaced,
+            carry_before={
+                name: _kept_on_skip(value, getattr(self, name)) for name, value in replaced.items()
+            },
+            extra_args=extra,
+        )
         return self.replace(
             step=self.step + 1,
-            params=params,
-            opt_state=opt_state,
-            compute_params=_compute_copy(params, self.policy),
-            loss_scale=loss_scale,
-            **replaced,
+            params=out.params,
+            opt_state=out.opt_state,
+            compute_params=_compute_copy(out.params, self.policy),
+            loss_scale=out.loss_scale,
+            **out.carry,
         )
 
     def with_policy(self, policy: policy_lib.PrecisionPolicy | None) -> TrainState:
@@ -310,25 +295,25 @@ class TrainState(train_state.TrainState):
 def _compute_copy(params: Any, policy: policy_lib.PrecisionPolicy | None) -> Any:
     if policy is None or all(policy.compute(path) == "fp32" for path in policy):
         return None
-    return precision.cast_params(params, policy)
+    return policy_lib.cast_params(params, policy)
 
 
 def _convert_if_triaccel(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
-    if triaccel_state.find_triaccel_states(opt_state):
-        return state_conversion.convert_state(opt_state, policy)
+    if transforms.find_triaccel_states(opt_state):
+        return transforms.convert_state(opt_state, policy)
     return opt_state
 
 
-def _keep_unless(finite: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where the step was finite, else ``old`` (when both are alike arrays)."""
+def _kept_on_skip(new: Any, old: Any) -> Any:
+    """What a replaced field holds after a skipped step: its old value when it is alike (same
+    structure, shapes and dtypes), else the new one, as there is no old value of its kind."""
     new_leaves, old_leaves = jax.tree.leaves(new), jax.tree.leaves(old)
     new_structure: Any = jax.tree.structure(new)  # a jaxlib PyTreeDef: no stubs
-    same = new_structure == jax.tree.structure(old) and all(
-        jnp.shape(a) == jnp.shape(b) for a, b in zip(new_leaves, old_leaves, strict=True)
+    alike = new_structure == jax.tree.structure(old) and all(
+        jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
+        for a, b in zip(new_leaves, old_leaves, strict=True)
     )
-    if not same:
-        return new
-    return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    return old if alike else new
 
 
 def _to_master_dtype(grad: Any, param: Any) -> Any:

@@ -19,24 +19,28 @@ When the precision policy computes a leaf in fp16 or fp8, the step scales the lo
 divides each micro-batch's gradients by the scale in float32, hands the optimizer (and so the
 curvature estimator) those unscaled gradients, and where any is non-finite skips the update,
 keeps the state, and backs the scale off, with the rule of :class:`LossScaling`.
+
+That update is :func:`apply_gradients`, the one pure function both this step and
+:class:`triaccel_jax.flax.TrainState` apply gradients with: unscaling, the finite check, the
+(fused or not) optimizer update and the skip of an overflowing step exist only there.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
+from triaccel_jax import policy as policy_lib
+from triaccel_jax import transforms
 from triaccel_jax._src import arrays
-from triaccel_jax.precision import _casting as casting
-from triaccel_jax.transforms import _fused_apply as fused_lib
-from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
+from triaccel_jax._src import tree as tree_lib
 
 MODEL_STATE = "model_state"
 
@@ -44,16 +48,177 @@ MODEL_STATE = "model_state"
 class StepOutput(NamedTuple):
     """What one compiled step returns.
 
-    ``metrics`` holds the mean ``loss`` and the loss function's metrics, plus ``skipped`` (1.0
-    when loss scaling found a non-finite gradient and the step changed nothing, else 0.0) and
-    ``loss_scale`` (the scale the loss was multiplied by; 1.0 without loss scaling).
+    ``metrics`` holds the mean ``loss`` and the loss function's metrics, plus, every one a
+    float32 scalar:
+
+    * ``skipped``: 1.0 when loss scaling found a non-finite gradient and the step changed
+      nothing, else 0.0;
+    * ``loss_scale``: the scale the loss was multiplied by (1.0 without loss scaling);
+    * ``grad_sq_norm``: the squared L2 norm of the step's gradient (averaged over the
+      micro-batches, unscaled), ``|G_big|^2`` in McCandlish et al. (2018), appendix A;
+    * ``micro_grad_sq_norm``: the mean over the micro-batches of each one's squared gradient
+      norm (unscaled), ``|G_small|^2`` there at the micro-batch size; equal to ``grad_sq_norm``
+      with one micro-batch, and never below it (the mean of squared norms is at least the
+      squared norm of the mean).
+
+    Both norms are summed in float32 over the trainable (floating-point) leaves; with
+    micro-batches of ``B_small = B / num_micro`` samples they estimate the gradient noise scale
+    ``B_simple = tr(Sigma) / |G|^2``, where ``|G|^2 ~ (B |G_big|^2 - B_small |G_small|^2) /
+    (B - B_small)`` and ``tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B)``.
+
+    References:
+      McCandlish, Kaplan, Amodei et al., 2018, "An Empirical Model of Large-Batch Training",
+      appendix A.
     """
 
     params: Any
     opt_state: Any
     model_state: Any
-    loss_scale: loss_scaling_lib.LossScaleState
+    loss_scale: transforms.LossScaleState
     metrics: dict[str, jax.Array]
+
+
+class AppliedGradients(NamedTuple):
+    """What :func:`apply_gradients` returns.
+
+    Attributes:
+      params: the new params (the old ones, bit for bit, on a skipped step).
+      opt_state: the new optimizer state (the old one on a skipped step).
+      carry: the step's ``carry`` (``carry_before`` on a skipped step).
+      loss_scale: the loss scale's state after the step (passed through without a rule).
+      finite: a boolean scalar, whether every gradient was finite (True without a rule, when
+        nothing is checked); the step was skipped where it is False.
+    """
+
+    params: Any
+    opt_state: Any
+    carry: Any
+    loss_scale: Any
+    finite: jax.Array
+
+
+def apply_gradients(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    *,
+    loss_scale: transforms.LossScaleState | None = None,
+    loss_scaling: transforms.LossScaling | None = None,
+    fused: bool = False,
+    learning_rate_factor: Any = 1.0,
+    carry: Any = None,
+    carry_before: Any = None,
+    extra_args: Mapping[str, Any] | None = None,
+) -> AppliedGradients:
+    """One optimizer update, skipped whole where a loss-scaled gradient is not finite.
+
+    The one place a training step applies gradients: :func:`make_train_step`'s step and
+    :meth:`triaccel_jax.flax.TrainState.apply_gradients` both call it. With a loss-scaling rule,
+    ``grads`` are gradients of the scaled loss: they are divided by ``loss_scale.scale`` in
+    float32 (so unscaling underflows nothing) and checked; where any trainable leaf holds an inf
+    or a nan, the update is thrown away and the params, the optimizer state and the carry come
+    back as they were (selected with :func:`triaccel_jax.transforms.select_tree`), and the scale
+    backs off; otherwise the update applies and the scale may grow (:class:`LossScaling`).
+    Without a rule the gradients are used as given and nothing is checked or skipped.
+
+    Args:
+      tx: the optimizer.
+      grads: the gradients, a tree like ``params``.
+      opt_state: ``tx``'s state.
+      params: the params (the masters).
+      loss_scale: the loss scale's :class:`LossScaleState`; needed with ``loss_scaling``.
+      loss_scaling: the dynamic loss scale's rule, or None: the loss is not scaled.
+      fused: update with :func:`triaccel_jax.transforms.fused_apply` (one pass per leaf for a
+        triaccel optimizer) instead of ``tx.update`` and ``optax.apply_updates``.
+      learning_rate_factor: multiplies the update (the learning rate, on the fused path); 1 by
+        default, which leaves the unfused update untouched.
+      carry: other state the step produced with the gradients (e.g. the model state or batch
+        statistics its forward pass updated): returned unless the step is skipped.
+      carry_before: that state before the step, returned in its place on a skipped step; a tree
+        of ``carry``'s structure, shapes and dtypes (None with ``carry=None``).
+      extra_args: optax extra arguments for the update (e.g. ``loss_fn=`` for Hutchinson's
+        estimator); a transform without extra-argument support is given none.
+
+    Returns:
+      An :class:`AppliedGradients` ``(params, opt_state, carry, loss_scale, finite)``.
+
+    Raises:
+      ValueError: ``loss_scaling`` without ``loss_scale``, or ``carry_before`` not shaped as
+        ``carry`` while the step can be skipped.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from triaccel_jax.training import apply_gradients
+      >>> from triaccel_jax.transforms import LossScaling
+      >>> rule = LossScaling(initial_scale=4.0)
+      >>> params, tx = {"w": jnp.ones(2)}, optax.sgd(0.5)
+      >>> out = apply_gradients(
+      ...     tx,
+      ...     {"w": jnp.array([4.0, jnp.inf])},
+      ...     tx.init(params),
+      ...     params,
+      ...     loss_scale=rule.init(),
+      ...     loss_scaling=rule,
+      ...     carry={"n": jnp.int32(1)},
+      ...     carry_before={"n": jnp.int32(0)},
+      ... )
+      >>> (
+      ...     bool(out.finite),
+      ...     out.params["w"].tolist(),
+      ...     int(out.carry["n"]),
+      ...     float(out.loss_scale.scale),
+      ... )
+      (False, [1.0, 1.0], 0, 2.0)
+      >>> out = apply_gradients(
+      ...     tx,
+      ...     {"w": jnp.array([4.0, 8.0])},
+      ...     tx.init(params),
+      ...     params,
+      ...     loss_scale=out.loss_scale,
+      ...     loss_scaling=rule,
+      ... )
+      >>> out.params["w"].tolist()  # the gradients unscaled by 2: [2, 4], times the rate 0.5
+      [0.0, -1.0]
+
+    References:
+      Micikevicius et al., 2018, "Mixed Precision Training" (loss scaling, skipping overflowing
+      steps); jmp's ``select_tree`` and Flax's ``DynamicScale`` (select rather than branch).
+    """
+    extra = dict(extra_args or {})
+    if loss_scaling is not None:
+        if loss_scale is None:
+            raise ValueError("`loss_scaling` needs the loss scale's state, `loss_scale`")
+        grads = transforms.unscale(grads, loss_scale.scale)  # float32
+    if fused:
+        out = transforms.fused_apply(
+            tx, grads, opt_state, params, learning_rate_factor=learning_rate_factor, **extra
+        )
+        new_params, new_opt_state = out.params, out.opt_state
+    else:
+        updates, new_opt_state = optax.with_extra_args_support(tx).update(
+            grads, opt_state, params, **extra
+        )
+        if not (isinstance(learning_rate_factor, (int, float)) and learning_rate_factor == 1):
+            updates = jax.tree.map(lambda u: _scaled(u, learning_rate_factor), updates)
+        new_params = optax.apply_updates(params, updates)
+    if loss_scaling is None:
+        return AppliedGradients(new_params, new_opt_state, carry, loss_scale, jnp.asarray(True))
+    carry_structure: Any = jax.tree.structure(carry)  # a jaxlib PyTreeDef: no stubs
+    if carry_structure != jax.tree.structure(carry_before):
+        raise ValueError(
+            "`carry_before` must have the structure of `carry` (it replaces it on a skipped "
+            f"step): got {jax.tree.structure(carry_before)}, carry is {carry_structure}"
+        )
+    finite = transforms.all_finite(transforms.leaf_finite(grads))
+    # An overflowing step changes nothing: params, optimizer state and carry are kept.
+    new_params, new_opt_state, carry = transforms.select_tree(
+        finite, (new_params, new_opt_state, carry), (params, opt_state, carry_before)
+    )
+    assert loss_scale is not None  # checked above, with the rule
+    return AppliedGradients(
+        new_params, new_opt_state, carry, loss_scaling.update(loss_scale, finite), finite
+    )
 
 
 LOSS_KEYWORDS = ("policy", "rng", MODEL_STATE)
@@ -148,7 +313,7 @@ def normalize_loss_fn(
         kwargs = {name: given[name] for name in keywords}
         if "policy" not in keywords and policy is not None:
             # The loss cannot apply the policy itself: it computes on the compute copy.
-            params = casting.cast_params(params, policy)
+            params = policy_lib.cast_params(params, policy)
         out = loss_fn(params, batch, **kwargs)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
@@ -192,7 +357,7 @@ def make_train_step(
     policy: Any,
     num_micro: int,
     seed: int,
-    loss_scaling: loss_scaling_lib.LossScaling | None = None,
+    loss_scaling: transforms.LossScaling | None = None,
     fused: bool = False,
 ) -> Callable[..., StepOutput]:
     """The step ``(params, opt_state, model_state, batch, step, lr_factor, loss_scale)``.
@@ -212,7 +377,8 @@ def make_train_step(
         ``optax.apply_updates``.
 
     Returns:
-      The pure step function, to be jitted, returning a :class:`StepOutput`. ``lr_factor``
+      The pure step function, to be jitted, returning a :class:`StepOutput` (its metrics listed
+      there). The update is :func:`apply_gradients`'s. ``lr_factor``
       multiplies the update only when the controller scales the learning rate without an
       injected hyperparameter (it is 1 otherwise); ``loss_scale`` is a
       :class:`LossScaleState`.
@@ -225,80 +391,103 @@ def make_train_step(
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
+    def unscaled(grads, scale):
+        return grads if loss_scaling is None else transforms.unscale(grads, scale)
+
     def one(params, model_state, micro_batch, rng, scale):
         (_, (loss, metrics, model_state)), grads = grad_fn(
             params, model_state, micro_batch, rng, scale
         )
-        if loss_scaling is not None:  # float32, so that unscaling underflows nothing
-            grads = loss_scaling_lib.unscale(grads, scale)
-        return grads, model_state, {"loss": loss, **metrics}
+        if loss_scaling is not None:
+            # Accumulated in float32, still scaled: apply_gradients unscales the average once
+            # (exactly, for the rule's powers of two), and float32 sums of scaled float16
+            # gradients do not overflow.
+            grads = _to_float32(grads)
+        sq_norm = _sq_norm(unscaled(grads, scale))
+        return grads, model_state, {"loss": loss, **metrics}, sq_norm
 
     def controller_step(params, opt_state, model_state, batch, step, lr_factor, loss_scale):
         rng = jax.random.fold_in(jax.random.key(seed), step)
         scale = loss_scale.scale if loss_scaling is not None else jnp.float32(1.0)
         first = jax.tree.map(lambda x: x[0], batch)
         if num_micro == 1:
-            grads, new_model_state, metrics = one(params, model_state, first, rng, scale)
+            grads, new_model_state, metrics, micro_sq_norm = one(
+                params, model_state, first, rng, scale
+            )
         else:
 
             def body(carry, xs):
                 total, state = carry
                 micro_batch, index = xs
-                grads, state, metrics = one(
+                grads, state, metrics, sq_norm = one(
                     params, state, micro_batch, jax.random.fold_in(rng, index), scale
                 )
-                return (jax.tree.map(jnp.add, total, grads), state), metrics
+                return (jax.tree.map(jnp.add, total, grads), state), (metrics, sq_norm)
 
             zeros = jax.eval_shape(
                 lambda: one(params, model_state, first, rng, scale)[0]
-            )  # the gradients' dtypes: float32 when unscaled
+            )  # the gradients' dtypes: float32 when the loss is scaled
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
-            (total, new_model_state), metrics = jax.lax.scan(
+            (total, new_model_state), (metrics, sq_norms) = jax.lax.scan(
                 body, (zeros, model_state), (batch, jnp.arange(num_micro))
             )
             grads = jax.tree.map(lambda g: (g / num_micro).astype(g.dtype), total)
             metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
-
-        def apply(operand):
-            params, opt_state, _ = operand
-            extra: dict[str, Any] = {}
-            if takes_extra:
-                extra["loss_fn"] = lambda p: loss_fn(p, new_model_state, first, policy, rng)[0]
-            if fused:
-                out = fused_lib.fused_apply(
-                    tx, grads, opt_state, params, learning_rate_factor=lr_factor, **extra
-                )
-                return out.params, out.opt_state, new_model_state
-            updates, opt_state = tx.update(grads, opt_state, params, **extra)
-            updates = jax.tree.map(lambda u: _scaled(u, lr_factor), updates)
-            return optax.apply_updates(params, updates), opt_state, new_model_state
-
-        if loss_scaling is None:
-            params, opt_state, model_state = apply((params, opt_state, model_state))
-            skipped = jnp.float32(0.0)
-        else:
-            finite = loss_scaling_lib.all_finite(loss_scaling_lib.leaf_finite(grads))
-            # A step with an overflow changes nothing: params, optimizer and model state kept.
-            params, opt_state, model_state = lax.cond(
-                finite, apply, lambda operand: operand, (params, opt_state, model_state)
-            )
-            loss_scale = loss_scaling.update(loss_scale, finite)
-            skipped = 1.0 - finite.astype(jnp.float32)
-        metrics = {**metrics, "skipped": skipped, "loss_scale": scale}
-        return StepOutput(params, opt_state, model_state, loss_scale, metrics)
+            micro_sq_norm = jnp.mean(sq_norms)
+        grad_sq_norm = micro_sq_norm if num_micro == 1 else _sq_norm(unscaled(grads, scale))
+        extra: dict[str, Any] = {}
+        if takes_extra:
+            extra["loss_fn"] = lambda p: loss_fn(p, new_model_state, first, policy, rng)[0]
+        out = apply_gradients(
+            tx,
+            grads,
+            opt_state,
+            params,
+            loss_scale=loss_scale,
+            loss_scaling=loss_scaling,
+            fused=fused,
+            learning_rate_factor=lr_factor,
+            carry=new_model_state,
+            carry_before=model_state,
+            extra_args=extra,
+        )
+        metrics = {
+            **metrics,
+            "skipped": 1.0 - out.finite.astype(jnp.float32),
+            "loss_scale": scale,
+            "grad_sq_norm": grad_sq_norm,
+            "micro_grad_sq_norm": micro_sq_norm,
+        }
+        return StepOutput(out.params, out.opt_state, out.carry, out.loss_scale, metrics)
 
     return controller_step
 
 
-def _scaled(update: Any, factor: jax.Array) -> Any:
+def _scaled(update: Any, factor: Any) -> Any:
     if not jnp.issubdtype(jnp.result_type(update), jnp.floating):
         return update
-    return (update * factor).astype(update.dtype)
+    # In at least float32, so that a bfloat16 update is multiplied by the factor unrounded.
+    wide = jnp.promote_types(jnp.result_type(update), jnp.float32)
+    return (update.astype(wide) * jnp.asarray(factor).astype(wide)).astype(update.dtype)
+
+
+def _to_float32(grads: Any) -> Any:
+    return jax.tree.map(lambda g: g.astype(jnp.float32) if tree_lib.is_trainable(g) else g, grads)
+
+
+def _sq_norm(grads: Any) -> jax.Array:
+    """The squared L2 norm of the trainable leaves, summed in float32."""
+    squares = [
+        jnp.sum(jnp.square(g.astype(jnp.float32)))
+        for g in jax.tree.leaves(grads)
+        if tree_lib.is_trainable(g)
+    ]
+    return sum(squares, jnp.zeros((), jnp.float32))
 
 
 def loss_scaling_for(
-    policy: Any, rule: loss_scaling_lib.LossScaling, opt_state: Any
-) -> loss_scaling_lib.LossScaling | None:
+    policy: Any, rule: transforms.LossScaling, opt_state: Any
+) -> transforms.LossScaling | None:
     """The loss-scaling rule a step under ``policy`` needs: ``rule`` while it computes a leaf in
     fp16 or fp8, else None.
 
@@ -306,9 +495,9 @@ def loss_scaling_for(
       ValueError: the step needs scaling and ``opt_state`` already scales (an optimizer wrapped
         in ``dynamic_loss_scale`` would unscale the gradients a second time).
     """
-    if not loss_scaling_lib.needs_loss_scaling(policy):
+    if not transforms.needs_loss_scaling(policy):
         return None
-    if loss_scaling_lib.holds_loss_scale(opt_state):
+    if transforms.holds_loss_scale(opt_state):
         raise ValueError(
             f"policy {policy.signature} computes in fp16/fp8, so the controller scales "
             "the loss itself; an optimizer wrapped in dynamic_loss_scale would unscale the "
