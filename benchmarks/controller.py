@@ -255,7 +255,7 @@ def measure_recompiles(data, args) -> dict[str, object]:
     # Compiles run on a worker thread: a busy CPU may still be compiling a grow or a policy.
     # Train on until none is waiting (bounded), so every decision is counted.
     for _ in range(50):
-        if not ctrl._background.busy and ctrl._background.replan_due_at is None:
+        if not ctrl.compile_pending:
             break
         time.sleep(0.2)
         ctrl.run(5)
@@ -280,9 +280,7 @@ def measure_recompiles(data, args) -> dict[str, object]:
 
 def measure_budget(data, args) -> dict[str, object]:
     sizer = controller(data, min_batch=16, max_batch=256)
-    for size in (16, 32, 64, 128, 256):
-        sizer._compiled_step(size, 1)  # compiled peaks only; nothing runs
-    peaks = sizer._known_peaks()
+    peaks = sizer.precompile()  # compiled peaks only; nothing runs
     # The budget fits 64 under the 85% target (with 5% to spare); 128's peak is over it.
     budget = math.ceil(1.05 * peaks[64] / 0.85)
     assert peaks[128] > budget, (peaks, budget)

@@ -63,20 +63,15 @@ def controller(cls: type[Controller] = Controller, **overrides: Any) -> Controll
     return cls(kwargs.pop("loss_fn", controller_loss), {"w": jnp.zeros(4)}, tx, data, **kwargs)
 
 
-class RaisingController(Controller):
-    """Raises ``error`` from the compiled step's call, where XLA's runtime errors surface."""
+def raising(error: BaseException) -> Callable[[Any], None]:
+    """A fault injector (``Controller(faults=...)``) raising ``error`` at every dispatch, where
+    XLA's runtime errors surface."""
 
-    def __init__(self, *args: Any, error: BaseException, **kwargs: Any) -> None:
-        self.error = error
-        super().__init__(*args, **kwargs)
+    def inject(site: Any) -> None:
+        if site.where == "dispatch":
+            raise error
 
-    def _compiled_step(self, micro, num_micro):
-        super()._compiled_step(micro, num_micro)  # compiled and logged as usual
-
-        def run(*args):
-            raise self.error
-
-        return run
+    return inject
 
 
 def step_unchanged_by_the_error(make: Callable[[], Controller]) -> None:
@@ -691,14 +686,14 @@ CASES = [
     Case(
         "controller-step-raises-internal-xla-error",
         lambda _: step_unchanged_by_the_error(
-            lambda: controller(RaisingController, error=internal_xla_error())
+            lambda: controller(faults=raising(internal_xla_error()))
         ),
         jax.errors.JaxRuntimeError,
         r"^INTERNAL: something else broke(\n|$)",
     ),
     Case(
         "controller-out-of-memory-at-the-smallest-bucket",
-        lambda _: controller(RaisingController, error=out_of_memory(), max_batch=8).step(),
+        lambda _: controller(faults=raising(out_of_memory()), max_batch=8).step(),
         triaccel_jax.OutOfMemoryError,
         r"smallest batch bucket 8 \(tried micro-batches 1x8.*RESOURCE_EXHAUSTED: injected",
     ),
@@ -735,7 +730,7 @@ CASES = [
     ),
     Case(
         "compiled-peak-bytes-of-a-function",
-        lambda _: triaccel_jax.controller.compiled_peak_bytes(jax.jit(lambda x: x)),
+        lambda _: triaccel_jax.precision.compiled_peak_bytes(jax.jit(lambda x: x)),
         TypeError,
         "`compiled` must be a compiled executable",
     ),

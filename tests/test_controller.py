@@ -13,6 +13,7 @@ import pytest
 import triaccel_jax
 from triaccel_jax import Controller
 from triaccel_jax import FakeMemoryProbe
+from triaccel_jax.controller import OutOfMemoryFaults
 
 NUM_EXAMPLES = 512
 BIG = 10**12  # a limit nothing reaches
@@ -57,32 +58,38 @@ def make_controller(cls=Controller, **overrides) -> Controller:
 
 
 class FaultyController(Controller):
-    """Raises XLA's RESOURCE_EXHAUSTED at chosen steps; records the sample ids that trained.
+    """A controller whose runs get out-of-memory errors injected through the public ``faults=``
+    hook (:class:`triaccel_jax.controller.OutOfMemoryFaults`); it keeps every delivered
+    :class:`StepInfo`, so ``seen`` lists the sample ids each step trained.
 
-    ``faults`` maps a step to how many attempts at it fail. The fault is raised where a real one
-    surfaces, from the compiled step's call, so the controller's recovery path is exactly the one
-    a device OOM takes.
+    ``faults`` maps a step to how many attempts at it fail at dispatch, ``read_faults`` to how
+    many fail when its metrics are read (where asynchronous dispatch surfaces a device's error).
     """
 
-    def __init__(self, *args, faults=None, **kwargs):
-        self.faults = dict(faults or {})
-        self.seen: list[np.ndarray] = []
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, faults=None, read_faults=None, callback=None, **kwargs):
+        self.injector = OutOfMemoryFaults(at_dispatch=faults, at_read=read_faults)
+        self.infos: list[triaccel_jax.controller.StepInfo] = []
 
-    def _compiled_step(self, micro, num_micro):
-        compiled = super()._compiled_step(micro, num_micro)
+        def record(info):
+            self.infos.append(info)
+            if callback is not None:
+                callback(info)
 
-        def run(params, opt_state, model_state, batch, *scalars):
-            if self.faults.get(self.step_count, 0) > 0:
-                self.faults[self.step_count] -= 1
-                raise jax.errors.JaxRuntimeError(
-                    f"RESOURCE_EXHAUSTED: injected at step {self.step_count}, micro-batch {micro}"
-                )
-            out = compiled(params, opt_state, model_state, batch, *scalars)
-            self.seen.append(np.asarray(batch["id"]).reshape(-1))
-            return out
+        super().__init__(*args, faults=self.injector, callback=record, **kwargs)
 
-        return run
+    @property
+    def seen(self) -> list[np.ndarray]:
+        return [info.indices for info in self.infos]
+
+
+def raising(error: BaseException):
+    """A fault injector raising ``error`` at every dispatch, where XLA's runtime errors surface."""
+
+    def inject(site):
+        if site.where == "dispatch":
+            raise error
+
+    return inject
 
 
 def changes(controller: Controller) -> list[tuple[int, str, int, int]]:
@@ -138,9 +145,7 @@ def test_cpu_budget_keeps_the_chosen_bucket_under_the_budget():
     # Budget between the compiled peaks of two buckets: the controller must settle on the
     # largest bucket whose compiled peak is within the budget, and never run a larger one.
     probe_controller = make_controller(probe=FakeMemoryProbe(BIG), max_batch=256)
-    for size in (8, 16, 32, 64, 128, 256):
-        probe_controller._compiled_step(size, 1)
-    peaks = probe_controller._known_peaks()
+    peaks = probe_controller.precompile()
     budget = int(peaks[64] / 0.85) + 1  # 64 fits under the target, 128 does not
     assert peaks[128] > 0.95 * budget
     controller = make_controller(
@@ -149,7 +154,7 @@ def test_cpu_budget_keeps_the_chosen_bucket_under_the_budget():
     infos = controller.run(10)
     assert controller.batch_size == 64
     for info in infos:
-        assert controller._known_peaks()[info.micro_batch] <= budget
+        assert peaks[info.micro_batch] <= budget
 
 
 def test_decisions_are_logged_with_their_figures():
@@ -197,14 +202,9 @@ def test_out_of_memory_at_the_smallest_bucket_says_what_was_tried():
 
 
 def test_an_error_that_is_not_out_of_memory_propagates_unchanged():
-    class Broken(FaultyController):
-        def _compiled_step(self, micro, num_micro):
-            def run(*args):
-                raise jax.errors.JaxRuntimeError("INTERNAL: something else broke")
-
-            return run
-
-    controller = make_controller(Broken)
+    controller = make_controller(
+        faults=raising(jax.errors.JaxRuntimeError("INTERNAL: something else broke"))
+    )
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
         controller.step()
     assert not [e for e in controller.events if e.kind == "oom"]

@@ -11,31 +11,34 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import pytest
 from test_controller import linear_probe
 from test_controller import make_controller
 
-from triaccel_jax import Controller
+from triaccel_jax.controller import _compiling as compiling
 
 STEPS_WHILE_COMPILING = 5
 
 
-class GatedCompileController(Controller):
-    """Its background compiles wait until ``gate`` is set (synchronous ones do not)."""
+@pytest.fixture
+def gate(monkeypatch):
+    """Background compiles wait until the returned event is set (synchronous ones do not)."""
+    released = threading.Event()
+    build = compiling.build
 
-    def __init__(self, *args, **kwargs):
-        self.gate = threading.Event()
-        super().__init__(*args, **kwargs)
-
-    def _build_step(self, step, abstract_args):
+    def gated_build(step, abstract_args):
         if threading.current_thread() is not threading.main_thread():
-            assert self.gate.wait(timeout=60), "the test never released the compile"
-        return super()._build_step(step, abstract_args)
+            assert released.wait(timeout=60), "the test never released the compile"
+        return build(step, abstract_args)
+
+    monkeypatch.setattr(compiling, "build", gated_build)
+    return released
 
 
 SETTINGS = {"min_batch": 8, "max_batch": 16, "check_every": 1, "probe": linear_probe()}
 
 
-def run_until_grown(controller, max_steps=200):
+def run_until_grown(controller, gate, max_steps=200):
     steps_while_compiling = 0
     for _ in range(max_steps):
         controller.step()
@@ -43,17 +46,17 @@ def run_until_grown(controller, max_steps=200):
         if "grow_decided" in kinds and "grow" not in kinds:
             steps_while_compiling += 1
             if steps_while_compiling == STEPS_WHILE_COMPILING:
-                controller.gate.set()
-                controller._background.job.future.result()  # ready: the next step switches
+                gate.set()
+                controller.wait_for_compile()  # ready: the next step switches
         if "grow" in kinds:
             return
     raise AssertionError(f"no grow in {max_steps} steps: {controller.event_records()}")
 
 
-def test_steps_run_between_the_grow_decision_and_the_switch(count_compiles):
-    controller = make_controller(GatedCompileController, **SETTINGS, compile_in_background=True)
+def test_steps_run_between_the_grow_decision_and_the_switch(count_compiles, gate):
+    controller = make_controller(**SETTINGS, compile_in_background=True)
     with count_compiles():
-        run_until_grown(controller)
+        run_until_grown(controller, gate)
         controller.run(3)
     events = [(e.step, e.kind, e.old, e.new) for e in controller.events]
     decided = next(e for e in events if e[1] == "grow_decided")
@@ -83,10 +86,8 @@ REPLAN_SETTINGS = {
 }
 
 
-def test_steps_run_between_the_replan_decision_and_the_switch(count_compiles):
-    controller = make_controller(
-        GatedCompileController, **REPLAN_SETTINGS, compile_in_background=True
-    )
+def test_steps_run_between_the_replan_decision_and_the_switch(count_compiles, gate):
+    controller = make_controller(**REPLAN_SETTINGS, compile_in_background=True)
     with count_compiles():
         decided = []
         while not decided and controller.step_count < 30:
@@ -99,8 +100,8 @@ def test_steps_run_between_the_replan_decision_and_the_switch(count_compiles):
         for _ in range(STEPS_WHILE_COMPILING - 1):
             controller.step()  # training goes on under the old policy
             assert controller.policy == old_policy
-        controller.gate.set()
-        controller._background.job.future.result()
+        gate.set()
+        controller.wait_for_compile()
         controller.step()  # the first step after the compile is ready switches
         controller.run(3)
     switched = [e for e in controller.events if e.kind == "replan"]
@@ -125,43 +126,40 @@ def test_steps_run_between_the_replan_decision_and_the_switch(count_compiles):
 def test_a_replan_to_a_policy_already_compiled_switches_at_once():
     controller = make_controller(**REPLAN_SETTINGS, compile_in_background=True)
     first = controller.policy
-    while not controller._background.busy and controller.step_count < 30:
+    while not controller.compile_pending and controller.step_count < 30:
         controller.step()  # until a re-plan is decided and compiling (not gated here)
-    controller._background.job.future.result()
+    controller.wait_for_compile()
     controller.step()
-    assert controller.policy != first
+    assert controller.policy != first and not controller.compile_pending
     # Back to a policy whose step is cached: no background compile, the switch is immediate.
     controller.set_policy(first)
-    controller._background.job = None
     result_events = len(controller.events)
     controller.run(10)  # the planner moves to the cached new policy again
     kinds = [e.kind for e in controller.events[result_events:]]
     assert "replan" in kinds and "replan_decided" not in kinds and "compile" not in kinds
 
 
-def test_a_replan_due_while_a_grow_compiles_runs_when_the_compile_is_done():
+def test_a_replan_due_while_a_grow_compiles_runs_when_the_compile_is_done(gate):
     controller = make_controller(
-        GatedCompileController,
         **SETTINGS,
         replan_every=3,
         planner_options={"budget": float("inf"), "min_size": 0},
         compile_in_background=True,
     )
-    while not controller._background.busy and controller.step_count < 30:
+    while not controller.compile_pending and controller.step_count < 30:
         controller.step()  # until a grow is decided and its compile waits on the gate
     decided_at = controller.step_count
     controller.run(STEPS_WHILE_COMPILING)  # a re-plan comes due meanwhile: it waits
     kinds = [e.kind for e in controller.events]
     assert "replan_decided" not in kinds and "replan" not in kinds
-    assert controller._background.replan_due_at is not None
-    controller.gate.set()
-    controller._background.job.future.result()
+    gate.set()
+    controller.wait_for_compile()
     controller.step()  # the grow switches, then the waiting re-plan runs
     at_switch = [(e.kind, e.step) for e in controller.events if e.step == controller.step_count - 1]
     assert ("grow", decided_at + STEPS_WHILE_COMPILING) in at_switch
     assert ("replan_decided", decided_at + STEPS_WHILE_COMPILING) in at_switch
-    controller._background.job.future.result()
+    controller.wait_for_compile()
     controller.step()
     # Being the first plan, it moved the leaves at once (no hysteresis), however late it ran.
     assert [e.kind for e in controller.events].count("replan") == 1
-    assert controller._background.replan_due_at is None
+    assert not controller.compile_pending

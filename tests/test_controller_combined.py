@@ -13,56 +13,16 @@ import jax
 import optax
 import pytest
 from test_controller import FakeMemoryProbe
+from test_controller import FaultyController
 from test_controller import linear_probe
 from test_controller import make_controller
-from test_controller_in_flight import ReadFaultController
 from test_learning_rate import BASE_LR
 from test_learning_rate import shrink_settings
 
 from triaccel_jax._src import tree as tree_lib
-from triaccel_jax.precision import _dtypes as dtypes
+from triaccel_jax.policy import _dtypes as dtypes
 
 BIG = 10**12
-
-
-class RecordingController(ReadFaultController):
-    """Records every call of a compiled step: the step, its micro-batch, the samples it trains,
-    the update multiplier and the injected learning rate it ran with."""
-
-    def __init__(self, *args, **kwargs):
-        self.calls: list[dict[str, float]] = []
-        super().__init__(*args, **kwargs)
-
-    def _compiled_step(self, micro, num_micro):
-        compiled = super()._compiled_step(micro, num_micro)
-
-        def run(params, opt_state, model_state, batch, step, lr_factor, loss_scale):
-            out = compiled(params, opt_state, model_state, batch, step, lr_factor, loss_scale)
-            rate = optax.tree_utils.tree_get(opt_state, "learning_rate", None)
-            self.calls.append(
-                {
-                    "step": int(step),
-                    "micro": micro,
-                    "samples": int(batch["id"].size),
-                    "factor": float(lr_factor),
-                    "rate": None if rate is None else float(rate),
-                }
-            )
-            return out
-
-        return run
-
-    def wait_for_background_compile(self) -> bool:
-        """Blocks until the background compile in progress (if any) is ready; whether one was."""
-        job = self._background.job
-        if job is None:
-            return False
-        job.future.result()
-        return True
-
-    def last_call(self, step: int) -> dict[str, float]:
-        """The call that trained ``step`` (a rolled-back call is followed by its re-run)."""
-        return [c for c in self.calls if c["step"] == step][-1]
 
 
 def waiting_for_compiles(holder: list, kind: str):
@@ -72,7 +32,7 @@ def waiting_for_compiles(holder: list, kind: str):
     seen = []
 
     def callback(info):
-        if any(e.kind == kind for e in info.events) and holder[0].wait_for_background_compile():
+        if any(e.kind == kind for e in info.events) and holder[0].wait_for_compile():
             seen.append(info.step)
 
     return callback, seen
@@ -82,7 +42,7 @@ def test_a_step_delivered_after_a_switch_reports_the_micro_batch_it_ran_at():
     holder: list = []
     callback, seen = waiting_for_compiles(holder, "grow_decided")
     controller = make_controller(
-        RecordingController,
+        FaultyController,
         min_batch=8,
         max_batch=16,
         check_every=1,
@@ -94,15 +54,16 @@ def test_a_step_delivered_after_a_switch_reports_the_micro_batch_it_ran_at():
     infos = controller.run(12)
     assert seen and any(e.kind == "grow" for e in controller.events)
     for info in infos:
-        ran = controller.last_call(info.step - 1)
-        assert info.micro_batch == ran["micro"] <= info.batch_size, (info, ran)
+        # The micro-batch it ran at divides the samples it trained.
+        assert info.batch_size == len(info.indices), info
+        assert info.micro_batch <= info.batch_size and info.batch_size % info.micro_batch == 0
 
 
 @pytest.mark.parametrize("injected", [True, False], ids=["injected", "update-scaled"])
 def test_steps_queued_behind_a_late_out_of_memory_train_at_the_rate_of_their_samples(injected):
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=BASE_LR) if injected else None
     controller = make_controller(
-        RecordingController,
+        FaultyController,
         tx=tx or optax.sgd(BASE_LR),
         read_faults={3: 1},
         steps_in_flight=2,
@@ -111,13 +72,13 @@ def test_steps_queued_behind_a_late_out_of_memory_train_at_the_rate_of_their_sam
     infos = controller.run(8)
     assert [e.kind for e in controller.events].count("oom") == 1
     for info in infos:
-        ran = controller.last_call(info.step - 1)
-        assert ran["samples"] == info.batch_size
+        assert len(info.indices) == info.batch_size
         expected = BASE_LR * info.batch_size / 64
         if injected:
-            assert ran["rate"] == pytest.approx(expected) and ran["factor"] == 1.0, ran
+            assert info.learning_rate == pytest.approx(expected) and info.update_scale == 1.0
         else:
-            assert ran["factor"] * BASE_LR == pytest.approx(expected), ran
+            assert info.learning_rate is None
+            assert info.update_scale * BASE_LR == pytest.approx(expected), info
     # The failed step and the two queued behind it trained 64 samples each; then 32.
     assert [i.batch_size for i in infos][:7] == [64] * 6 + [32]
 
@@ -131,10 +92,10 @@ def test_a_rollback_past_a_policy_switch_restores_the_policy_with_the_moments():
         if len(seen) == 1 and seen[0] == info.step:
             # The next dispatch switches policy while step `info.step` is queued: make its read
             # run out of memory, so that it and what follows roll back past the switch.
-            controller.read_faults[info.step] = 1
+            controller.injector.add("read", info.step)
 
     controller = make_controller(
-        RecordingController,
+        FaultyController,
         min_batch=4,
         max_batch=8,
         batch_size=8,

@@ -24,27 +24,6 @@ SETTINGS = {
 }
 
 
-class ReadFaultController(FaultyController):
-    """Raises XLA's RESOURCE_EXHAUSTED when chosen steps' metrics are *read*, not dispatched.
-
-    ``seen`` (the ids each successful dispatch trained) forgets the steps such a failure rolls
-    back: the failed one and every one queued behind it, which are re-run.
-    """
-
-    def __init__(self, *args, read_faults=None, **kwargs):
-        self.read_faults = dict(read_faults or {})
-        super().__init__(*args, **kwargs)
-
-    def _read_metrics(self, metrics):
-        pending = self._in_flight.pending
-        step = pending[0].step if pending else self.step_count
-        if self.read_faults.get(step, 0) > 0:
-            self.read_faults[step] -= 1
-            del self.seen[len(self.seen) - max(len(pending), 1) :]
-            raise jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: injected at read of {step}")
-        return super()._read_metrics(metrics)
-
-
 def reads_with_nothing_queued(monkeypatch, controller) -> list[int]:
     """Runs ``NUM_STEPS``; for each ``jax.device_get``, how many steps were queued behind it."""
     queued_behind = []
@@ -117,9 +96,13 @@ def test_an_out_of_memory_error_at_dispatch_in_flight_matches_a_synchronous_run(
 
 def test_an_out_of_memory_error_at_read_reruns_the_queued_steps_on_their_samples():
     """Async dispatch: the failure surfaces a step late, after the next step was dispatched."""
-    controller = make_controller(ReadFaultController, **SETTINGS, read_faults=FAULTS)
     events = []
-    controller._callback = lambda info: events.extend(info.events)
+    controller = make_controller(
+        FaultyController,
+        **SETTINGS,
+        read_faults=FAULTS,
+        callback=lambda info: events.extend(info.events),
+    )
     infos = controller.run(NUM_STEPS)
     assert [i.step for i in infos] == list(range(1, NUM_STEPS + 1))
     assert ooms(controller) == [(3, 64, 32), (7, 32, 16), (7, 16, 8)]

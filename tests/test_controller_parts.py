@@ -16,7 +16,7 @@ from triaccel_jax.controller import ControllerConfig
 from triaccel_jax.controller import OutOfMemoryError
 from triaccel_jax.controller import replan
 from triaccel_jax.controller._bucket_tracker import BucketTracker
-from triaccel_jax.controller._compile_cache import CompileCache
+from triaccel_jax.controller._compiling import StepCompiler
 from triaccel_jax.controller._feeding import BatchFeeder
 from triaccel_jax.controller._learning_rate import LearningRateScaling
 from triaccel_jax.controller._learning_rate import lr_factor
@@ -24,9 +24,10 @@ from triaccel_jax.controller._out_of_memory import retry_after_out_of_memory
 from triaccel_jax.controller._state_record import ControllerRecord
 from triaccel_jax.controller._state_record import from_state_dict
 from triaccel_jax.controller._state_record import to_state_dict
-from triaccel_jax.precision import PrecisionPlan
-from triaccel_jax.precision import PrecisionPolicy
+from triaccel_jax.policy import PrecisionPlan
+from triaccel_jax.policy import PrecisionPolicy
 from triaccel_jax.transforms import LossScaleState
+from triaccel_jax.transforms import LossScaling
 
 # -- config ----------------------------------------------------------------------------------------
 
@@ -112,15 +113,16 @@ def test_feeder_rejects_bad_data_and_places_state_as_strong_arrays():
 
 
 def test_compile_cache_keeps_steps_and_peaks_per_policy():
-    cache = CompileCache()
     arg = (jax.ShapeDtypeStruct((8,), jnp.float32),)
-    new = cache.compile((8, 1, None), lambda x: x + 1, arg)
-    assert cache.get((8, 1, None)) is new.executable and cache.get((16, 1, None)) is None
-    np.testing.assert_array_equal(new.executable(jnp.zeros(8)), np.ones(8))
+    cache = StepCompiler(lambda key, opt_state: (lambda x: x + 1, arg))
+    executable, new = cache.compiled((8, 1, None))
+    assert new is not None and new.executable is executable
+    assert cache.compiled((8, 1, None)) == (executable, None) and (16, 1, None) not in cache
+    np.testing.assert_array_equal(executable(jnp.zeros(8)), np.ones(8))
     cache.record_peak("abc", 8, 1000)
     cache.record_peak("abc", 16, 1800)
     assert cache.peaks("abc") == {8: 1000, 16: 1800} and cache.peaks("other") == {}
-    again = CompileCache()
+    again = StepCompiler(lambda key, opt_state: (lambda x: x, arg))
     again.load_peaks_record(json.loads(json.dumps(cache.peaks_record())))
     assert again.peaks("abc") == cache.peaks("abc") and len(again) == 0
 
@@ -204,10 +206,11 @@ def _record(**changes):
         limit_bytes=1000,
         last_loss=0.25,
         lr_factor=1.5,
-        loss_scale=None,
+        loss_scale=LossScaling().init(),
         policy=policy,
         pending={"w": ("fp32", 1)},
         sampler={"epoch": 0, "cursor": 3},
+        tuned_learning_rate=None,
     )
     return ControllerRecord(**{**fields, **changes})
 
@@ -226,15 +229,6 @@ def test_state_record_keeps_the_loss_scale():
     assert jax.tree.map(lambda x: (x.dtype, x.item()), back) == jax.tree.map(
         lambda x: (x.dtype, x.item()), scale
     )
-
-
-def test_state_record_reads_pending_streaks_from_an_old_policy_document():
-    state = json.loads(json.dumps(to_state_dict(_record(), IDENTITY)))
-    del state["pending"]
-    state["policy"]["pending"] = {"w": ["fp32", 1]}  # where records kept them before
-    assert from_state_dict(state, IDENTITY).pending == {"w": ("fp32", 1)}
-    del state["policy"]["pending"]
-    assert from_state_dict(state, IDENTITY).pending == {}
 
 
 def test_state_record_rejects_another_configuration():

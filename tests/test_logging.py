@@ -57,8 +57,7 @@ def test_every_event_is_logged_once_in_order(caplog, run):
     caplog.set_level(logging.DEBUG, logger="triaccel_jax")
     controller = make_controller(**RUNS[run])
     controller.run(20)
-    if controller._background.job is not None:  # a slow machine: let the compile finish
-        controller._background.job.future.result()
+    if controller.wait_for_compile():  # a slow machine: let the compile finish
         controller.run(2)
     # The controller's event log and the logger's records are the same decisions, in order:
     # a decision recorded but not logged (or logged twice) fails here.

@@ -1,8 +1,9 @@
 """The control stage: the host-side loop that adapts batch size and precision while training.
 
-:class:`Controller` orchestrates: it holds the state and writes the event log, and asks a part
-with one job for each decision. The parts are pure functions of measured figures or small
-classes, testable without a device; the public ones are exported here:
+:class:`Controller` is one object that owns its state and changes it only in its own methods
+(the loop with its in-flight queue, the switches at step boundaries, the rollback and retry).
+Decisions are pure functions of measured figures or small parts that own their own state,
+testable without a device; the public ones are exported here:
 
 * settings: :class:`ControllerConfig` (the controller's keywords as one frozen, validated
   value) and :class:`BatchLayout` (the buckets it allows on a data-parallel width);
@@ -17,18 +18,19 @@ classes, testable without a device; the public ones are exported here:
 * the log: :class:`Event` and :func:`event_records`; :class:`StepInfo` for progress callbacks;
   :class:`MetricWriterCallback` writes steps and events to a ``clu.metric_writers`` writer
   (TensorBoard; the ``clu`` extra), and every event also goes to the ``triaccel_jax.controller``
-  logger (``_logging``);
-* out-of-memory handling: :func:`is_out_of_memory`, :class:`OutOfMemoryError`.
+  logger;
+* out of memory: :func:`is_out_of_memory`, :class:`OutOfMemoryError`, and fault injection for
+  chaos-testing a run (:class:`OutOfMemoryFaults`, :class:`FaultSite`,
+  :func:`simulated_out_of_memory`).
 
-Private modules hold the other parts: batch feeding and placement (``_feeding``), the compile
-cache and compiled peaks (``_compile_cache``), compiling a step (``_step_compiler``), compiling a
-bigger bucket in the background (``_background_compile``), running one (``_step_runner``),
-keeping steps in flight (``_in_flight``), the periodic memory check (``_memory_check``), the bucket and its memory
-figures (``_bucket_tracker``), learning-rate scaling (``_learning_rate``), the out-of-memory retry
-(``_out_of_memory``), the state record (``_state_record``), the train step (``_train_step``) and
-the Flax train-state bridge (``_train_state_bridge``).
-
-See ``docs/design.md`` (section 5).
+The private modules, one concept each (docs/design.md §5 has the map): ``_controller`` (the
+object and its loop), ``_step_records`` (what a step depends on, restored whole by a rollback),
+``_compiling`` (the compile cache, compiled peaks and the background worker), ``_buckets`` and
+``_bucket_tracker`` (the bucket decision and the bucket's memory figures), ``_out_of_memory``
+(the retry rule and fault injection), ``_learning_rate`` (the batch rule), ``_replan``,
+``_state_record`` (the saved state's format), ``_feeding`` (batches on the devices),
+``_sampler``, ``_config``, ``_events``, ``_logging``, ``_metric_writer``, ``_memory_probe`` and
+``_agreement`` (memory figures agreed across processes).
 """
 
 from triaccel_jax.controller._buckets import BucketDecision
@@ -46,11 +48,13 @@ from triaccel_jax.controller._memory_probe import DeviceMemoryProbe
 from triaccel_jax.controller._memory_probe import FakeMemoryProbe
 from triaccel_jax.controller._memory_probe import MemoryProbe
 from triaccel_jax.controller._memory_probe import MemoryReading
-from triaccel_jax.controller._memory_probe import compiled_peak_bytes
 from triaccel_jax.controller._memory_probe import default_memory_probe
 from triaccel_jax.controller._metric_writer import MetricWriterCallback
+from triaccel_jax.controller._out_of_memory import FaultSite
 from triaccel_jax.controller._out_of_memory import OutOfMemoryError
+from triaccel_jax.controller._out_of_memory import OutOfMemoryFaults
 from triaccel_jax.controller._out_of_memory import is_out_of_memory
+from triaccel_jax.controller._out_of_memory import simulated_out_of_memory
 from triaccel_jax.controller._replan import Replan
 from triaccel_jax.controller._replan import replan
 from triaccel_jax.controller._sampler import ElasticSampler
@@ -65,18 +69,20 @@ __all__ = (
     "ElasticSampler",
     "Event",
     "FakeMemoryProbe",
+    "FaultSite",
     "MemoryProbe",
     "MemoryReading",
     "MetricWriterCallback",
     "OutOfMemoryError",
+    "OutOfMemoryFaults",
     "Replan",
     "StepInfo",
     "bucket_sizes",
-    "compiled_peak_bytes",
     "decide_bucket",
     "default_memory_probe",
     "event_records",
     "is_out_of_memory",
     "predict_peak",
     "replan",
+    "simulated_out_of_memory",
 )

@@ -1,74 +1,82 @@
 """``Controller``: the host-side loop that adapts batch size and precision (docs/design.md §5).
 
-A thin orchestrator over parts with one job each (settings, feeding, compile cache, step
-compiler and runner, memory check, learning rate, out-of-memory retry, re-plan, state record).
-Each decision is a pure function of measured figures; the parts return decisions and figures,
-and only the controller logs them, as :class:`triaccel_jax.controller.Event` records.
+The controller is one object that owns its state and changes it only in its own methods: the
+loop with its in-flight queue, the switches (grow, shrink, re-plan, ``set_policy``) taken at step
+boundaries, the out-of-memory rollback and retry, the learning rate, and the saved state. It asks
+pure decision functions and small state-owning parts for each decision (:mod:`._buckets` and
+:class:`._bucket_tracker.BucketTracker` for the bucket, :mod:`._out_of_memory` for the retry,
+:mod:`._learning_rate` for the rate, :func:`._replan.replan` for precision), compiles through
+:class:`._compiling.StepCompiler`, and is the only writer of the event log.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import time
 from collections.abc import Callable
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
+from triaccel_jax import training
 from triaccel_jax._src import validation
-from triaccel_jax.controller import _background_compile as background_compile
+from triaccel_jax.controller import _agreement as agreement
 from triaccel_jax.controller import _bucket_tracker as bucket_tracker
-from triaccel_jax.controller import _compile_cache as compile_cache
+from triaccel_jax.controller import _compiling as compiling
 from triaccel_jax.controller import _config as config_lib
 from triaccel_jax.controller import _events as events_lib
 from triaccel_jax.controller import _feeding as feeding
-from triaccel_jax.controller import _in_flight as in_flight
 from triaccel_jax.controller import _learning_rate as learning_rate
 from triaccel_jax.controller import _logging as logging_lib
-from triaccel_jax.controller import _memory_check as memory_check
 from triaccel_jax.controller import _memory_probe as memory_probe
 from triaccel_jax.controller import _out_of_memory as out_of_memory
 from triaccel_jax.controller import _replan as replan_lib
 from triaccel_jax.controller import _sampler as sampler_lib
 from triaccel_jax.controller import _state_record as state_record
-from triaccel_jax.controller import _step_compiler as step_compiler
-from triaccel_jax.controller import _step_runner as step_runner
-from triaccel_jax.controller import _train_state_bridge as bridge
-from triaccel_jax import training as train_step
-from triaccel_jax.precision import _policy as policy_lib
-from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
-from triaccel_jax.transforms import _signals as signals_lib
-from triaccel_jax.transforms import _state_conversion as state_conversion
+from triaccel_jax.controller import _step_records as records
+from triaccel_jax.policy import PrecisionPlan
+from triaccel_jax.policy import PrecisionPolicy
+from triaccel_jax.policy import check_policy
+from triaccel_jax.transforms import LossScaling
+from triaccel_jax.transforms import convert_state
+from triaccel_jax.transforms import signals
+from triaccel_jax.transforms import unfused_reason
+from triaccel_jax.transforms import uses_triton
 
-# Re-exported from here for code that imported them from this module.
-OutOfMemoryError = out_of_memory.OutOfMemoryError
 StepInfo = events_lib.StepInfo
-is_out_of_memory = out_of_memory.is_out_of_memory
 
 
 class Controller:
     """Trains with a batch size that follows free memory and a precision policy that follows curvature.
 
-    A thin orchestrator: each job is a part of its own (the settings, batch feeding, the compile
-    cache, learning-rate scaling, the out-of-memory retry, the state record); the controller
-    asks them for decisions and is the only one that writes the event log.
-
     The controller owns the batch bucket, the precision policy, the compile cache and the event
-    log. Each :meth:`step` it draws exactly ``batch_size`` samples from an
-    :class:`triaccel_jax.controller.ElasticSampler`, runs the step compiled for (micro-batch, policy), and
+    log. Each step it draws exactly ``batch_size`` samples from an
+    :class:`triaccel_jax.controller.ElasticSampler`, runs the step compiled for (micro-batch,
+    policy), and
 
     * every ``check_every`` steps reads the memory probe and grows or shrinks the batch bucket
       (:func:`triaccel_jax.controller.decide_bucket`);
-    * on ``RESOURCE_EXHAUSTED`` marks the bucket as a ceiling and re-runs the *same samples* as
-      accumulated micro-batches of the next smaller bucket, so no sample is lost or repeated and
-      the update is the big batch's (to float rounding); at ``min_batch`` it raises
-      :class:`triaccel_jax.OutOfMemoryError`;
+    * on ``RESOURCE_EXHAUSTED`` marks the bucket the step ran at as a ceiling and re-runs the
+      *same samples* as accumulated micro-batches of the next smaller bucket, so no sample is
+      lost or repeated and the update is the big batch's (to float rounding); at ``min_batch`` it
+      raises :class:`triaccel_jax.OutOfMemoryError`;
     * every ``replan_every`` steps re-plans the precision policy from
       :func:`triaccel_jax.signals` and converts the optimizer state when the policy changes;
     * while the policy computes any leaf in fp16 or fp8, scales the loss dynamically: the
       optimizer (and its curvature estimator) gets the gradients unscaled in float32, and a step
       with a non-finite gradient changes nothing, backs the scale off and reports
       ``metrics["skipped"] == 1`` (the scale is kept across steps, policies and checkpoints).
+
+    Steps are transactions: everything a step depends on (params, optimizer state, model state,
+    loss scale, policy, bucket) is snapshotted before it is dispatched, a switch takes effect at
+    a step boundary and belongs to the steps after it, and a step rolled back after a late
+    out-of-memory error is restored whole. Each step trains at the rate of the samples it trains,
+    and its :class:`StepInfo` tells the micro-batch and rate it really ran at.
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` returning the mean loss over ``batch`` (or
@@ -91,10 +99,11 @@ class Controller:
         ``data_axis``, whose size every bucket is a multiple of; params and states not already
         on the mesh are replicated.
       callback: called with a :class:`StepInfo` after every step (e.g. a progress bar).
-      config: the settings (every keyword above but the optimizer, params, data, state, probe,
-        policy, mesh and callback) as one :class:`triaccel_jax.controller.ControllerConfig`,
-        instead of as keywords.
-      **settings: the settings, as keywords; each is described in
+      faults: a fault injector, called with a :class:`triaccel_jax.controller.FaultSite` before
+        every dispatch and every read of a step; it may raise an out-of-memory error to
+        chaos-test a run (:class:`triaccel_jax.controller.OutOfMemoryFaults`).
+      config: the settings as one :class:`triaccel_jax.controller.ControllerConfig`; or
+      **settings: the same settings as keywords (not both); each is described in
         :class:`triaccel_jax.controller.ControllerConfig` (``min_batch``, ``max_batch``,
         ``batch_size``, ``target``, ``check_every``, ``replan_every``, ``lr_scaling``, ``seed``, ...).
 
@@ -105,7 +114,7 @@ class Controller:
       loss_scale: the dynamic loss scale's state (``scale``, ``good_steps``,
         ``skipped_steps``), updated only by steps that scale the loss.
       policy: the precision policy in force (None when precision is not planned).
-      plan: the :class:`triaccel_jax.precision.PrecisionPlan` in force: the policy and the
+      plan: the :class:`triaccel_jax.policy.PrecisionPlan` in force: the policy and the
         planner's hysteresis streaks (None when there is no policy).
       config: the :class:`triaccel_jax.controller.ControllerConfig`.
       buckets: the allowed micro-batch sizes.
@@ -153,9 +162,10 @@ class Controller:
         opt_state: Any = None,
         model_state: Any = None,
         probe: memory_probe.MemoryProbe | None = None,
-        policy: policy_lib.PrecisionPolicy | None = None,
+        policy: PrecisionPolicy | None = None,
         mesh: jax.sharding.Mesh | None = None,
         callback: Callable[[StepInfo], None] | None = None,
+        faults: Callable[[out_of_memory.FaultSite], None] | None = None,
         config: config_lib.ControllerConfig | None = None,
         **settings: Any,
     ) -> None:
@@ -167,6 +177,9 @@ class Controller:
         self.config = config = config_lib.resolve_config(config, settings)
         if callback is not None:
             validation.check_callable("callback", callback)
+        if faults is not None:
+            validation.check_callable("faults", faults)
+        self._faults = faults
         self._feeder = feeding.BatchFeeder(data, config.num_examples, mesh, config.data_axis)
         layout = config.layout(self._feeder.multiple)
         self.buckets, self._global = layout.buckets, layout.global_batch
@@ -186,12 +199,13 @@ class Controller:
         self.opt_state = self._place(tx.init(self.params) if opt_state is None else opt_state)
         self.model_state = self._place(model_state)
         # An optimizer that fused_update=True cannot fuse is refused here, not at the first step.
-        step_compiler.fused_step(config.fused_update, tx, self.opt_state)
-        self._loss_scaling = loss_scaling_lib.LossScaling(**config.loss_scaling)
+        self._fused(self.opt_state)
+        self._loss_scaling = LossScaling(**config.loss_scaling)
         self.loss_scale = self._place(self._loss_scaling.init())
-        self._loss = train_step.normalize_loss_fn(
+        self._loss = training.normalize_loss_fn(
             loss_fn, has_aux=config.has_aux, has_model_state=model_state is not None
         )
+        self._in_flight = records.InFlight()
         self._start_plan(policy)
         self._lr = learning_rate.LearningRateScaling(
             self.opt_state, config.lr_hyperparam, config.lr_scaling, layout.reference_batch
@@ -201,11 +215,12 @@ class Controller:
 
         self.step_count = 0
         self._last_loss: float | None = None
-        self._compiled = compile_cache.CompileCache()
+        self._compiler = compiling.StepCompiler(self._make_step)
+        # The step a re-plan came due at while a background compile was waiting (None: none
+        # waits); it runs as soon as that compile is taken.
+        self._replan_due_at: int | None = None
         self.events: list[events_lib.Event] = []
         self._train_state: tuple[Any, int] | None = None
-        self._in_flight = in_flight.InFlight()
-        self._background = background_compile.BackgroundCompiler()
         self.timings = {"step": 0.0, "compile": 0.0, "data": 0.0, "control": 0.0}
         self._check_loss_structure()
         self._log(
@@ -218,18 +233,18 @@ class Controller:
             reference_batch=self._lr.reference,
             tuned_learning_rate=self._lr.base_lr,
         )
-        self._set_learning_rate()
+        self._set_learning_rate(self.batch_size)
 
-    def _start_plan(self, policy: policy_lib.PrecisionPolicy | None) -> None:
+    def _start_plan(self, policy: PrecisionPolicy | None) -> None:
         """The starting plan: ``policy`` (all fp32 when re-planning), the moments converted."""
         if self.config.replan_every is not None:
             # Raises, naming the problem, when the optimizer holds no triaccel state.
-            signals_lib.signals(self.opt_state)
-            policy = policy or policy_lib.PrecisionPolicy.uniform(self.params)
-        self.plan: policy_lib.PrecisionPlan | None = None
+            signals(self.opt_state)
+            policy = policy or PrecisionPolicy.uniform(self.params)
+        self.plan: PrecisionPlan | None = None
         self.set_policy(policy)
 
-    # -- public ---------------------------------------------------------------------------------
+    # -- public -----------------------------------------------------------------------------------
 
     @classmethod
     def from_train_state(
@@ -237,29 +252,98 @@ class Controller:
     ) -> Controller:
         """A controller that trains a Flax train state; :attr:`train_state` gives it back.
 
-        The state's params, optimizer state, ``batch_stats`` (given to the loss as
-        ``model_state=``), policy and loss scale are the controller's starting point; see
-        :func:`triaccel_jax.controller._train_state_bridge.controller_from_train_state` for
-        the arguments and an example.
+        Args:
+          loss_fn: as for :class:`Controller`; with a state that has ``batch_stats`` (e.g.
+            :class:`triaccel_jax.flax.TrainState`), the loss gets them as ``model_state=``.
+          state: a ``flax.training.train_state.TrainState`` or
+            :class:`triaccel_jax.flax.TrainState` (whose ``policy`` becomes the starting policy,
+            and whose loss scale and its rule the controller continues with).
+          data: as for :class:`Controller`.
+          **kwargs: the other arguments of :class:`Controller` (not ``params``, ``opt_state``
+            or ``model_state``, which come from ``state``).
+
+        Returns:
+          The controller.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
+          >>> import triaccel_jax
+          >>> from triaccel_jax.flax import TrainState
+          >>> x = np.random.default_rng(0).normal(size=(128, 3)).astype(np.float32)
+          >>> model = nn.Dense(1)
+          >>> state = TrainState.create(
+          ...     apply_fn=model.apply,
+          ...     tx=triaccel_jax.triaccel(0.05),
+          ...     params=model.init(jax.random.key(0), x)["params"],
+          ... )
+          >>> def loss_fn(params, batch, *, policy, rng):
+          ...     return jnp.mean((state.apply_fn({"params": params}, batch) - 1.0) ** 2)
+          >>> controller = triaccel_jax.Controller.from_train_state(
+          ...     loss_fn,
+          ...     state,
+          ...     x,
+          ...     min_batch=32,
+          ...     max_batch=32,
+          ...     probe=triaccel_jax.BudgetMemoryProbe(2**30),
+          ... )
+          >>> _ = controller.run(5)
+          >>> int(controller.train_state.step)
+          5
         """
-        return bridge.controller_from_train_state(cls, loss_fn, state, data, **kwargs)
+        if "params" in kwargs or "opt_state" in kwargs or "model_state" in kwargs:
+            raise TypeError("from_train_state takes params, opt_state and batch_stats from `state`")
+        kwargs.setdefault("policy", getattr(state, "policy", None))
+        if isinstance(getattr(state, "loss_scaling", None), LossScaling):
+            if isinstance(kwargs.get("config"), config_lib.ControllerConfig):
+                kwargs["config"] = dataclasses.replace(
+                    kwargs["config"], loss_scaling=dataclasses.asdict(state.loss_scaling)
+                )
+            else:
+                kwargs.setdefault("loss_scaling", dataclasses.asdict(state.loss_scaling))
+        controller = cls(
+            loss_fn,
+            state.params,
+            state.tx,
+            data,
+            opt_state=state.opt_state,
+            model_state=getattr(state, "batch_stats", None),
+            **kwargs,
+        )
+        if getattr(state, "loss_scale", None) is not None:
+            controller.loss_scale = controller._place(state.loss_scale)
+        controller._train_state = (state, controller.step_count)
+        return controller
 
     @property
     def train_state(self) -> Any:
         """The train state given to :meth:`from_train_state`, advanced to the current step.
 
-        An injected learning rate in its optimizer state is the tuned (reference-batch) rate:
-        the controller's batch scaling is its own and is applied again by whoever trains next,
-        so that round trips do not compound it.
+        It holds the params, optimizer state, batch statistics, loss scale and (for
+        :class:`triaccel_jax.flax.TrainState`) policy of the last step read. An injected learning
+        rate in its optimizer state is the tuned (reference-batch) rate: the controller's batch
+        scaling is its own and is applied again by whoever trains next, so that round trips do
+        not compound it.
         """
         if self._train_state is None:
             raise AttributeError("this controller was not made with Controller.from_train_state")
         template, start = self._train_state
-        in_flight.flush(self)
-        return bridge.train_state_of(self, template, start, self._lr.tuned(self.opt_state))
+        self._flush()
+        changes = {
+            "step": template.step + (self.step_count - start),
+            "params": self.params,
+            "opt_state": self._lr.tuned(self.opt_state),
+        }
+        if getattr(template, "batch_stats", None) is not None:
+            changes["batch_stats"] = self.model_state
+        if getattr(template, "loss_scale", None) is not None:
+            changes["loss_scale"] = self.loss_scale
+        state = template.replace(**changes)
+        if hasattr(state, "with_policy"):  # triaccel_jax.flax.TrainState: rebuild the copy
+            state = state.with_policy(self.policy)
+        return state
 
     @property
-    def policy(self) -> policy_lib.PrecisionPolicy | None:
+    def policy(self) -> PrecisionPolicy | None:
         """The precision policy in force (None when precision is not planned)."""
         return None if self.plan is None else self.plan.policy
 
@@ -269,7 +353,7 @@ class Controller:
         if self._keep_global:
             assert self._global is not None  # the layout has a global batch with keep_global
             return self._global
-        return self._micro
+        return self._bucket.micro
 
     @property
     def micro_batch(self) -> int:
@@ -277,18 +361,59 @@ class Controller:
         return self._bucket.micro
 
     @property
-    def _micro(self) -> int:
-        return self._bucket.micro
-
-    @property
     def compile_count(self) -> int:
         """Steps compiled so far: one per distinct (micro-batch, micro-batches, policy)."""
-        return len(self._compiled)
+        return len(self._compiler)
+
+    @property
+    def compile_pending(self) -> bool:
+        """Whether a background compile (``compile_in_background``) is still to be taken."""
+        return self._compiler.busy
+
+    def wait_for_compile(self) -> bool:
+        """Blocks until the background compile in progress (if any) is ready; the switch it
+        carries is then made at the next step. Returns whether there was one."""
+        return self._compiler.wait()
+
+    def precompile(self, buckets: Sequence[int] | None = None) -> dict[int, int | None]:
+        """Compiles the step of each bucket under the policy in force, ahead of training.
+
+        Args:
+          buckets: the buckets to compile (default all of :attr:`buckets`).
+
+        Returns:
+          ``{bucket: compiled peak bytes}`` (None where XLA reports no figure): what a grow to
+          that bucket is checked against.
+
+        Raises:
+          ValueError: a bucket is not one of :attr:`buckets`.
+
+        Example:
+          >>> import jax.numpy as jnp, numpy as np, triaccel_jax
+          >>> controller = triaccel_jax.Controller(
+          ...     lambda p, b: jnp.mean((b @ p - 1.0) ** 2),
+          ...     jnp.zeros(2),
+          ...     triaccel_jax.triaccel(0.05),
+          ...     np.ones((64, 2), np.float32),
+          ...     min_batch=8,
+          ...     max_batch=16,
+          ...     probe=triaccel_jax.BudgetMemoryProbe(2**30),
+          ... )
+          >>> sorted(controller.precompile()), controller.compile_count
+          ([8, 16], 2)
+        """
+        chosen = self.buckets if buckets is None else tuple(buckets)
+        unknown = [b for b in chosen if b not in self.buckets]
+        if unknown:
+            raise ValueError(f"{unknown} are not buckets of this controller: {self.buckets}")
+        for bucket in chosen:
+            self._executable(bucket, self._num_micro(bucket))
+        compiled = self._compiler.peaks(self._policy_signature())
+        return {bucket: compiled.get(bucket) for bucket in chosen}
 
     def step(self) -> StepInfo:
-        """Runs one training step (checks and re-plans first when they are due) and reads it."""
-        in_flight.flush(self)
-        return step_runner.run_step(self)
+        """Runs one training step and reads it: ``run(1)[0]``."""
+        return self.run(1)[0]
 
     def run(self, num_steps: int) -> list[StepInfo]:
         """Runs ``num_steps`` steps; returns their :class:`StepInfo`.
@@ -296,15 +421,22 @@ class Controller:
         With ``steps_in_flight`` > 0 (the default), step ``n + 1`` is dispatched before step
         ``n``'s metrics are read, so the device never waits for the host; the callback gets each
         :class:`StepInfo` in order, that many steps late, while the controller's state is the
-        last dispatched step's (docs/design.md §8).
+        last dispatched step's (docs/design.md §8). Every step is read before it returns.
         """
         validation.check_integer("num_steps", num_steps, 0)
-        if self.config.steps_in_flight == 0:
-            return [self.step() for _ in range(num_steps)]
-        return in_flight.run_steps(self, num_steps, self.config.steps_in_flight)
+        self._flush()
+        self._in_flight.take_finished()
+        window = self.config.steps_in_flight
+        for _ in range(num_steps):
+            self._dispatch()
+            while len(self._in_flight.pending) > window:
+                self._finish_oldest()
+        self._flush()
+        return self._in_flight.take_finished()
 
-    def set_policy(self, policy: policy_lib.PrecisionPolicy | None) -> None:
-        """Switches the precision policy (the optimizer state's moments are converted).
+    def set_policy(self, policy: PrecisionPolicy | None) -> None:
+        """Switches the precision policy from the next step (the optimizer state's moments are
+        converted to its state dtypes).
 
         The planner's pending streaks start afresh: they were for the policy replaced.
 
@@ -312,16 +444,71 @@ class Controller:
           ValueError: the policy does not cover the params.
         """
         if policy is not None:
-            policy_lib.check_policy(policy, self.params)
+            check_policy(policy, self.params)
+        self._flush()  # the switch belongs to the steps after it
+        if policy is not None:
             # Only triaccel states hold per-leaf moment dtypes; any other state is kept as is.
-            self.opt_state = self._place(state_conversion.convert_state(self.opt_state, policy))
+            self.opt_state = self._place(convert_state(self.opt_state, policy))
         if policy != self.policy:
             self._bucket.measured = {}  # measured peaks were for the old policy
-        self.plan = None if policy is None else policy_lib.PrecisionPlan(policy, {})
+        self.plan = None if policy is None else PrecisionPlan(policy, {})
 
     def event_records(self) -> list[dict[str, Any]]:
         """The event log as flat dicts (``pandas.DataFrame(controller.event_records())``)."""
         return events_lib.event_records(self.events)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The controller's own state as JSON-ready data, to save beside params and optimizer state.
+
+        It holds the bucket, ceiling, hysteresis counters, memory figures, policy and the
+        planner's pending streaks, the tuned learning rate and factor, loss scale, step counter
+        and the sampler's cursor; the per-step ``rng`` is derived from ``seed`` and the step, so
+        it is not saved. A controller restored with :meth:`load_state_dict` (and the params and
+        optimizer state of the same step) takes the same decisions.
+        """
+        self._flush()  # the state of the last step read, params and all
+        plan = self.plan
+        record = state_record.ControllerRecord(
+            step=self.step_count,
+            **self._bucket.record(),
+            compiled_peaks=self._compiler.peaks_record(),
+            last_loss=self._last_loss,
+            lr_factor=self._lr.factor,
+            loss_scale=self.loss_scale,
+            policy=self.policy,
+            pending=dict(plan.pending) if plan is not None else {},
+            sampler=self.sampler.state_dict(),
+            tuned_learning_rate=self._lr.base_lr,
+        )
+        return state_record.to_state_dict(record, self._identity())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues from :meth:`state_dict`'s output (same data, seed and buckets).
+
+        Raises:
+          ValueError: the state is malformed or was saved by a controller configured differently;
+            nothing is changed then.
+        """
+        self._flush()
+        record = state_record.from_state_dict(state, self._identity())
+        if record.policy is not None:
+            record.policy.check_matches(self.params)
+        self.sampler.load_state_dict(record.sampler)
+        self.step_count, self._last_loss = record.step, record.last_loss
+        self._lr.restore_tuned(record.tuned_learning_rate)
+        self._bucket.restore(record)
+        self._compiler.load_peaks_record(record.compiled_peaks)
+        self.loss_scale = self._place(record.loss_scale)
+        if record.policy is not None:
+            # The moments were converted to the starting policy when this controller was made.
+            self.opt_state = self._place(convert_state(self.opt_state, record.policy))
+            self.plan = PrecisionPlan(record.policy, record.pending)
+        if self._train_state is not None:
+            # The train state given to from_train_state is the saved step's: its step counter
+            # already counts the steps the record does.
+            self._train_state = (self._train_state[0], self.step_count)
+        self._log("restore", None, self.step_count, "controller state loaded")
+        self._set_learning_rate(self.batch_size)
 
     def _identity(self) -> dict[str, Any]:
         """What a saved state must share with this controller to be loaded into it."""
@@ -331,56 +518,376 @@ class Controller:
             "keep_global_batch": self._keep_global,
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        """The controller's own state as JSON-ready data, to save beside params and optimizer state.
+    # -- the loop ---------------------------------------------------------------------------------
 
-        See :func:`triaccel_jax.controller._state_record.controller_state_dict` for what it
-        holds; a controller restored with :meth:`load_state_dict` (and the params and optimizer
-        state of the same step) takes the same decisions.
+    def _dispatch(self) -> None:
+        """At a step boundary: takes a ready switch, runs the due checks, draws the next step's
+        samples and queues the step on the device.
+
+        An out-of-memory error at dispatch reads every queued step, then runs this one through
+        the synchronous retry.
         """
-        in_flight.flush(self)  # the state of the last step read, params and all
-        return state_record.controller_state_dict(self)
+        start = time.perf_counter()
+        spent = self._device_seconds()
+        self._take_background_compile()  # a grow or re-plan whose compile is ready switches now
+        count = self.step_count
+        check_due = count > 0 and count % self.config.check_every == 0
+        replan_due = self.config.replan_due(count)
+        if check_due or replan_due:
+            self._flush()  # the checks read what the queued steps produce
+        first_event = len(self.events)
+        if check_due:
+            self._check_memory()
+        if replan_due:
+            self._replan()
+        indices = self.sampler.take(self.batch_size)
+        micro = self._bucket.micro
+        num_micro = self._num_micro(micro, len(indices))
+        self._set_learning_rate(len(indices))  # the rate of the samples this step trains
+        pending = records.PendingStep(
+            count,
+            indices,
+            num_micro,
+            micro,
+            self._lr.rate(),
+            self._lr.update_multiplier(),
+            self._record(),
+            None,
+            first_event,
+        )
+        self.timings["control"] += time.perf_counter() - start - (self._device_seconds() - spent)
+        try:
+            out = self._dispatch_step(pending)
+        except jax.errors.JaxRuntimeError as error:
+            if not out_of_memory.is_out_of_memory(error):
+                raise
+            self._flush()
+            self._on_out_of_memory(micro, [f"{num_micro}x{micro}"], error)
+            self._rerun(pending, last=True)
+            return
+        for leaf in jax.tree.leaves(out.metrics):
+            leaf.copy_to_host_async()  # the read a step later then finds the figures on the host
+        self._take_outputs(out)
+        self.step_count += 1
+        self._in_flight.pending.append(pending._replace(metrics=out.metrics))
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continues from :meth:`state_dict`'s output (same data, seed and buckets).
+    def _finish_oldest(self) -> None:
+        """Reads the oldest queued step; an out-of-memory error rolls back to the record it
+        started from and re-runs it and every step queued after it, in order."""
+        flight = self._in_flight
+        oldest = flight.pending[0]
+        try:
+            metrics = self._read(oldest)
+        except jax.errors.JaxRuntimeError as error:
+            if not out_of_memory.is_out_of_memory(error):
+                raise
+            queued = list(flight.pending)
+            flight.pending.clear()
+            self._restore(oldest.before)
+            self.step_count = oldest.step
+            self._on_out_of_memory(oldest.micro, [f"{oldest.num_micro}x{oldest.micro}"], error)
+            for step in queued:
+                self._rerun(step, last=step is queued[-1])
+            return
+        flight.pending.popleft()
+        self._deliver(oldest, metrics)
+
+    def _flush(self) -> None:
+        """Reads every queued step, oldest first."""
+        while self._in_flight.pending:
+            self._finish_oldest()
+
+    def _rerun(self, step: records.PendingStep, *, last: bool) -> None:
+        """Re-runs ``step`` on its samples from the state in force, synchronously, shrinking the
+        bucket while it runs out of memory.
+
+        Each re-run trains at the rate of its own samples; after the ``last`` one the rate
+        follows the batch in force for the steps to come (the retry shrank it), logged with it.
 
         Raises:
-          ValueError: the state is malformed or was saved by a controller configured differently.
+          OutOfMemoryError: the step ran out of memory at the smallest bucket.
         """
-        in_flight.flush(self)
-        state_record.load_controller_state(self, state)
-        if self._train_state is not None:
-            # The train state given to from_train_state is the saved step's: its step counter
-            # already counts the steps the record does.
-            self._train_state = (self._train_state[0], self.step_count)
-        self._log("restore", None, self.step_count, "controller state loaded")
-        self._set_learning_rate()
+        self.step_count = step.step
+        tried = [f"{step.num_micro}x{step.micro}"]
+        while True:
+            micro = self._bucket.micro
+            self._set_learning_rate(len(step.indices))
+            attempt = step._replace(
+                num_micro=self._num_micro(micro, len(step.indices)),
+                micro=micro,
+                learning_rate=self._lr.rate(),
+                update_scale=self._lr.update_multiplier(),
+                before=self._record(),
+            )
+            try:
+                out = self._dispatch_step(attempt)
+                metrics = self._read(attempt._replace(metrics=out.metrics))
+            except jax.errors.JaxRuntimeError as error:
+                if not out_of_memory.is_out_of_memory(error):
+                    raise
+                tried.append(f"{attempt.num_micro}x{micro}")
+                self._on_out_of_memory(micro, tried, error)
+                continue
+            break
+        self._take_outputs(out)
+        self.step_count += 1
+        if last:
+            self._set_learning_rate(self.batch_size)
+        self._deliver(attempt, metrics)
 
-    # -- decisions --------------------------------------------------------------------------------
+    def _dispatch_step(self, step: records.PendingStep) -> training.StepOutput:
+        """Gathers ``step``'s samples as its micro-batches and dispatches the compiled step.
 
-    def _known_peaks(self) -> dict[int, int]:
-        """Peak bytes per bucket under the current policy (see ``BucketTracker.known_peaks``)."""
-        return self._bucket.known_peaks(self._compiled.peaks(self._policy_signature()))
+        Returns:
+          The step's :class:`triaccel_jax.training.StepOutput`, on the device (JAX dispatches
+          asynchronously: nothing waits for the step to run).
+
+        Raises:
+          jax.errors.JaxRuntimeError: XLA's error when the step fails at dispatch (e.g. out of
+            memory), or the fault injector's.
+        """
+        executable = self._executable(step.micro, step.num_micro)
+        start = time.perf_counter()
+        batch = self._feeder.device_batch(step.indices, step.num_micro, step.micro)
+        self.timings["data"] += time.perf_counter() - start
+        start = time.perf_counter()
+        try:
+            if self._faults is not None:
+                self._faults(
+                    out_of_memory.FaultSite("dispatch", step.step, step.micro, step.num_micro)
+                )
+            return executable(
+                self.params,
+                self.opt_state,
+                self.model_state,
+                batch,
+                np.int32(step.step),
+                np.float32(step.update_scale),
+                self.loss_scale,
+            )
+        finally:
+            self.timings["step"] += time.perf_counter() - start
+
+    def _read(self, step: records.PendingStep) -> dict[str, float]:
+        """``step``'s metrics as floats: a transfer that waits for the step to finish."""
+        start = time.perf_counter()
+        try:
+            if self._faults is not None:
+                self._faults(out_of_memory.FaultSite("read", step.step, step.micro, step.num_micro))
+            return {k: float(v) for k, v in jax.device_get(step.metrics).items()}
+        finally:
+            self.timings["step"] += time.perf_counter() - start
+
+    def _deliver(self, step: records.PendingStep, metrics: dict[str, float]) -> None:
+        """The bookkeeping of a step whose metrics are read: loss, :class:`StepInfo`, callback."""
+        start = time.perf_counter()
+        flight = self._in_flight
+        # A non-finite loss is a step the loss scaling skipped: it changed nothing, and the
+        # planner's relative budget needs a finite loss, so the last finite one is kept.
+        if math.isfinite(metrics["loss"]):
+            self._last_loss = metrics["loss"]
+        begin, end = flight.event_span(step, len(self.events))
+        info = events_lib.StepInfo(
+            step.step + 1,
+            len(step.indices),
+            step.micro,  # the micro-batch the step ran at, not the bucket in force when read
+            metrics["loss"],
+            metrics,
+            self._known_peaks().get(step.micro),
+            self._bucket.limit,
+            tuple(self.events[begin:end]),
+            start - flight.last_finish,
+            step.indices,
+            step.learning_rate,
+            step.update_scale,
+        )
+        flight.last_finish = start
+        flight.finished.append(info)
+        self.timings["control"] += time.perf_counter() - start
+        if self._callback is not None:
+            self._callback(info)
+
+    # -- the training state as one record -------------------------------------------------------
+
+    def _record(self) -> records.TrainingRecord:
+        return records.TrainingRecord(
+            self.params,
+            self.opt_state,
+            self.model_state,
+            self.loss_scale,
+            self.plan,
+            self._bucket.micro,
+        )
+
+    def _restore(self, record: records.TrainingRecord) -> None:
+        """Rolls back to ``record`` whole: a switch taken after it was made is undone with it."""
+        self.params, self.opt_state = record.params, record.opt_state
+        self.model_state, self.loss_scale = record.model_state, record.loss_scale
+        if record.plan != self.plan:
+            self._bucket.measured = {}  # measured peaks were for the policy undone
+        self.plan = record.plan
+        self._bucket.micro = record.micro
+        self._lr.invalidate()  # the restored state holds the record's rate, not the current one
+
+    def _take_outputs(self, out: training.StepOutput) -> None:
+        # Replacing the state frees the previous step's buffers, as in any training loop.
+        self.params, self.opt_state = out.params, out.opt_state
+        self.model_state, self.loss_scale = out.model_state, out.loss_scale
+
+    # -- switches and decisions -------------------------------------------------------------------
 
     def _check_memory(self) -> None:
-        memory_check.check_memory(self)
+        """Reads the probe and grows or shrinks the bucket when the tracker says so.
+
+        A grow is taken only once the bigger bucket's step is compiled and its compiled peak is
+        under the high-water mark (else it is logged as a ``"reject"``); a shrink is taken at
+        once. Either moves the learning rate with the batch.
+        """
+        micro = self._bucket.micro
+        reading = self.probe.read(batch_size=micro)
+        peak, limit = agreement.agree_on_memory(reading.peak_bytes, reading.limit_bytes)
+        state = (self.params, self.opt_state, self.model_state)
+        decision = self._bucket.check(
+            peak,
+            limit,
+            compiled_peaks=self._compiler.peaks(self._policy_signature()),
+            fixed_bytes=self._bucket.fixed_bytes(state, self.params),
+        )
+        if decision.kind == "keep" or (decision.kind == "grow" and self._compiler.busy):
+            return
+        if decision.kind == "shrink":
+            self._compiler.call_off_grow()  # a grow decided before memory tightened is not taken
+        figures = {"peak_bytes": self._known_peaks().get(micro), "limit_bytes": limit}
+        if decision.kind == "grow" and self.config.compile_in_background:
+            key = (decision.bucket, self._num_micro(decision.bucket), self.policy)
+            self._compiler.start(key, decision.reason, figures)
+            self._log(
+                "grow_decided",
+                micro,
+                decision.bucket,
+                f"{decision.reason}; compiling micro-batch {decision.bucket} in the background",
+                **figures,
+            )
+            return
+        if decision.kind == "grow":
+            self._executable(decision.bucket, self._num_micro(decision.bucket))
+            if self._refuse_grow(decision.bucket):
+                return
+        self._log(decision.kind, micro, decision.bucket, decision.reason, **figures)
+        self._bucket.micro = decision.bucket
+
+    def _refuse_grow(self, bucket: int) -> bool:
+        """Logs a ``"reject"`` and returns True when ``bucket``'s compiled peak is too high."""
+        compiled = self._compiler.peaks(self._policy_signature())
+        refused = self._bucket.over_high_water(bucket, compiled)
+        if refused is None:
+            return False
+        self._log(
+            "reject",
+            self._bucket.micro,
+            bucket,
+            refused,
+            compiled_peak_bytes=compiled[bucket],
+            limit_bytes=self._bucket.limit,
+        )
+        return True
 
     def _replan(self) -> None:
-        replan_lib.replan_controller(self)
+        """Re-plans the policy from the optimizer's signals (:func:`._replan.replan`).
 
-    def _set_learning_rate(self, samples: int | None = None) -> None:
-        """Scales the rate for a step of ``samples`` (default: the batch in force).
+        A changed policy converts the optimizer state and forgets the measured peaks. With
+        ``compile_in_background`` the new policy's step compiles on the worker thread first and
+        the switch comes at the first step boundary after it is ready; a re-plan that comes due
+        while another background compile waits runs as soon as that one is taken.
+        """
+        if self._compiler.busy:
+            if self._replan_due_at is None:
+                self._replan_due_at = self.step_count
+            return
+        due = self.step_count if self._replan_due_at is None else self._replan_due_at
+        self._replan_due_at = None
+        result = replan_lib.replan(
+            self.opt_state,
+            self.params,
+            self.plan,
+            loss=self._last_loss,
+            planner_options=self.config.planner_options,
+            # The first plan leaves the all-fp32 start at once: hysteresis guards against
+            # flipping back and forth between plans, and there is no earlier plan yet.
+            hysteresis=not self.config.is_first_replan(due),
+        )
+        if not result.changed:
+            self.plan = result.plan  # the hysteresis streaks move on
+            return
+        figures = {"leaves_by_dtype": result.leaves_by_dtype, "loss": self._last_loss}
+        reason = "the planner chose another policy"
+        micro = self._bucket.micro
+        key = (micro, self._num_micro(micro), result.plan.policy)
+        if self.config.compile_in_background and key not in self._compiler:
+            self._compiler.start(key, reason, figures, plan=result.plan, opt_state=result.opt_state)
+            assert self.policy is not None  # re-planning starts from a policy
+            self._log(
+                "replan_decided",
+                self.policy.signature,
+                result.plan.policy.signature,
+                f"{reason}; compiling its step in the background",
+                **figures,
+            )
+            return
+        self._switch_policy(result.plan, reason, figures, opt_state=result.opt_state)
 
-        Each step trains at the rate of the samples it trains, so a step re-run after an
-        out-of-memory error, or queued behind one, keeps its own batch's rate."""
-        batch = self.batch_size if samples is None else samples
-        if self._lr.is_current(batch):
-            return  # every step asks: the state is rewritten only when the rate changes
-        change = self._lr.follow(self.opt_state, batch)
+    def _switch_policy(
+        self, plan: PrecisionPlan, reason: str, figures: dict, *, opt_state: Any = None
+    ) -> None:
+        """Puts ``plan``'s policy in force: the optimizer state converted (``opt_state`` when it
+        is already), a ``"replan"`` logged, the measured peaks (the old policy's) forgotten."""
+        assert self.policy is not None  # re-planning starts from a policy
+        self._log("replan", self.policy.signature, plan.policy.signature, reason, **figures)
+        if opt_state is None:
+            opt_state = convert_state(self.opt_state, plan.policy)
+        self.opt_state = self._place(opt_state)
+        self.plan = plan
+        self._bucket.measured = {}
+
+    def _take_background_compile(self) -> None:
+        """At a step boundary: when a background compile is ready, makes its switch (or refuses
+        its grow); a re-plan that came due meanwhile runs next (it may start a compile of its
+        own)."""
+        ready = self._compiler.take_ready()
+        if ready is None:
+            return
+        job, new = ready
+        self._note_compile(job.key, new, background=True)
+        if job.plan is not None:
+            # The state has kept training since the decision: convert it as it is now.
+            self._switch_policy(job.plan, job.reason, job.figures)
+        else:
+            bucket, _, policy = job.key
+            still_holds = job.switch and policy == self.policy and bucket > self._bucket.micro
+            if still_holds and not self._refuse_grow(bucket):
+                self._log("grow", self._bucket.micro, bucket, job.reason, **job.figures)
+                self._bucket.micro = bucket
+        if self._replan_due_at is not None:
+            self._replan()
+
+    def _on_out_of_memory(self, micro: int, tried: list[str], error: BaseException) -> None:
+        """Charges an out-of-memory error to ``micro``, the bucket its step ran at."""
+        decision = self._bucket.retry_after_out_of_memory(
+            micro, step=self.step_count, tried=tried, error=error
+        )
+        self._log("oom", micro, decision.bucket, decision.reason, ceiling=decision.ceiling)
+        self._compiler.call_off_grow()  # a grow decided before the error is not taken
+
+    def _set_learning_rate(self, samples: int) -> None:
+        """Scales the rate for a step of ``samples`` (each step asks for its own samples' rate;
+        the state is rewritten only when the rate changes)."""
+        if self._lr.is_current(samples):
+            return
+        change = self._lr.follow(self.opt_state, samples)
         if change.new != change.old:
             figures = {
                 "factor": change.new,
-                "batch": batch,
+                "batch": samples,
                 "reference_batch": self._lr.reference,
             }
             old_rate, new_rate = self._lr.rate(change.old), self._lr.rate(change.new)
@@ -390,7 +897,7 @@ class Controller:
                     "learning_rate",
                     old_rate,
                     new_rate,
-                    f"{self.config.lr_scaling} rule for batch {batch}: "
+                    f"{self.config.lr_scaling} rule for batch {samples}: "
                     f"{self._lr.base_lr:.4g} (tuned at reference batch {self._lr.reference}) "
                     f"x {change.new:.4g}",
                     tuned_learning_rate=self._lr.base_lr,
@@ -401,7 +908,7 @@ class Controller:
                     "update_scale",
                     change.old,
                     change.new,
-                    f"{self.config.lr_scaling} rule for batch {batch} against reference "
+                    f"{self.config.lr_scaling} rule for batch {samples} against reference "
                     f"batch {self._lr.reference}; the rate is not an injected constant, so the "
                     "update is multiplied instead",
                     **figures,
@@ -409,46 +916,101 @@ class Controller:
         if self._lr.base_lr is not None:
             self.opt_state = self._place(change.opt_state)
 
-    # -- running ----------------------------------------------------------------------------------
+    # -- compiling --------------------------------------------------------------------------------
 
-    def _num_micro(self, micro: int) -> int:
-        """Micro-batches per step at bucket ``micro`` (outside an out-of-memory retry)."""
+    def _executable(self, micro: int, num_micro: int) -> Any:
+        """The step compiled for ``micro`` x ``num_micro`` under the policy in force."""
+        key = (micro, num_micro, self.policy)
+        executable, new = self._compiler.compiled(key)
+        if new is not None:
+            self._note_compile(key, new, background=False)
+        return executable
+
+    def _make_step(self, key: compiling.StepKey, opt_state: Any) -> tuple[Any, tuple]:
+        """The pure step for ``key`` and its arguments as shapes (``opt_state``: the state the
+        step takes, default the one in force)."""
+        micro, num_micro, policy = key
+        if opt_state is None:
+            opt_state = self.opt_state
+        step = training.make_train_step(
+            self._loss,
+            self.tx,
+            policy=policy,
+            num_micro=num_micro,
+            seed=self._seed,
+            loss_scaling=training.loss_scaling_for(policy, self._loss_scaling, opt_state),
+            fused=self._fused(opt_state),
+        )
+        args = training.abstract_step_arguments(
+            (self.params, opt_state, self.model_state),
+            self._feeder.abstract_batch(num_micro, micro),
+            self.loss_scale,
+        )
+        return step, args
+
+    def _fused(self, opt_state: Any) -> bool:
+        """Whether the step updates and applies in one pass (``ControllerConfig.fused_update``).
+
+        Raises:
+          ValueError: ``fused_update=True`` and the optimizer cannot be fused (reason named).
+        """
+        setting = self.config.fused_update
+        if setting is None:
+            return uses_triton(self.tx, opt_state)
+        if setting:
+            reason = unfused_reason(self.tx, opt_state)
+            if reason is not None:
+                raise ValueError(f"fused_update=True, but the optimizer cannot be fused: {reason}")
+        return bool(setting)
+
+    def _note_compile(
+        self, key: compiling.StepKey, new: compiling.CompiledStep, *, background: bool
+    ) -> None:
+        """Records a new compile's peak (for a bucket's own step, not an out-of-memory retry's
+        accumulation) and time, and logs a ``"compile"`` event."""
+        micro, num_micro, policy = key
+        signature = "none" if policy is None else policy.signature
+        if new.peak_bytes is not None and num_micro == self._num_micro(micro):
+            self._compiler.record_peak(signature, micro, new.peak_bytes)
+        self.timings["compile"] += new.seconds
+        self._log(
+            "compile",
+            None,
+            f"{num_micro}x{micro}",
+            f"first step with micro-batch {micro} x {num_micro}, policy {signature}",
+            compiled_peak_bytes=new.peak_bytes,
+            policy=signature,
+            seconds=round(new.seconds, 3),
+            background=background,
+        )
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _num_micro(self, micro: int, samples: int | None = None) -> int:
+        """Micro-batches per step at bucket ``micro``: the global batch's share with
+        ``keep_global_batch``, else as many as ``samples`` needs (1 outside a retry)."""
         if self._keep_global:
             assert self._global is not None  # the layout has a global batch with keep_global
             return self._global // micro
-        return 1
+        return 1 if samples is None else max(samples // micro, 1)
+
+    def _known_peaks(self) -> dict[int, int]:
+        """Peak bytes per bucket under the current policy (see ``BucketTracker.known_peaks``)."""
+        return self._bucket.known_peaks(self._compiler.peaks(self._policy_signature()))
 
     def _policy_signature(self) -> str:
         return "none" if self.policy is None else self.policy.signature
 
-    def _compiled_step(self, micro: int, num_micro: int) -> Any:
-        """The step compiled for ``micro`` x ``num_micro`` under the policy in force."""
-        return step_compiler.compiled_step(self, micro, num_micro)
-
-    def _build_step(self, step: Callable[..., Any], abstract_args: tuple) -> Any:
-        return compile_cache.build(step, abstract_args)  # also on the background thread
-
-    def _read_metrics(self, metrics: Any) -> dict[str, float]:
-        return step_runner.read_metrics(metrics)
-
-    def _on_out_of_memory(self, micro: int, tried: list[str], error: BaseException) -> None:
-        decision = self._bucket.retry_after_out_of_memory(
-            micro, step=self.step_count, tried=tried, error=error
-        )
-        self._log("oom", micro, decision.bucket, decision.reason, ceiling=decision.ceiling)
-        self._background.cancel_switch()  # a grow decided before the OOM is not taken
-
-    # -- helpers ----------------------------------------------------------------------------------
+    def _device_seconds(self) -> float:
+        return self.timings["step"] + self.timings["compile"] + self.timings["data"]
 
     def _place(self, tree: Any) -> Any:
         return self._feeder.place(tree)
 
     def _check_loss_structure(self) -> None:
-        batch = self._feeder.abstract_batch(1, self._micro)
+        batch = self._feeder.abstract_batch(1, self._bucket.micro)
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
-        train_step.check_loss_structure(
-            self._loss, self.params, self.model_state, batch, self.policy
-        )
+        training.check_loss_structure(self._loss, self.params, self.model_state, batch, self.policy)
 
     def _log(self, kind: str, old: Any, new: Any, reason: str, **figures: Any) -> None:
         self.events.append(events_lib.Event(self.step_count, kind, old, new, reason, figures))

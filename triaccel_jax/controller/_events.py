@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
+import numpy as np
+
 
 class Event(NamedTuple):
     """One controller decision.
@@ -61,6 +63,11 @@ class StepInfo(NamedTuple):
       limit_bytes: the memory limit at the last check, or None.
       events: the events logged during this step.
       seconds: wall time of the step, compiles included.
+      indices: the samples it trained (indices into the data), in batch order.
+      learning_rate: the injected learning rate the step ran at (None when the rate is not an
+        injected constant).
+      update_scale: the factor the step's update was multiplied by (1.0 when the rate is
+        injected; the batch rule's factor otherwise).
     """
 
     step: int
@@ -72,6 +79,9 @@ class StepInfo(NamedTuple):
     limit_bytes: int | None
     events: tuple[Event, ...]
     seconds: float
+    indices: np.ndarray | None = None
+    learning_rate: float | None = None
+    update_scale: float = 1.0
 
 
 def event_records(events: Iterable[Event]) -> list[dict[str, Any]]:

@@ -172,6 +172,11 @@ class LearningRateScaling:
             opt_state = set_hyperparam(opt_state, self.hyperparam, self.base_lr * self.factor)
         return LearningRateChange(old, self.factor, opt_state)
 
+    def invalidate(self) -> None:
+        """Marks the state's rate as unknown (a rollback restored an older state), so that the
+        next :meth:`is_current` is False and the rate is written again."""
+        self._stale = True
+
     def restore_tuned(self, tuned: float | None) -> None:
         """Takes ``tuned`` (a saved state's tuned rate) as the rate to scale, when this
         controller writes an injected constant rate: the optimizer state it was given holds that

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from triaccel_jax._src import validation
+from triaccel_jax.precision import compiled_peak_bytes as compiled_peak_bytes
 
 
 class MemoryReading(NamedTuple):
@@ -48,42 +49,6 @@ class MemoryProbe(Protocol):
     """Anything with ``read(*, batch_size) -> MemoryReading`` (the batch size that last ran)."""
 
     def read(self, *, batch_size: int) -> MemoryReading: ...
-
-
-def compiled_peak_bytes(compiled: Any) -> int | None:
-    """XLA's predicted peak of a compiled function: temp + argument + output - alias bytes.
-
-    Args:
-      compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``).
-
-    Returns:
-      The bytes, or None when the backend gives no memory analysis. (XLA's own
-      ``peak_memory_in_bytes`` is not used: it is wrong on CPU.)
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from triaccel_jax.controller import compiled_peak_bytes
-      >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(1024)).compile()
-      >>> compiled_peak_bytes(compiled) >= 2 * 4096
-      True
-    """
-    if not callable(getattr(compiled, "memory_analysis", None)):
-        raise TypeError(
-            "`compiled` must be a compiled executable, `jax.jit(f).lower(...).compile()`, got "
-            f"{type(compiled).__name__}"
-        )
-    try:
-        stats = compiled.memory_analysis()
-    except (NotImplementedError, RuntimeError):
-        return None
-    if stats is None:
-        return None
-    return int(
-        stats.temp_size_in_bytes
-        + stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        - stats.alias_size_in_bytes
-    )
 
 
 class DeviceMemoryProbe:

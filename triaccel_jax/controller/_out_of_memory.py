@@ -7,10 +7,13 @@ bucket as a ceiling; at the smallest bucket there is nothing left to try (docs/d
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
+
+from triaccel_jax._src import validation
 
 
 class OutOfMemoryError(RuntimeError):
@@ -95,3 +98,105 @@ def retry_after_out_of_memory(
         f"of {new}; {micro} is now a ceiling"
     )
     return RetryDecision(new, ceiling, reason)
+
+
+class FaultSite(NamedTuple):
+    """Where the controller is about to touch the device, as a fault injector sees it.
+
+    Attributes:
+      where: ``"dispatch"`` (the compiled step is about to be called) or ``"read"`` (the step's
+        metrics are about to be copied to the host: under asynchronous dispatch that is where
+        a device's out-of-memory error may first surface).
+      step: the step's index (0 for the first step).
+      micro: the micro-batch it runs at.
+      num_micro: micro-batches it accumulates.
+    """
+
+    where: str
+    step: int
+    micro: int
+    num_micro: int
+
+
+def simulated_out_of_memory(site: FaultSite) -> jax.errors.JaxRuntimeError:
+    """The error XLA raises when a device runs out of memory, for ``site``.
+
+    Example:
+      >>> from triaccel_jax.controller import FaultSite, is_out_of_memory, simulated_out_of_memory
+      >>> is_out_of_memory(simulated_out_of_memory(FaultSite("read", 3, 64, 1)))
+      True
+    """
+    return jax.errors.JaxRuntimeError(
+        f"RESOURCE_EXHAUSTED: injected out-of-memory error at the {site.where} of step "
+        f"{site.step} (micro-batch {site.micro} x {site.num_micro})"
+    )
+
+
+class OutOfMemoryFaults:
+    """A fault injector: out-of-memory errors at chosen steps, for chaos-testing a run.
+
+    Pass it as ``Controller(..., faults=OutOfMemoryFaults(...))``. The controller calls it at
+    every dispatch and every read (:class:`FaultSite`); where a step is scheduled it raises the
+    error a device raises (:func:`simulated_out_of_memory`), so the recovery taken is exactly the
+    one a real out-of-memory error takes: the step is re-run on its same samples at a smaller
+    bucket, and a failed read also re-runs the steps queued behind it. Any callable taking a
+    :class:`FaultSite` can be given instead (e.g. one failing whenever ``site.micro`` passes a
+    size, to emulate a smaller device).
+
+    Args:
+      at_dispatch: ``{step: how many attempts at it fail at dispatch}``.
+      at_read: ``{step: how many attempts at it fail when its metrics are read}``.
+
+    Attributes:
+      injected: the :class:`FaultSite` of every error raised, in order.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, triaccel_jax
+      >>> from triaccel_jax.controller import OutOfMemoryFaults
+      >>> faults = OutOfMemoryFaults(at_read={2: 1})
+      >>> controller = triaccel_jax.Controller(
+      ...     lambda p, b: jnp.mean((b @ p - 1.0) ** 2),
+      ...     jnp.zeros(2),
+      ...     triaccel_jax.triaccel(0.05),
+      ...     np.ones((64, 2), np.float32),
+      ...     min_batch=8,
+      ...     max_batch=16,
+      ...     batch_size=16,
+      ...     probe=triaccel_jax.BudgetMemoryProbe(2**30),
+      ...     faults=faults,
+      ... )
+      >>> infos = controller.run(4)
+      >>> [info.micro_batch for info in infos], [e.kind for e in controller.events].count("oom")
+      ([16, 16, 8, 8], 1)
+
+    References:
+      Basiri et al., 2016, "Chaos Engineering" (inject the failures a system must survive).
+    """
+
+    def __init__(
+        self,
+        at_dispatch: Mapping[int, int] | None = None,
+        at_read: Mapping[int, int] | None = None,
+    ) -> None:
+        self._left = {"dispatch": dict(at_dispatch or {}), "read": dict(at_read or {})}
+        for where, schedule in self._left.items():
+            for step, count in schedule.items():
+                validation.check_integer(f"at_{where} step", step, 0)
+                validation.check_integer(f"at_{where}[{step}]", count, 0)
+        self.injected: list[FaultSite] = []
+
+    def add(self, where: str, step: int, count: int = 1) -> None:
+        """Schedules ``count`` more failures of step ``step`` at ``where`` (``"dispatch"`` or
+        ``"read"``), e.g. from a callback while the run goes on."""
+        if where not in self._left:
+            raise ValueError(f"`where` must be 'dispatch' or 'read', got {where!r}")
+        validation.check_integer("step", step, 0)
+        validation.check_integer("count", count, 0)
+        self._left[where][step] = self._left[where].get(step, 0) + count
+
+    def __call__(self, site: FaultSite) -> None:
+        left = self._left[site.where]
+        if left.get(site.step, 0) > 0:
+            left[site.step] -= 1
+            self.injected.append(site)
+            raise simulated_out_of_memory(site)

@@ -16,8 +16,9 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from triaccel_jax.precision import _policy as policy_lib
-from triaccel_jax.transforms import _loss_scaling as loss_scaling_lib
+from triaccel_jax.policy import PrecisionPolicy
+from triaccel_jax.policy import pending_from_document
+from triaccel_jax.transforms import LossScaleState
 
 STATE_FORMAT = "triaccel_jax.Controller"
 STATE_VERSION = 1
@@ -40,7 +41,7 @@ class ControllerRecord(NamedTuple):
       tuned_learning_rate: the injected rate at the reference batch (None when the optimizer
         holds no injected constant rate); a resumed controller scales this one, not the scaled
         rate its optimizer state holds.
-      loss_scale: the dynamic loss scale's state, or None (records from before it existed).
+      loss_scale: the dynamic loss scale's state.
       policy: the precision policy, or None.
       pending: the planner's hysteresis streaks ``{path: (compute dtype, count)}``.
       sampler: the sampler's own state.
@@ -56,11 +57,11 @@ class ControllerRecord(NamedTuple):
     limit_bytes: int | None
     last_loss: float | None
     lr_factor: float
-    loss_scale: loss_scaling_lib.LossScaleState | None
-    policy: policy_lib.PrecisionPolicy | None
+    loss_scale: LossScaleState
+    policy: PrecisionPolicy | None
     pending: dict[str, tuple[str, int]]
     sampler: Mapping[str, Any]
-    tuned_learning_rate: float | None = None
+    tuned_learning_rate: float | None
 
 
 def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict[str, Any]:
@@ -68,8 +69,23 @@ def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict
 
     Example:
       >>> from triaccel_jax.controller._state_record import ControllerRecord, to_state_dict
+      >>> from triaccel_jax.transforms import LossScaling
       >>> record = ControllerRecord(
-      ...     3, 16, None, 0, 0, {16: 900}, {}, 1000, 0.5, 1.0, None, None, {}, {"epoch": 0}
+      ...     3,
+      ...     16,
+      ...     None,
+      ...     0,
+      ...     0,
+      ...     {16: 900},
+      ...     {},
+      ...     1000,
+      ...     0.5,
+      ...     1.0,
+      ...     LossScaling().init(),
+      ...     None,
+      ...     {},
+      ...     {"epoch": 0},
+      ...     None,
       ... )
       >>> to_state_dict(record, {"seed": 0})["measured_peaks"]
       {'16': 900}
@@ -79,18 +95,12 @@ def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict
     data["policy"] = None if record.policy is None else json.loads(record.policy.to_json())
     data["pending"] = {p: list(v) for p, v in record.pending.items()}
     data["sampler"] = dict(record.sampler)
-    if record.loss_scale is not None:
-        data["loss_scale"] = {
-            k: np.asarray(v).item() for k, v in record.loss_scale._asdict().items()
-        }
+    data["loss_scale"] = {k: np.asarray(v).item() for k, v in record.loss_scale._asdict().items()}
     return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity, **data}
 
 
 def from_state_dict(state: Any, identity: Mapping[str, Any]) -> ControllerRecord:
     """Reads :func:`to_state_dict`'s output, checking it matches this controller's ``identity``.
-
-    Records written before the planner's streaks moved out of the policy carry them inside the
-    policy document; they are read from there.
 
     Raises:
       ValueError: the state is malformed or was saved by a controller configured differently.
@@ -110,11 +120,8 @@ def from_state_dict(state: Any, identity: Mapping[str, Any]) -> ControllerRecord
     document = state["policy"]
     policy = None
     if document is not None:
-        policy = policy_lib.PrecisionPolicy.from_json(json.dumps(document))
-    pending = state.get("pending")
-    pending = policy_lib.pending_from_document(
-        {"pending": pending} if pending is not None else (document or {})
-    )
+        policy = PrecisionPolicy.from_json(json.dumps(document))
+    pending = pending_from_document({"pending": state["pending"]})
     return ControllerRecord(
         step=int(state["step"]),
         micro_batch=int(state["micro_batch"]),
@@ -125,8 +132,8 @@ def from_state_dict(state: Any, identity: Mapping[str, Any]) -> ControllerRecord
         compiled_peaks=dict(state["compiled_peaks"]),
         limit_bytes=state["limit_bytes"],
         last_loss=state["last_loss"],
-        lr_factor=float(state.get("lr_factor", 1.0)),
-        loss_scale=_loss_scale(state.get("loss_scale")),
+        lr_factor=float(state["lr_factor"]),
+        loss_scale=_loss_scale(state["loss_scale"]),
         policy=policy,
         pending=pending,
         sampler=state["sampler"],
@@ -134,59 +141,9 @@ def from_state_dict(state: Any, identity: Mapping[str, Any]) -> ControllerRecord
     )
 
 
-def _loss_scale(record: Mapping[str, Any] | None) -> loss_scaling_lib.LossScaleState | None:
-    if record is None:
-        return None
-    return loss_scaling_lib.LossScaleState(
+def _loss_scale(record: Mapping[str, Any]) -> LossScaleState:
+    return LossScaleState(
         jnp.float32(record["scale"]),
         jnp.int32(record["good_steps"]),
         jnp.int32(record["skipped_steps"]),
     )
-
-
-def controller_state_dict(controller: Any) -> dict[str, Any]:
-    """A :class:`triaccel_jax.controller.Controller`'s own state as JSON-ready data.
-
-    It holds the bucket, ceiling, hysteresis counters, memory figures, policy and the planner's
-    pending streaks, learning-rate factor, loss scale, step counter and the sampler's cursor;
-    the per-step ``rng`` is derived from ``seed`` and the step, so it is not saved.
-
-    Args:
-      controller: the controller (its steps in flight already read).
-
-    Returns:
-      :func:`to_state_dict`'s output for the controller's record and identity.
-    """
-    plan = controller.plan
-    record = ControllerRecord(
-        step=controller.step_count,
-        **controller._bucket.record(),
-        compiled_peaks=controller._compiled.peaks_record(),
-        last_loss=controller._last_loss,
-        lr_factor=controller._lr.factor,
-        loss_scale=controller.loss_scale,
-        policy=controller.policy,
-        pending=dict(plan.pending) if plan is not None else {},
-        sampler=controller.sampler.state_dict(),
-        tuned_learning_rate=controller._lr.base_lr,
-    )
-    return to_state_dict(record, controller._identity())
-
-
-def load_controller_state(controller: Any, state: Mapping[str, Any]) -> None:
-    """Restores :func:`controller_state_dict`'s output into ``controller`` (no event logged).
-
-    Raises:
-      ValueError: the state is malformed or was saved by a controller configured differently.
-    """
-    record = from_state_dict(state, controller._identity())
-    controller.sampler.load_state_dict(record.sampler)
-    controller.step_count, controller._last_loss = record.step, record.last_loss
-    controller._lr.restore_tuned(record.tuned_learning_rate)
-    controller._bucket.restore(record)
-    controller._compiled.load_peaks_record(record.compiled_peaks)
-    if record.loss_scale is not None:  # absent from states saved before it existed
-        controller.loss_scale = controller._place(record.loss_scale)
-    if record.policy is not None:
-        record.policy.check_matches(controller.params)
-        controller.plan = policy_lib.PrecisionPlan(record.policy, record.pending)
