@@ -48,6 +48,7 @@ from triaccel_jax.data import find_fashion_mnist
 from triaccel_jax.data import load_digits
 from triaccel_jax.data import load_fashion_mnist
 from triaccel_jax.models import SmallCNN
+from triaccel_jax.precision import PlannerConfig
 
 _COMPILES: list[str] = []
 
@@ -248,7 +249,7 @@ def measure_recompiles(data, args) -> dict[str, object]:
         max_batch=128,
         check_every=5,
         replan_every=20,
-        planner_options={"budget": 0.05},
+        planner=PlannerConfig(budget=0.05),
         compile_in_background=True,
     )
     ctrl.run(args.recompile_steps)

@@ -34,6 +34,7 @@ from triaccel_jax.cli import _task as task
 from triaccel_jax.controller import Controller
 from triaccel_jax.controller import replan
 from triaccel_jax.policy import PrecisionPolicy
+from triaccel_jax.precision import PlannerConfig
 from triaccel_jax.precision import memory_report
 from triaccel_jax.transforms import triaccel
 
@@ -105,7 +106,7 @@ def measure(
             params,
             start_policy,
             loss=loss,
-            planner_options={"budget": budget, "patience": 1},
+            planner=PlannerConfig(budget=budget, patience=1),
         )
         policy = result.plan.policy
         dropped = [p for p in policy if policy.compute(p) != "fp32"]

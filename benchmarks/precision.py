@@ -38,6 +38,7 @@ from triaccel_jax.data import load_digits
 from triaccel_jax.data import load_fashion_mnist
 from triaccel_jax.models import ResNet20
 from triaccel_jax.models import SmallCNN
+from triaccel_jax.precision import PlannerConfig
 
 MEMORY_TARGET = 0.70
 ACCURACY_MARGIN = 0.005
@@ -120,7 +121,7 @@ def train_steps(run, tx, data, steps, batch_size, seed, *, planned, replan_every
         cursor += batch_size
         if planned and t > 0 and t % replan_every == 0:
             result = replan(
-                state, params, plan, loss=float(losses[-1]), planner_options={"budget": budget}
+                state, params, plan, loss=float(losses[-1]), planner=PlannerConfig(budget=budget)
             )
             state, plan, switches = result.opt_state, result.plan, switches + result.changed
             policy = plan.policy
@@ -180,7 +181,7 @@ def measure_memory(name, make_model, data, args):
         replan_every=args.replan_every,
         budget=args.budget,
     )
-    result = replan(state, params, None, loss=losses[-1], planner_options={"budget": args.budget})
+    result = replan(state, params, None, loss=losses[-1], planner=PlannerConfig(budget=args.budget))
     policy, state = result.plan.policy, result.opt_state
     planned_loss = lambda p, b: run.loss_fn(policy)(p, b)[0]
     planned = triaccel_jax.memory_report(params, state, policy, planned_loss, batch)

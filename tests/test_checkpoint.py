@@ -21,6 +21,7 @@ import triaccel_jax
 from triaccel_jax import Checkpointer
 from triaccel_jax import CheckpointError
 from triaccel_jax.flax import TrainState
+from triaccel_jax.precision import PlannerConfig
 
 
 def make_state():
@@ -66,7 +67,7 @@ def test_train_state_round_trip_with_policy_and_batch_stats(tmp_path):
 
 
 def test_a_resumed_controller_repeats_the_uninterrupted_losses(tmp_path):
-    kwargs = dict(replan_every=4, planner_options={"budget": float("inf"), "min_size": 0})
+    kwargs = dict(replan_every=4, planner=PlannerConfig(budget=float("inf"), min_size=0))
     reference = make_controller(**kwargs)
     reference.run(6)
     with Checkpointer(tmp_path) as checkpointer:

@@ -14,6 +14,7 @@ import triaccel_jax
 from triaccel_jax import Controller
 from triaccel_jax import FakeMemoryProbe
 from triaccel_jax.controller import OutOfMemoryFaults
+from triaccel_jax.precision import PlannerConfig
 
 NUM_EXAMPLES = 512
 BIG = 10**12  # a limit nothing reaches
@@ -257,7 +258,7 @@ def test_one_compile_per_distinct_bucket_and_policy(count_compiles):
             FaultyController,
             faults=faults,
             replan_every=5,
-            planner_options={"budget": float("inf"), "min_size": 0},
+            planner=PlannerConfig(budget=float("inf"), min_size=0),
             patience=1,
         )
         controller.run(25)
@@ -472,7 +473,7 @@ def test_replanning_converts_the_state_and_passes_the_policy_to_the_loss():
     controller = make_controller(
         loss_fn=recording_loss,
         replan_every=3,
-        planner_options={"budget": float("inf"), "min_size": 0},
+        planner=PlannerConfig(budget=float("inf"), min_size=0),
         probe=FakeMemoryProbe(BIG),
     )
     controller.run(10)
@@ -555,7 +556,7 @@ def test_state_round_trip_gives_the_same_next_decisions_and_losses():
             lambda n: 20_000 if n < 12 else 9_000, peak_bytes=lambda b: 1_000 + 100 * b
         )
 
-    kwargs = dict(replan_every=4, planner_options={"budget": float("inf"), "min_size": 0})
+    kwargs = dict(replan_every=4, planner=PlannerConfig(budget=float("inf"), min_size=0))
     reference = make_controller(probe=probe(), **kwargs)
     reference.run(8)
     saved = json.loads(json.dumps(reference.state_dict()))
@@ -651,7 +652,7 @@ def test_bad_data_is_rejected():
 
 
 def test_the_first_replan_moves_leaves_at_once_and_first_replan_sets_when():
-    options = {"planner_options": {"budget": float("inf"), "min_size": 0}, "max_batch": 8}
+    options = {"planner": PlannerConfig(budget=float("inf"), min_size=0), "max_batch": 8}
     default = make_controller(replan_every=5, **options)
     default.run(12)
     # The first plan is made without hysteresis (there is no earlier plan to flip back to):

@@ -16,6 +16,7 @@ from test_controller import linear_probe
 from test_controller import make_controller
 
 from triaccel_jax.controller import _compiling as compiling
+from triaccel_jax.precision import PlannerConfig
 
 STEPS_WHILE_COMPILING = 5
 
@@ -82,7 +83,7 @@ REPLAN_SETTINGS = {
     "min_batch": 8,
     "max_batch": 8,
     "replan_every": 5,
-    "planner_options": {"budget": float("inf"), "min_size": 0},
+    "planner": PlannerConfig(budget=float("inf"), min_size=0),
 }
 
 
@@ -143,7 +144,7 @@ def test_a_replan_due_while_a_grow_compiles_runs_when_the_compile_is_done(gate):
     controller = make_controller(
         **SETTINGS,
         replan_every=3,
-        planner_options={"budget": float("inf"), "min_size": 0},
+        planner=PlannerConfig(budget=float("inf"), min_size=0),
         compile_in_background=True,
     )
     while not controller.compile_pending and controller.step_count < 30:

@@ -21,6 +21,7 @@ from test_learning_rate import shrink_settings
 
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.policy import _dtypes as dtypes
+from triaccel_jax.precision import PlannerConfig
 
 BIG = 10**12
 
@@ -101,7 +102,7 @@ def test_a_rollback_past_a_policy_switch_restores_the_policy_with_the_moments():
         batch_size=8,
         check_every=1000,
         replan_every=4,
-        planner_options={"budget": float("inf"), "min_size": 0, "state": "bf16"},
+        planner=PlannerConfig(budget=float("inf"), min_size=0, state="bf16"),
         compile_in_background=True,
         probe=FakeMemoryProbe(BIG),
         callback=fail_the_step_in_flight,

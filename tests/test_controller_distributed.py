@@ -27,6 +27,7 @@ COMMON = textwrap.dedent(
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
     import triaccel_jax
+    from triaccel_jax.precision import PlannerConfig
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, 8)).astype(np.float32)
@@ -111,7 +112,7 @@ TWO_PROCESSES = (
     controller = triaccel_jax.Controller(
         loss_fn, params, triaccel_jax.triaccel(1e-2, curvature_every=2), data, min_batch=8,
         max_batch=128, probe=probe, check_every=2, replan_every=10,
-        planner_options={"budget": 0.5}, mesh=mesh, seed=0)
+        planner=PlannerConfig(budget=0.5), mesh=mesh, seed=0)
     infos = controller.run(50)
     result = summary(controller, infos)
     result["policies"] = [e.new for e in controller.events if e.kind == "replan"]

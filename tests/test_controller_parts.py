@@ -3,6 +3,7 @@ out-of-memory retry, state record and re-plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -26,21 +27,24 @@ from triaccel_jax.controller._state_record import from_state_dict
 from triaccel_jax.controller._state_record import to_state_dict
 from triaccel_jax.policy import PrecisionPlan
 from triaccel_jax.policy import PrecisionPolicy
+from triaccel_jax.precision import PlannerConfig
 from triaccel_jax.transforms import LossScaleState
 from triaccel_jax.transforms import LossScaling
 
 # -- config ----------------------------------------------------------------------------------------
 
 
-def test_config_is_frozen_and_keeps_no_reference_to_the_callers_dicts():
-    options = {"budget": 0.1}
-    config = ControllerConfig(planner_options=options)
-    options["budget"] = 5.0
-    assert config.planner_options["budget"] == 0.1
-    with pytest.raises(TypeError):
-        config.planner_options["budget"] = 1.0
+def test_config_is_frozen_and_its_settings_are_typed():
+    config = ControllerConfig(planner=PlannerConfig(budget=0.1))
+    assert config.planner.budget == 0.1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.planner.budget = 1.0  # type: ignore[misc]
     with pytest.raises(AttributeError):
-        config.min_batch = 4
+        config.min_batch = 4  # type: ignore[misc]
+    with pytest.raises(TypeError, match=r"`planner` must be a triaccel_jax.precision.Planner"):
+        ControllerConfig(planner={"budget": 0.1})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"loss_scaling=LossScaling\(...\)"):
+        ControllerConfig(loss_scaling={"initial_scale": 2.0})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -248,11 +252,11 @@ def test_replan_converts_the_state_only_when_the_policy_changes_and_keeps_the_st
     opt_state = tx.init(params)
     _, opt_state = tx.update(params, opt_state, params)  # some curvature to plan from
     start = PrecisionPolicy.uniform(params)
-    options = {"budget": float("inf"), "patience": 2}
-    first = replan(opt_state, params, start, planner_options=options)
+    options = PlannerConfig(budget=float("inf"), patience=2)
+    first = replan(opt_state, params, start, planner=options)
     assert not first.changed and first.opt_state is opt_state
     assert first.plan.pending == {"w": ("bf16", 1)} and first.leaves_by_dtype == {"fp32": 1}
-    second = replan(opt_state, params, first.plan, planner_options=options)
+    second = replan(opt_state, params, first.plan, planner=options)
     assert second.changed and second.plan.policy.compute("w") == "bf16"
     assert isinstance(second.plan, PrecisionPlan) and not second.plan.pending
     assert second.leaves_by_dtype == {"bf16": 1} and second.opt_state is not opt_state

@@ -44,6 +44,7 @@ from triaccel_jax import PrecisionPolicy
 from triaccel_jax.controller import FaultSite
 from triaccel_jax.controller import _compiling as compiling
 from triaccel_jax.controller import simulated_out_of_memory
+from triaccel_jax.precision import PlannerConfig
 from triaccel_jax.transforms import LossScaling
 from triaccel_jax.transforms import find_triaccel_states
 
@@ -191,7 +192,7 @@ class Run:
             patience=1,
             replan_every=7,
             first_replan=7,
-            planner_options={"budget": float("inf"), "min_size": 0, "state": "bf16"},
+            planner=PlannerConfig(budget=float("inf"), min_size=0, state="bf16"),
             compile_in_background=self.background,
             steps_in_flight=2,
             seed=3,

@@ -43,6 +43,7 @@ import triaccel_jax
 from triaccel_jax import Checkpointer
 from triaccel_jax import CheckpointError
 from triaccel_jax import FakeMemoryProbe
+from triaccel_jax.precision import PlannerConfig
 
 
 def nonfinite_leaves(tree) -> list[str]:
@@ -224,7 +225,7 @@ def test_a_controller_skips_the_steps_of_poisoned_samples_and_finishes():
         max_batch=32,
         probe=FakeMemoryProbe(BIG),
         replan_every=1,
-        planner_options={"budget": 0.0},
+        planner=PlannerConfig(budget=0.0),
     )
     infos = controller.run(40)
     assert len(controller.seen) == 40  # one compiled call per step: no out-of-memory retry

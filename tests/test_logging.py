@@ -17,6 +17,7 @@ import triaccel_jax
 from triaccel_jax import FakeMemoryProbe
 from triaccel_jax.controller import Event
 from triaccel_jax.controller import _logging
+from triaccel_jax.precision import PlannerConfig
 
 LOGGER = "triaccel_jax.controller"
 
@@ -40,7 +41,7 @@ RUNS = {
     "replan": dict(
         loss_fn=replanning_loss,
         replan_every=3,
-        planner_options={"budget": float("inf"), "min_size": 0},
+        planner=PlannerConfig(budget=float("inf"), min_size=0),
         probe=FakeMemoryProbe(BIG),
     ),
     # memory taken away after 10 readings: grows, then shrinks

@@ -9,13 +9,14 @@ controller's parts read their settings from one place.
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
 from triaccel_jax._src import validation
 from triaccel_jax.controller import _buckets as buckets_lib
+from triaccel_jax.precision import PlannerConfig
+from triaccel_jax.transforms import LossScaling
 
 LR_SCALINGS = ("sqrt", "linear", "none")
 
@@ -71,12 +72,11 @@ class ControllerConfig:
         every ``replan_every`` steps. The first plan moves leaves at once (no hysteresis: there
         is no earlier plan to flip back to), so a small ``first_replan`` puts the planned policy
         in force early instead of after two full intervals.
-      planner_options: keyword arguments of :func:`triaccel_jax.plan_precision` (e.g.
-        ``budget``, ``allowed``, ``patience``).
-      loss_scaling: keyword arguments of the dynamic loss scale (``initial_scale``,
-        ``growth_interval``, ``growth_factor``, ``backoff_factor``, ``min_scale``,
-        ``max_scale``, as for :func:`triaccel_jax.transforms.dynamic_loss_scale`), used while the policy
-        computes a leaf in fp16 or fp8.
+      planner: the planner's settings, a :class:`triaccel_jax.precision.PlannerConfig` (e.g.
+        ``PlannerConfig(budget=0.05)``).
+      loss_scaling: the dynamic loss scale's rule, a :class:`triaccel_jax.transforms.LossScaling`
+        (``initial_scale``, ``growth_interval``, ...), used while the policy computes a leaf in
+        fp16 or fp8.
       data_axis: the mesh axis the batch is split over.
       seed: seed of the sampler's permutations and of the per-step ``rng``.
       steps_in_flight: steps :meth:`Controller.run` dispatches before reading a step's metrics,
@@ -123,8 +123,8 @@ class ControllerConfig:
     check_every: int = 10
     replan_every: int | None = None
     first_replan: int | None = None
-    planner_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    loss_scaling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
+    loss_scaling: LossScaling = dataclasses.field(default_factory=LossScaling)
     data_axis: str = "data"
     seed: int = 0
     steps_in_flight: int = 1
@@ -152,9 +152,13 @@ class ControllerConfig:
             )
         if self.global_batch is not None and not self.keep_global_batch:
             raise ValueError("`global_batch` is only used with keep_global_batch=True")
-        # Read-only copies: the config is a value, and the caller's dicts stay theirs.
-        for name in ("planner_options", "loss_scaling"):
-            object.__setattr__(self, name, types.MappingProxyType(dict(getattr(self, name) or {})))
+        for name, kind in (("planner", PlannerConfig), ("loss_scaling", LossScaling)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise TypeError(
+                    f"`{name}` must be a {kind.__module__.rsplit('.', 1)[0]}.{kind.__name__}, "
+                    f"e.g. {name}={kind.__name__}(...), got {type(value).__name__}"
+                )
 
     def replan_due(self, step: int) -> bool:
         """Whether a re-plan is due before ``step`` (steps done so far).

@@ -200,8 +200,7 @@ class Controller:
         self.model_state = self._place(model_state)
         # An optimizer that fused_update=True cannot fuse is refused here, not at the first step.
         self._fused(self.opt_state)
-        self._loss_scaling = LossScaling(**config.loss_scaling)
-        self.loss_scale = self._place(self._loss_scaling.init())
+        self.loss_scale = self._place(config.loss_scaling.init())
         self._loss = training.normalize_loss_fn(
             loss_fn, has_aux=config.has_aux, has_model_state=model_state is not None
         )
@@ -296,10 +295,10 @@ class Controller:
         if isinstance(getattr(state, "loss_scaling", None), LossScaling):
             if isinstance(kwargs.get("config"), config_lib.ControllerConfig):
                 kwargs["config"] = dataclasses.replace(
-                    kwargs["config"], loss_scaling=dataclasses.asdict(state.loss_scaling)
+                    kwargs["config"], loss_scaling=state.loss_scaling
                 )
             else:
-                kwargs.setdefault("loss_scaling", dataclasses.asdict(state.loss_scaling))
+                kwargs.setdefault("loss_scaling", state.loss_scaling)
         controller = cls(
             loss_fn,
             state.params,
@@ -811,7 +810,7 @@ class Controller:
             self.params,
             self.plan,
             loss=self._last_loss,
-            planner_options=self.config.planner_options,
+            planner=self.config.planner,
             # The first plan leaves the all-fp32 start at once: hysteresis guards against
             # flipping back and forth between plans, and there is no earlier plan yet.
             hysteresis=not self.config.is_first_replan(due),
@@ -938,7 +937,7 @@ class Controller:
             policy=policy,
             num_micro=num_micro,
             seed=self._seed,
-            loss_scaling=training.loss_scaling_for(policy, self._loss_scaling, opt_state),
+            loss_scaling=training.loss_scaling_for(policy, self.config.loss_scaling, opt_state),
             fused=self._fused(opt_state),
         )
         args = training.abstract_step_arguments(

@@ -8,12 +8,12 @@ changed" lives in one place (docs/design.md §3 and §5).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
 from triaccel_jax.policy import PrecisionPlan
 from triaccel_jax.policy import PrecisionPolicy
+from triaccel_jax.precision import PlannerConfig
 from triaccel_jax.precision import plan_precision
 from triaccel_jax.transforms import convert_state
 from triaccel_jax.transforms import signals
@@ -43,7 +43,7 @@ def replan(
     previous: PrecisionPlan | PrecisionPolicy | None,
     *,
     loss: float | None = None,
-    planner_options: Mapping[str, Any] | None = None,
+    planner: PlannerConfig | None = None,
     hysteresis: bool = True,
 ) -> Replan:
     """Re-plans the precision policy from the optimizer's signals.
@@ -54,7 +54,7 @@ def replan(
       previous: the plan in force, a bare policy (no hysteresis streaks yet), or None (a first
         plan, without hysteresis).
       loss: the current loss, for a relative ``budget``.
-      planner_options: the other keyword arguments of :func:`triaccel_jax.plan_precision`.
+      planner: the planner's settings (default ``PlannerConfig()``).
       hysteresis: False plans as a first plan (leaves move at once, no streaks); the result is
         still compared with ``previous``'s policy.
 
@@ -65,10 +65,11 @@ def replan(
       >>> import jax.numpy as jnp
       >>> import triaccel_jax
       >>> from triaccel_jax.controller import replan
+      >>> from triaccel_jax.precision import PlannerConfig
       >>> params = {"w": jnp.ones((64, 64))}
       >>> opt_state = triaccel_jax.triaccel(0.1).init(params)
       >>> start = triaccel_jax.PrecisionPolicy.uniform(params)
-      >>> result = replan(opt_state, params, start, planner_options={"budget": 0.0})
+      >>> result = replan(opt_state, params, start, planner=PlannerConfig(budget=0.0))
       >>> result.changed, result.leaves_by_dtype
       (False, {'fp32': 1})
 
@@ -80,7 +81,7 @@ def replan(
         params,
         previous if hysteresis else None,
         loss=loss,
-        **dict(planner_options or {}),
+        **(planner or PlannerConfig()).options(),
     )
     before = previous.policy if isinstance(previous, PrecisionPlan) else previous
     changed = plan.policy != before

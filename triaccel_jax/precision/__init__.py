@@ -3,7 +3,7 @@
 The policy itself, the formats and the casts are ``triaccel_jax.policy``, below the optimizer;
 this stage sits above the optimizer, whose signals it reads:
 
-* :func:`plan_precision`, the planner: curvature-weighted rounding noise against a budget; it
+* :func:`plan_precision`, the planner (its settings as one value: :class:`PlannerConfig`): curvature-weighted rounding noise against a budget; it
   returns a :class:`triaccel_jax.policy.PrecisionPlan` (the policy, and the hysteresis streaks
   to pass back next time);
 * :func:`memory_report`, the training memory by component at the dtypes the step really holds
@@ -19,10 +19,12 @@ from triaccel_jax.precision._memory import MemoryReport
 from triaccel_jax.precision._memory import compiled_peak_bytes
 from triaccel_jax.precision._memory import compute_copy_dtype
 from triaccel_jax.precision._memory import memory_report
+from triaccel_jax.precision._planner import PlannerConfig
 from triaccel_jax.precision._planner import plan_precision
 
 __all__ = (
     "MemoryReport",
+    "PlannerConfig",
     "compiled_peak_bytes",
     "compute_copy_dtype",
     "memory_report",

@@ -21,6 +21,7 @@ patience) keeps noisy signals from flipping leaves back and forth.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Mapping
@@ -183,6 +184,55 @@ def plan_precision(
         if path in prices.notes:
             reasons[path] += f"; {prices.notes[path]}"
     return policy_lib.PrecisionPlan(policy_lib.PrecisionPolicy(tuple(leaves), reasons), pending)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerConfig:
+    """The planner's settings as one validated value: :func:`plan_precision`'s keywords but
+    ``loss`` (which is a measured figure, not a setting).
+
+    It is how the :class:`triaccel_jax.Controller` takes them (``planner=``); see
+    :func:`plan_precision` for what each one does.
+
+    Attributes:
+      budget: total predicted loss increase allowed, >= 0 (``inf`` allowed).
+      min_size: leaves with fewer elements stay fp32, >= 0.
+      allowed: the compute formats to choose from (fp32 is always allowed).
+      patience: re-plans a move must be indicated at before it is made, >= 1.
+      margin: hysteresis margin on the budget, in [0, 1).
+      state: the moments' dtype: ``"auto"`` (bf16 with a bf16 or lower compute copy, else
+        fp32), ``"fp32"`` or ``"bf16"``.
+
+    Example:
+      >>> from triaccel_jax.precision import PlannerConfig
+      >>> PlannerConfig(budget=0.05, allowed=("bf16",)).allowed
+      ('fp32', 'bf16')
+      >>> PlannerConfig(patience=0)
+      Traceback (most recent call last):
+      ...
+      ValueError: `patience` must be an integer >= 1, got 0
+
+    References:
+      docs/design.md §3.6.
+    """
+
+    budget: float = 1e-3
+    min_size: int = 64
+    allowed: tuple[str, ...] = ("fp32", "bf16")
+    patience: int = 2
+    margin: float = 0.25
+    state: str = "auto"
+
+    def __post_init__(self) -> None:
+        allowed, budget = _check_options(
+            self.allowed, self.budget, None, self.min_size, self.patience, self.margin, self.state
+        )
+        object.__setattr__(self, "allowed", allowed)
+        object.__setattr__(self, "budget", budget)
+
+    def options(self) -> dict[str, Any]:
+        """The settings as :func:`plan_precision`'s keyword arguments."""
+        return dataclasses.asdict(self)
 
 
 def _check_options(allowed, budget, loss, min_size, patience, margin, state):
