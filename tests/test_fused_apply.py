@@ -288,7 +288,7 @@ def test_the_flax_train_state_takes_the_fused_path_where_triton_runs_it(monkeypa
     import flax.linen as flax_linen  # the test extra installs Flax
 
     from triaccel_jax.flax import TrainState
-    from triaccel_jax.transforms import _fused_apply as fused_lib
+    from triaccel_jax import transforms as fused_lib
 
     class MLP(flax_linen.Module):
         @flax_linen.compact

@@ -58,7 +58,12 @@ class StepInfo(NamedTuple):
       loss: the step's mean loss.
       metrics: the step's mean metrics (``loss`` included), as Python floats, with
         ``skipped`` (1.0 when loss scaling found a non-finite gradient and the step changed
-        nothing) and ``loss_scale`` (the scale the loss was multiplied by, 1.0 unscaled).
+        nothing), ``loss_scale`` (the scale the loss was multiplied by, 1.0 unscaled),
+        ``grad_sq_norm`` (the squared L2 norm of the step's averaged, unscaled gradient) and
+        ``micro_grad_sq_norm`` (the mean over micro-batches of each one's squared gradient
+        norm, equal to ``grad_sq_norm`` with one micro-batch): the ``|G_big|^2`` and
+        ``|G_small|^2`` of a gradient-noise-scale estimate (McCandlish et al., 2018,
+        "An Empirical Model of Large-Batch Training", appendix A).
       peak_bytes: the current bucket's peak bytes as last measured or compiled, or None.
       limit_bytes: the memory limit at the last check, or None.
       events: the events logged during this step.
