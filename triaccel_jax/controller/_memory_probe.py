@@ -11,7 +11,7 @@ cannot measure it) and the limit. Three probes ship:
   pool (see ``XLA_PYTHON_CLIENT_MEM_FRACTION``). Backends without statistics (CPU returns None)
   or that raise give a reading of Nones.
 * :class:`BudgetMemoryProbe`: a byte budget and no measurement, for CPU, where the controller
-  relies on the compiled step's own memory analysis (:func:`compiled_peak_bytes`).
+  relies on the compiled step's own memory analysis (:func:`triaccel_jax.precision.compiled_peak_bytes`).
 * :class:`FakeMemoryProbe`: a scripted device for tests and notebooks.
 """
 
@@ -28,7 +28,6 @@ import jax
 import numpy as np
 
 from triaccel_jax._src import validation
-from triaccel_jax.precision import compiled_peak_bytes as compiled_peak_bytes
 
 
 class MemoryReading(NamedTuple):
