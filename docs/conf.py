@@ -57,9 +57,9 @@ autodoc_typehints = "description"
 # unexported alias) it prints that text, so each alias is rewritten to the public name, in
 # signatures, in the types of the description's fields and in napoleon's attribute types.
 autodoc_type_aliases = {
-    "policy_lib.PrecisionPolicy": "triaccel_jax.precision.PrecisionPolicy",
-    "policy_lib.PrecisionPlan": "triaccel_jax.precision.PrecisionPlan",
-    "policy_lib.LeafPrecision": "triaccel_jax.precision.LeafPrecision",
+    "policy_lib.PrecisionPolicy": "triaccel_jax.policy.PrecisionPolicy",
+    "policy_lib.PrecisionPlan": "triaccel_jax.policy.PrecisionPlan",
+    "policy_lib.LeafPrecision": "triaccel_jax.policy.LeafPrecision",
     "memory_probe.MemoryProbe": "triaccel_jax.controller.MemoryProbe",
     "loss_scaling_lib.LossScaling": "triaccel_jax.transforms.LossScaling",
     "config_lib.ControllerConfig": "triaccel_jax.controller.ControllerConfig",
@@ -99,8 +99,10 @@ html_css_files = ["triaccel.css"]
 _SUMMARY = re.compile(r"^<!-- api-summary: ([\w.]+) -->$", re.M)
 # The packages the API pages document with automodule, each name under its first package here.
 _HOMES = (
+    "triaccel_jax.policy",
     "triaccel_jax.transforms",
     "triaccel_jax.precision",
+    "triaccel_jax.training",
     "triaccel_jax.controller",
     "triaccel_jax.flax",
     "triaccel_jax.checkpoint",
@@ -147,7 +149,7 @@ def _join_split_literals(app, what, name, obj, options, lines):
 
 # --- Cross-references to re-exported names --------------------------------------------------------
 # The pages write names as code uses them, `{py:obj}`~triaccel_jax.triaccel``, and docstrings
-# annotate with private modules (`triaccel_jax.precision._policy.PrecisionPolicy`); the reference
+# annotate with private modules (`triaccel_jax.policy._policy.PrecisionPolicy`); the reference
 # documents each object once, under its package (`triaccel_jax.transforms.triaccel`). A reference
 # Sphinx cannot resolve is looked up by object: the first package in _HOMES that exports the same
 # object names it. A `triaccel_jax` reference that is found nowhere is a warning (an error in the
