@@ -1,0 +1,105 @@
+"""Goodput (issue 23): the gradient noise scale from the step's two squared norms, and efficiency."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from triaccel_jax import training
+from triaccel_jax.controller._goodput import NoiseScale
+from triaccel_jax.controller._goodput import efficiency
+from triaccel_jax.controller._goodput import update_noise_scale
+from triaccel_jax.transforms import LossScaling
+
+
+def test_the_noise_scale_recovers_a_known_gradient_distribution():
+    # Per-sample gradients g_i = G + noise with covariance Sigma: B_simple = tr(Sigma) / |G|^2.
+    rng = np.random.default_rng(0)
+    dim, batch, micro = 20, 64, 8
+    mean = rng.normal(size=dim)
+    scales = rng.uniform(0.5, 3.0, size=dim)
+    expected = float(np.sum(scales**2) / np.sum(mean**2))
+    state = NoiseScale()
+    for _ in range(2000):
+        samples = mean + scales * rng.normal(size=(batch, dim))
+        micro_means = samples.reshape(batch // micro, micro, dim).mean(axis=1)
+        state = update_noise_scale(
+            state,
+            grad_sq_norm=float(np.sum(samples.mean(axis=0) ** 2)),
+            micro_grad_sq_norm=float(np.mean(np.sum(micro_means**2, axis=1))),
+            batch=batch,
+            micro=micro,
+            decay=0.99,
+        )
+    assert state.simple == pytest.approx(expected, rel=0.1)
+
+
+def test_a_step_of_one_micro_batch_or_a_non_finite_norm_carries_no_estimate():
+    state = update_noise_scale(
+        NoiseScale(), grad_sq_norm=3.0, micro_grad_sq_norm=9.0, batch=32, micro=8
+    )
+    for kwargs in (
+        dict(grad_sq_norm=1.0, micro_grad_sq_norm=1.0, batch=32, micro=32),
+        dict(grad_sq_norm=math.nan, micro_grad_sq_norm=1.0, batch=32, micro=8),
+        dict(grad_sq_norm=1.0, micro_grad_sq_norm=math.inf, batch=32, micro=8),
+    ):
+        assert update_noise_scale(state, **kwargs) is state
+    assert NoiseScale().simple is None
+
+
+def test_an_all_noise_gradient_has_an_infinite_noise_scale_and_full_efficiency():
+    # |g_B|^2 = tr/B and |g_b|^2 = tr/b exactly: |G|^2 = 0.
+    state = update_noise_scale(
+        NoiseScale(), grad_sq_norm=1.0, micro_grad_sq_norm=4.0, batch=32, micro=8
+    )
+    assert state.simple == math.inf and efficiency(1024, state.simple, 8) == 1.0
+
+
+def test_efficiency_halves_at_the_noise_scale_and_is_one_at_the_reference():
+    assert efficiency(8, 100.0, 8) == 1.0
+    assert efficiency(100, 100.0, 0) == pytest.approx(0.5)
+    assert efficiency(16, 100.0, 8) > efficiency(32, 100.0, 8) > efficiency(64, 100.0, 8)
+
+
+def test_the_training_steps_norms_give_the_noise_scale_of_linear_regression():
+    # Least squares at a fixed w: per-sample gradient 2 (x.w - y) x; its mean and covariance are
+    # computed exactly over the data set, and sampling without replacement from it is close to
+    # the i.i.d. model for a batch far below the data set's size.
+    rng = np.random.default_rng(1)
+    n, dim, batch, num_micro = 8192, 6, 64, 4
+    x = rng.normal(size=(n, dim)).astype(np.float32)
+    y = (x @ rng.normal(size=dim) + rng.normal(size=n)).astype(np.float32)
+    w = jnp.asarray(rng.normal(size=dim) * 0.3, jnp.float32)
+    per_sample = 2.0 * ((x @ np.asarray(w)) - y)[:, None] * x
+    expected = float(np.sum(per_sample.var(axis=0)) / np.sum(per_sample.mean(axis=0) ** 2))
+
+    def loss(params, batch):
+        inputs, targets = batch
+        return jnp.mean((inputs @ params - targets) ** 2)
+
+    normalized = training.normalize_loss_fn(loss, has_aux=False, has_model_state=False)
+    tx = optax.sgd(0.0)  # the params stay at w: every step measures the same distribution
+    step = jax.jit(
+        training.make_train_step(normalized, tx, policy=None, num_micro=num_micro, seed=0)
+    )
+    opt_state, loss_scale = tx.init(w), LossScaling().init()
+    state = NoiseScale()
+    micro = batch // num_micro
+    for i in range(600):
+        rows = rng.choice(n, size=batch, replace=False)
+        data = (x[rows].reshape(num_micro, micro, dim), y[rows].reshape(num_micro, micro))
+        out = step(w, opt_state, None, data, np.int32(i), np.float32(1.0), loss_scale)
+        state = update_noise_scale(
+            state,
+            grad_sq_norm=float(out.metrics["grad_sq_norm"]),
+            micro_grad_sq_norm=float(out.metrics["micro_grad_sq_norm"]),
+            batch=batch,
+            micro=micro,
+            decay=0.99,
+        )
+    assert state.simple == pytest.approx(expected, rel=0.25)

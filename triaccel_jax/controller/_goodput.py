@@ -1,0 +1,125 @@
+"""Goodput: how much training a batch size buys per second, from the gradient noise scale.
+
+A step of ``B`` samples made of micro-batches of ``b`` gives two squared gradient norms for free:
+``|g_b|^2`` (the mean over micro-batches of each one's squared norm) and ``|g_B|^2`` (the squared
+norm of their average). Since ``E|g_b|^2 = |G|^2 + tr(Sigma) / b`` for a batch of ``b`` samples,
+the two are unbiased estimates of the true gradient's squared norm and of the per-sample gradient
+variance (McCandlish et al., 2018, "An Empirical Model of Large-Batch Training", appendix A):
+
+    |G|^2     ~ (B |g_B|^2 - b |g_b|^2) / (B - b)
+    tr(Sigma) ~ (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
+
+Each is smoothed by an exponential moving average before the ratio is taken (the ratio of the
+means, not the mean of the ratios, which is biased and noisy), and their ratio is the simple noise
+scale ``B_simple = tr(Sigma) / |G|^2``: the batch at which a step is about half as useful per sample
+as at batch 1, about the critical batch. Pollux's statistical efficiency of batch ``B`` against a
+reference ``B0`` follows from it (Qiao et al., 2021, "Pollux", eq. 5):
+
+    E(B) = (B_noise + B0) / (B_noise + B)
+
+the fraction of a sample's worth of progress a sample brings at ``B``; goodput is throughput (samples
+per second) times ``E(B)``. Everything here is a pure function of measured figures, kept as Python
+floats on the host: the norms are computed inside the compiled step, and the smoothing costs a few
+float operations per step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from triaccel_jax._src import validation
+
+
+class NoiseScale(NamedTuple):
+    """The smoothed estimates behind the gradient noise scale.
+
+    Attributes:
+      grad_sq: EMA of the unbiased estimates of ``|G|^2`` (bias not yet corrected).
+      trace: EMA of the unbiased estimates of ``tr(Sigma)`` (bias not yet corrected).
+      weight: ``1 - decay**n`` after ``n`` estimates: what the EMAs are divided by.
+    """
+
+    grad_sq: float = 0.0
+    trace: float = 0.0
+    weight: float = 0.0
+
+    @property
+    def simple(self) -> float | None:
+        """``B_simple = tr(Sigma) / |G|^2``, or None before the first estimate.
+
+        ``inf`` while the smoothed ``|G|^2`` is not positive (the gradient is all noise: no
+        batch is too large); 0 while ``tr(Sigma)`` is not positive.
+        """
+        if self.weight == 0.0:
+            return None
+        grad_sq, trace = self.grad_sq / self.weight, self.trace / self.weight
+        if grad_sq <= 0.0:
+            return math.inf
+        return max(trace, 0.0) / grad_sq
+
+
+def update_noise_scale(
+    state: NoiseScale,
+    *,
+    grad_sq_norm: float,
+    micro_grad_sq_norm: float,
+    batch: int,
+    micro: int,
+    decay: float = 0.95,
+) -> NoiseScale:
+    """Folds one step's two squared gradient norms into the smoothed estimates.
+
+    Args:
+      state: the estimates so far (``NoiseScale()`` to start).
+      grad_sq_norm: ``|g_B|^2``, the squared norm of the step's gradient over ``batch`` samples.
+      micro_grad_sq_norm: ``|g_b|^2``, the mean of the micro-batches' squared norms.
+      batch: the step's samples ``B``.
+      micro: the micro-batch ``b``; a step of one micro-batch (``micro == batch``) carries no
+        estimate and leaves ``state`` unchanged.
+      decay: the EMA's decay, in [0, 1).
+
+    Returns:
+      The new :class:`NoiseScale` (``state`` itself when the step carries no estimate or a norm
+      is not finite, as after a skipped loss-scaled step).
+
+    Example:
+      >>> from triaccel_jax.controller._goodput import NoiseScale, update_noise_scale
+      >>> # |G|^2 = 1, tr(Sigma) = 64: |g_8|^2 = 1 + 64/8 = 9, |g_32|^2 = 1 + 64/32 = 3.
+      >>> state = update_noise_scale(
+      ...     NoiseScale(), grad_sq_norm=3.0, micro_grad_sq_norm=9.0, batch=32, micro=8
+      ... )
+      >>> round(state.simple, 6)
+      64.0
+
+    References:
+      McCandlish et al., 2018, "An Empirical Model of Large-Batch Training", appendix A.
+    """
+    validation.check_in_range("decay", decay, 0.0, 1.0, high_inclusive=False)
+    if micro >= batch or not (math.isfinite(grad_sq_norm) and math.isfinite(micro_grad_sq_norm)):
+        return state
+    grad_sq = (batch * grad_sq_norm - micro * micro_grad_sq_norm) / (batch - micro)
+    trace = (micro_grad_sq_norm - grad_sq_norm) / (1.0 / micro - 1.0 / batch)
+    return NoiseScale(
+        decay * state.grad_sq + (1.0 - decay) * grad_sq,
+        decay * state.trace + (1.0 - decay) * trace,
+        decay * state.weight + (1.0 - decay),
+    )
+
+
+def efficiency(batch: int, noise_scale: float, reference: int) -> float:
+    """Pollux's statistical efficiency of ``batch`` against ``reference``: ``(B_noise + B0) /
+    (B_noise + B)``, the progress per sample at ``batch`` relative to ``reference``.
+
+    Example:
+      >>> from triaccel_jax.controller._goodput import efficiency
+      >>> efficiency(64, 64.0, 8), efficiency(8, 64.0, 8), efficiency(64, float("inf"), 8)
+      (0.5625, 1.0, 1.0)
+
+    References:
+      Qiao et al., 2021, "Pollux: Co-adaptive Cluster Scheduling for Goodput-Optimized Deep
+      Learning", eq. 5.
+    """
+    if math.isinf(noise_scale):
+        return 1.0
+    return (noise_scale + reference) / (noise_scale + batch)
