@@ -34,6 +34,7 @@ import numpy as np
 import optax
 import pytest
 from hypothesis import HealthCheck
+from hypothesis import event
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -253,6 +254,11 @@ def test_features_combined_keep_every_invariant(script, release):
     resumed = Run(script, release, resume=True)
     resumed.go()
 
+    kinds = [e.kind for e in plain.controller.events]
+    # What each example exercised, in `pytest --hypothesis-show-statistics`.
+    event(f"out-of-memory errors: {min(kinds.count('oom'), 3)}+")
+    event(f"grows: {min(kinds.count('grow'), 3)}+, re-plans: {min(kinds.count('replan'), 2)}+")
+    event(f"background compiles: {plain.background}")
     for run in (plain, resumed):
         infos = run.infos
         assert [i.step for i in infos] == list(range(1, len(infos) + 1))
