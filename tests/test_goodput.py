@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+import triaccel_jax
 from triaccel_jax import training
 from triaccel_jax.controller._goodput import NoiseScale
 from triaccel_jax.controller._goodput import efficiency
@@ -103,3 +105,41 @@ def test_the_training_steps_norms_give_the_noise_scale_of_linear_regression():
             decay=0.99,
         )
     assert state.simple == pytest.approx(expected, rel=0.25)
+
+
+def test_the_controller_measures_the_noise_scale_and_throughput_and_saves_them():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(512, 4)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], np.float32) + rng.normal(size=512)).astype(np.float32)
+
+    def loss(params, batch):
+        inputs, targets = batch
+        return jnp.mean((inputs @ params - targets) ** 2)
+
+    def make(params):
+        return triaccel_jax.Controller(
+            loss,
+            params,
+            optax.sgd(0.01),
+            (x, y),
+            min_batch=16,
+            max_batch=64,
+            keep_global_batch=True,
+            global_batch=64,
+            batch_size=16,  # 4 micro-batches of 16 per step of 64
+            check_every=1000,
+            probe=triaccel_jax.FakeMemoryProbe(10**12),
+        )
+
+    controller = make(jnp.zeros(4))
+    infos = controller.run(30)
+    assert all(info.noise_scale is not None for info in infos)
+    assert controller.noise_scale == infos[-1].noise_scale > 0
+    (key,) = controller.throughput
+    assert key[:2] == (16, 4) and controller.throughput[key] > 0
+    resumed = make(controller.params)  # sgd: the params are the whole training state
+    resumed.load_state_dict(json.loads(json.dumps(controller.state_dict())))
+    assert resumed.noise_scale == controller.noise_scale
+    assert resumed.throughput == controller.throughput
+    # The next step's estimate continues from the saved one in both.
+    assert resumed.step().noise_scale == controller.step().noise_scale

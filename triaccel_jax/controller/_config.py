@@ -92,6 +92,9 @@ class ControllerConfig:
         (:func:`triaccel_jax.transforms.uses_triton`: a ``triaccel`` optimizer on CUDA whose
         ``TriAccelConfig.impl`` selects it); True: always (an error if the optimizer cannot be
         fused); False: never.
+      statistics_decay: decay of the moving averages of the measured training statistics:
+        the gradient noise scale (from steps of several micro-batches) and each step's
+        throughput, in [0, 1).
 
     Example:
       >>> from triaccel_jax.controller import ControllerConfig
@@ -130,6 +133,7 @@ class ControllerConfig:
     steps_in_flight: int = 1
     compile_in_background: bool = False
     fused_update: bool | None = None
+    statistics_decay: float = 0.95
 
     def __post_init__(self) -> None:
         validation.check_in_range(
@@ -146,6 +150,9 @@ class ControllerConfig:
             if self.replan_every is None:
                 raise ValueError("`first_replan` needs `replan_every` (precision is not planned)")
         validation.check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        validation.check_in_range(
+            "statistics_decay", self.statistics_decay, 0.0, 1.0, high_inclusive=False
+        )
         if self.fused_update not in (None, True, False):
             raise ValueError(
                 f"`fused_update` must be None, True or False, got {self.fused_update!r}"

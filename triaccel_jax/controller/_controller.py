@@ -31,6 +31,7 @@ from triaccel_jax.controller import _compiling as compiling
 from triaccel_jax.controller import _config as config_lib
 from triaccel_jax.controller import _events as events_lib
 from triaccel_jax.controller import _feeding as feeding
+from triaccel_jax.controller import _goodput as goodput
 from triaccel_jax.controller import _learning_rate as learning_rate
 from triaccel_jax.controller import _logging as logging_lib
 from triaccel_jax.controller import _memory_probe as memory_probe
@@ -214,6 +215,10 @@ class Controller:
 
         self.step_count = 0
         self._last_loss: float | None = None
+        self._noise = goodput.NoiseScale()
+        # Samples per second of the steps run at each (micro-batch, micro-batches, policy
+        # signature), smoothed; steps that compiled or ran out of memory are not counted.
+        self._throughput: dict[tuple[int, int, str], float] = {}
         self._compiler = compiling.StepCompiler(self._make_step)
         # The step a re-plan came due at while a background compile was waiting (None: none
         # waits); it runs as soon as that compile is taken.
@@ -365,6 +370,18 @@ class Controller:
         return len(self._compiler)
 
     @property
+    def noise_scale(self) -> float | None:
+        """The smoothed simple gradient noise scale ``tr(Sigma) / |G|^2`` (McCandlish et al.,
+        2018), measured from steps of several micro-batches; None before the first such step."""
+        return self._noise.simple
+
+    @property
+    def throughput(self) -> dict[tuple[int, int, str], float]:
+        """Measured samples per second by ``(micro-batch, micro-batches, policy signature)``:
+        a moving average over the steps run there, compiles and out-of-memory retries excluded."""
+        return dict(self._throughput)
+
+    @property
     def compile_pending(self) -> bool:
         """Whether a background compile (``compile_in_background``) is still to be taken."""
         return self._compiler.busy
@@ -425,6 +442,8 @@ class Controller:
         validation.check_integer("num_steps", num_steps, 0)
         self._flush()
         self._in_flight.take_finished()
+        # A step's seconds run from the previous read: not from before this call.
+        self._in_flight.last_finish = time.perf_counter()
         window = self.config.steps_in_flight
         for _ in range(num_steps):
             self._dispatch()
@@ -478,6 +497,8 @@ class Controller:
             pending=dict(plan.pending) if plan is not None else {},
             sampler=self.sampler.state_dict(),
             tuned_learning_rate=self._lr.base_lr,
+            noise_scale=tuple(self._noise),
+            throughput=dict(self._throughput),
         )
         return state_record.to_state_dict(record, self._identity())
 
@@ -494,6 +515,8 @@ class Controller:
             record.policy.check_matches(self.params)
         self.sampler.load_state_dict(record.sampler)
         self.step_count, self._last_loss = record.step, record.last_loss
+        self._noise = goodput.NoiseScale(*record.noise_scale)
+        self._throughput = dict(record.throughput)
         self._lr.restore_tuned(record.tuned_learning_rate)
         self._bucket.restore(record)
         self._compiler.load_peaks_record(record.compiled_peaks)
@@ -686,6 +709,22 @@ class Controller:
         if math.isfinite(metrics["loss"]):
             self._last_loss = metrics["loss"]
         begin, end = flight.event_span(step, len(self.events))
+        events = tuple(self.events[begin:end])
+        seconds = start - flight.last_finish
+        decay = self.config.statistics_decay
+        self._noise = goodput.update_noise_scale(
+            self._noise,
+            grad_sq_norm=metrics.get("grad_sq_norm", math.nan),
+            micro_grad_sq_norm=metrics.get("micro_grad_sq_norm", math.nan),
+            batch=len(step.indices),
+            micro=step.micro,
+            decay=decay,
+        )
+        if seconds > 0 and not any(e.kind in ("compile", "oom") for e in events):
+            key = (step.micro, step.num_micro, self._signature_of(step.before.plan))
+            rate = len(step.indices) / seconds
+            old = self._throughput.get(key)
+            self._throughput[key] = rate if old is None else decay * old + (1.0 - decay) * rate
         info = events_lib.StepInfo(
             step.step + 1,
             len(step.indices),
@@ -694,11 +733,12 @@ class Controller:
             metrics,
             self._known_peaks().get(step.micro),
             self._bucket.limit,
-            tuple(self.events[begin:end]),
-            start - flight.last_finish,
+            events,
+            seconds,
             step.indices,
             step.learning_rate,
             step.update_scale,
+            self._noise.simple,
         )
         flight.last_finish = start
         flight.finished.append(info)
@@ -998,7 +1038,11 @@ class Controller:
         return self._bucket.known_peaks(self._compiler.peaks(self._policy_signature()))
 
     def _policy_signature(self) -> str:
-        return "none" if self.policy is None else self.policy.signature
+        return self._signature_of(self.plan)
+
+    @staticmethod
+    def _signature_of(plan: PrecisionPlan | None) -> str:
+        return "none" if plan is None else plan.policy.signature
 
     def _device_seconds(self) -> float:
         return self.timings["step"] + self.timings["compile"] + self.timings["data"]

@@ -73,6 +73,8 @@ class StepInfo(NamedTuple):
         injected constant).
       update_scale: the factor the step's update was multiplied by (1.0 when the rate is
         injected; the batch rule's factor otherwise).
+      noise_scale: the controller's smoothed gradient noise scale after this step
+        (:attr:`Controller.noise_scale`), or None before any step of several micro-batches.
     """
 
     step: int
@@ -87,6 +89,7 @@ class StepInfo(NamedTuple):
     indices: np.ndarray | None = None
     learning_rate: float | None = None
     update_scale: float = 1.0
+    noise_scale: float | None = None
 
 
 def event_records(events: Iterable[Event]) -> list[dict[str, Any]]:

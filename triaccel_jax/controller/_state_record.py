@@ -45,6 +45,10 @@ class ControllerRecord(NamedTuple):
       policy: the precision policy, or None.
       pending: the planner's hysteresis streaks ``{path: (compute dtype, count)}``.
       sampler: the sampler's own state.
+      noise_scale: the gradient noise scale's smoothed estimates ``(|G|^2, tr(Sigma),
+        weight)`` (:class:`triaccel_jax.controller._goodput.NoiseScale`).
+      throughput: measured samples per second by ``(micro-batch, micro-batches, policy
+        signature)`` (saved as ``"{micro-batches}x{micro-batch}/{signature}"``).
     """
 
     step: int
@@ -62,6 +66,8 @@ class ControllerRecord(NamedTuple):
     pending: dict[str, tuple[str, int]]
     sampler: Mapping[str, Any]
     tuned_learning_rate: float | None
+    noise_scale: tuple[float, float, float]
+    throughput: dict[tuple[int, int, str], float]
 
 
 def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict[str, Any]:
@@ -86,6 +92,8 @@ def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict
       ...     {},
       ...     {"epoch": 0},
       ...     None,
+      ...     (0.0, 0.0, 0.0),
+      ...     {(16, 1, "none"): 2500.0},
       ... )
       >>> to_state_dict(record, {"seed": 0})["measured_peaks"]
       {'16': 900}
@@ -95,6 +103,11 @@ def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict
     data["policy"] = None if record.policy is None else json.loads(record.policy.to_json())
     data["pending"] = {p: list(v) for p, v in record.pending.items()}
     data["sampler"] = dict(record.sampler)
+    data["noise_scale"] = list(record.noise_scale)
+    data["throughput"] = {
+        f"{num_micro}x{micro}/{signature}": rate
+        for (micro, num_micro, signature), rate in record.throughput.items()
+    }
     data["loss_scale"] = {k: np.asarray(v).item() for k, v in record.loss_scale._asdict().items()}
     return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity, **data}
 
@@ -138,7 +151,29 @@ def from_state_dict(state: Any, identity: Mapping[str, Any]) -> ControllerRecord
         pending=pending,
         sampler=state["sampler"],
         tuned_learning_rate=state["tuned_learning_rate"],
+        noise_scale=_floats(state["noise_scale"], 3, "noise_scale"),
+        throughput=_throughput(state["throughput"]),
     )
+
+
+def _throughput(saved: Any) -> dict[tuple[int, int, str], float]:
+    throughput = {}
+    for key, rate in dict(saved).items():
+        shape, _, signature = str(key).partition("/")
+        num_micro, _, micro = shape.partition("x")
+        if not (signature and num_micro.isdigit() and micro.isdigit()):
+            raise ValueError(
+                f"controller state: throughput key {key!r} is not "
+                "'{micro-batches}x{micro-batch}/{signature}'"
+            )
+        throughput[(int(micro), int(num_micro), signature)] = float(rate)
+    return throughput
+
+
+def _floats(value: Any, count: int, name: str) -> tuple[float, ...]:
+    if not isinstance(value, list | tuple) or len(value) != count:
+        raise ValueError(f"controller state: `{name}` must hold {count} numbers, got {value!r}")
+    return tuple(float(v) for v in value)
 
 
 def _loss_scale(record: Mapping[str, Any]) -> LossScaleState:
