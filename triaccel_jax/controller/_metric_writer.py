@@ -87,7 +87,8 @@ class MetricWriterCallback:
     Give it to :class:`triaccel_jax.Controller` as ``callback=``. Per step (every ``every``
     steps) it writes the scalars ``loss``, each metric of :attr:`StepInfo.metrics`
     (``loss_scale``, ``skipped`` and the loss's own), ``batch_size``, ``micro_batch``,
-    ``seconds``, ``samples_per_second``, ``peak_bytes`` and ``limit_bytes`` (when measured), and
+    ``seconds``, ``samples_per_second``, ``peak_bytes`` and ``limit_bytes`` (when measured),
+    ``noise_scale`` (the gradient noise scale, once measured and while finite), and
     ``learning_rate`` (the rate the optimizer uses, once a ``"learning_rate"`` event has set
     it) and ``learning_rate_factor`` (the controller's batch scaling of the tuned rate, once a
     ``"learning_rate"`` or ``"update_scale"`` event has set it); each :class:`triaccel_jax.controller.Event` (all of
@@ -197,6 +198,8 @@ class MetricWriterCallback:
             scalars["peak_bytes"] = info.peak_bytes
         if info.limit_bytes is not None:
             scalars["limit_bytes"] = info.limit_bytes
+        if info.noise_scale is not None and math.isfinite(info.noise_scale):
+            scalars["noise_scale"] = info.noise_scale
         if self.learning_rate is not None:
             scalars["learning_rate"] = self.learning_rate
         if self.learning_rate_factor is not None:
