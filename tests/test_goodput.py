@@ -143,3 +143,75 @@ def test_the_controller_measures_the_noise_scale_and_throughput_and_saves_them()
     assert resumed.throughput == controller.throughput
     # The next step's estimate continues from the saved one in both.
     assert resumed.step().noise_scale == controller.step().noise_scale
+
+
+def test_a_split_step_updates_as_the_whole_batch_and_measures_its_halves():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(1, 32, 5)).astype(np.float32)
+    y = rng.normal(size=(1, 32)).astype(np.float32)
+    w = jnp.asarray(rng.normal(size=5), jnp.float32)
+
+    def loss(params, batch):
+        inputs, targets = batch
+        return jnp.mean((inputs @ params - targets) ** 2)
+
+    normalized = training.normalize_loss_fn(loss, has_aux=False, has_model_state=False)
+    tx = optax.sgd(0.1)
+    outs = {}
+    for split in (False, True):
+        step = training.make_train_step(
+            normalized, tx, policy=None, num_micro=1, seed=0, split=split
+        )
+        outs[split] = jax.jit(step)(
+            w, tx.init(w), None, (x, y), np.int32(0), np.float32(1.0), LossScaling().init()
+        )
+    np.testing.assert_allclose(outs[True].params, outs[False].params, rtol=1e-6)
+    whole = jax.grad(loss)(w, (x[0], y[0]))
+    halves = [jax.grad(loss)(w, (x[0, i : i + 16], y[0, i : i + 16])) for i in (0, 16)]
+    metrics = outs[True].metrics
+    assert float(metrics["grad_sq_norm"]) == pytest.approx(float(jnp.sum(whole**2)), rel=1e-5)
+    expected = np.mean([float(jnp.sum(h**2)) for h in halves])
+    assert float(metrics["micro_grad_sq_norm"]) == pytest.approx(expected, rel=1e-5)
+    assert outs[False].metrics["micro_grad_sq_norm"] == outs[False].metrics["grad_sq_norm"]
+    with pytest.raises(ValueError, match="even micro-batch, got 31"):
+        jax.jit(step)(
+            w,
+            tx.init(w),
+            None,
+            (x[:, :31], y[:, :31]),
+            np.int32(0),
+            np.float32(1.0),
+            LossScaling().init(),
+        )
+
+
+def test_measure_noise_scale_splits_single_micro_batch_steps_and_refuses_odd_buckets():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(256, 3)).astype(np.float32)
+    y = (x @ np.array([1.0, 2.0, -1.0], np.float32) + rng.normal(size=256)).astype(np.float32)
+
+    def loss(params, batch):
+        inputs, targets = batch
+        return jnp.mean((inputs @ params - targets) ** 2)
+
+    def make(**settings):
+        return triaccel_jax.Controller(
+            loss,
+            jnp.zeros(3),
+            optax.sgd(0.05),
+            (x, y),
+            probe=triaccel_jax.FakeMemoryProbe(10**12),
+            check_every=1000,
+            **settings,
+        )
+
+    plain = make(min_batch=32, max_batch=32)
+    measured = make(min_batch=32, max_batch=32, measure_noise_scale=True)
+    plain_infos, measured_infos = plain.run(20), measured.run(20)
+    assert all(i.noise_scale is None for i in plain_infos)
+    assert all(i.noise_scale is not None for i in measured_infos)
+    assert measured.noise_scale is not None and measured.noise_scale > 0
+    # The same updates: the halves' mean is the batch mean.
+    np.testing.assert_allclose(measured.params, plain.params, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"every bucket must be even; buckets \[1\]"):
+        make(min_batch=1, max_batch=4, measure_noise_scale=True)

@@ -95,6 +95,9 @@ class ControllerConfig:
       statistics_decay: decay of the moving averages of the measured training statistics:
         the gradient noise scale (from steps of several micro-batches) and each step's
         throughput, in [0, 1).
+      measure_noise_scale: run a step of one micro-batch as two halves accumulated like
+        micro-batches (the update is the same; buckets must then be even), so that every step
+        measures the gradient noise scale; steps of several micro-batches always do.
 
     Example:
       >>> from triaccel_jax.controller import ControllerConfig
@@ -134,6 +137,7 @@ class ControllerConfig:
     compile_in_background: bool = False
     fused_update: bool | None = None
     statistics_decay: float = 0.95
+    measure_noise_scale: bool = False
 
     def __post_init__(self) -> None:
         validation.check_in_range(

@@ -184,6 +184,12 @@ class Controller:
         self._feeder = feeding.BatchFeeder(data, config.num_examples, mesh, config.data_axis)
         layout = config.layout(self._feeder.multiple)
         self.buckets, self._global = layout.buckets, layout.global_batch
+        odd = [bucket for bucket in layout.buckets if bucket % 2]
+        if config.measure_noise_scale and odd:
+            raise ValueError(
+                f"measure_noise_scale=True splits each step in two halves, so every bucket must "
+                f"be even; buckets {odd} are not (raise `min_batch`)"
+            )
         self._bucket = bucket_tracker.BucketTracker(
             layout.buckets,
             layout.start,
@@ -717,7 +723,7 @@ class Controller:
             grad_sq_norm=metrics.get("grad_sq_norm", math.nan),
             micro_grad_sq_norm=metrics.get("micro_grad_sq_norm", math.nan),
             batch=len(step.indices),
-            micro=step.micro,
+            micro=self._measured_micro(step),
             decay=decay,
         )
         if seconds > 0 and not any(e.kind in ("compile", "oom") for e in events):
@@ -979,6 +985,7 @@ class Controller:
             seed=self._seed,
             loss_scaling=training.loss_scaling_for(policy, self.config.loss_scaling, opt_state),
             fused=self._fused(opt_state),
+            split=self.config.measure_noise_scale,
         )
         args = training.abstract_step_arguments(
             (self.params, opt_state, self.model_state),
@@ -1032,6 +1039,13 @@ class Controller:
             assert self._global is not None  # the layout has a global batch with keep_global
             return self._global // micro
         return 1 if samples is None else max(samples // micro, 1)
+
+    def _measured_micro(self, step: records.PendingStep) -> int:
+        """The samples behind the step's ``micro_grad_sq_norm``: its micro-batch, or half of it
+        for a step of one micro-batch split in two (``measure_noise_scale``)."""
+        if self.config.measure_noise_scale and step.num_micro == 1:
+            return step.micro // 2
+        return step.micro
 
     def _known_peaks(self) -> dict[int, int]:
         """Peak bytes per bucket under the current policy (see ``BucketTracker.known_peaks``)."""

@@ -58,7 +58,8 @@ class StepOutput(NamedTuple):
       micro-batches, unscaled), ``|G_big|^2`` in McCandlish et al. (2018), appendix A;
     * ``micro_grad_sq_norm``: the mean over the micro-batches of each one's squared gradient
       norm (unscaled), ``|G_small|^2`` there at the micro-batch size; equal to ``grad_sq_norm``
-      with one micro-batch, and never below it (the mean of squared norms is at least the
+      with one micro-batch (a step made with ``split=True`` counts its two halves as
+      micro-batches), and never below it (the mean of squared norms is at least the
       squared norm of the mean).
 
     Both norms are summed in float32 over the trainable (floating-point) leaves; with
@@ -359,6 +360,7 @@ def make_train_step(
     seed: int,
     loss_scaling: transforms.LossScaling | None = None,
     fused: bool = False,
+    split: bool = False,
 ) -> Callable[..., StepOutput]:
     """The step ``(params, opt_state, model_state, batch, step, lr_factor, loss_scale)``.
 
@@ -375,6 +377,10 @@ def make_train_step(
       fused: update and apply in one pass per leaf
         (:func:`triaccel_jax.transforms.fused_apply`) instead of ``tx.update`` and
         ``optax.apply_updates``.
+      split: with one micro-batch, run it as two halves accumulated like micro-batches (its
+        size must be even), so that the step's two squared gradient norms differ and measure
+        the gradient noise scale; the update is the same (the mean of the halves' means is the
+        batch mean). Each half sees the model state the other left, as micro-batches do.
 
     Returns:
       The pure step function, to be jitted, returning a :class:`StepOutput` (its metrics listed
@@ -409,8 +415,12 @@ def make_train_step(
     def controller_step(params, opt_state, model_state, batch, step, lr_factor, loss_scale):
         rng = jax.random.fold_in(jax.random.key(seed), step)
         scale = loss_scale.scale if loss_scaling is not None else jnp.float32(1.0)
+        count = num_micro
+        if split and num_micro == 1:
+            batch = jax.tree.map(_halves, batch)
+            count = 2
         first = jax.tree.map(lambda x: x[0], batch)
-        if num_micro == 1:
+        if count == 1:
             grads, new_model_state, metrics, micro_sq_norm = one(
                 params, model_state, first, rng, scale
             )
@@ -429,12 +439,12 @@ def make_train_step(
             )  # the gradients' dtypes: float32 when the loss is scaled
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
             (total, new_model_state), (metrics, sq_norms) = jax.lax.scan(
-                body, (zeros, model_state), (batch, jnp.arange(num_micro))
+                body, (zeros, model_state), (batch, jnp.arange(count))
             )
-            grads = jax.tree.map(lambda g: (g / num_micro).astype(g.dtype), total)
+            grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), total)
             metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
             micro_sq_norm = jnp.mean(sq_norms)
-        grad_sq_norm = micro_sq_norm if num_micro == 1 else _sq_norm(unscaled(grads, scale))
+        grad_sq_norm = micro_sq_norm if count == 1 else _sq_norm(unscaled(grads, scale))
         extra: dict[str, Any] = {}
         if takes_extra:
             extra["loss_fn"] = lambda p: loss_fn(p, new_model_state, first, policy, rng)[0]
@@ -538,3 +548,11 @@ def check_loss_structure(
         if "loss function" in str(error) or "metric" in str(error):
             raise TypeError(f"`loss_fn` returns the wrong structure: {error}") from None
         raise
+
+
+def _halves(leaf: jax.Array) -> jax.Array:
+    """A ``(1, b, ...)`` batch leaf as ``(2, b / 2, ...)``: the step's two halves."""
+    size = leaf.shape[1]
+    if size % 2:
+        raise ValueError(f"split=True needs an even micro-batch, got {size} samples")
+    return leaf.reshape(2, size // 2, *leaf.shape[2:])
