@@ -14,6 +14,7 @@ import pytest
 import triaccel_jax
 from triaccel_jax import training
 from triaccel_jax.controller._goodput import NoiseScale
+from triaccel_jax.controller._goodput import choose_by_goodput
 from triaccel_jax.controller._goodput import efficiency
 from triaccel_jax.controller._goodput import update_noise_scale
 from triaccel_jax.transforms import LossScaling
@@ -215,3 +216,54 @@ def test_measure_noise_scale_splits_single_micro_batch_steps_and_refuses_odd_buc
     np.testing.assert_allclose(measured.params, plain.params, rtol=1e-5)
     with pytest.raises(ValueError, match=r"every bucket must be even; buckets \[1\]"):
         make(min_batch=1, max_batch=4, measure_noise_scale=True)
+
+
+BUCKETS = (16, 32, 64, 128, 256)
+
+
+def test_goodput_with_throughput_rising_grows_to_the_critical_batch_not_beyond():
+    choice = choose_by_goodput(
+        16, BUCKETS, noise_scale=100.0, throughput={16: 1000.0}, reference=16, model="linear"
+    )
+    # Efficiency at 128: 116 / 228 = 0.51; at 256: 116 / 356 = 0.33, under the 0.5 floor.
+    assert choice.bucket == 128
+    assert choice.figures[256]["efficiency"] < 0.5 <= choice.figures[128]["efficiency"]
+
+
+def test_goodput_explores_one_bucket_at_a_time_and_leaves_one_measured_slower():
+    first = choose_by_goodput(
+        16, BUCKETS, noise_scale=1000.0, throughput={16: 1000.0}, reference=16
+    )
+    assert first.bucket == 32 and set(first.figures) == {16, 32}  # 64 and up not yet candidates
+    # Measured: 32 is slower per sample than 16 (as on this CPU): back to 16, and 64 is not tried.
+    second = choose_by_goodput(
+        32, BUCKETS, noise_scale=1000.0, throughput={16: 1000.0, 32: 800.0}, reference=16
+    )
+    assert second.bucket == 16
+    stay = choose_by_goodput(
+        16, BUCKETS, noise_scale=1000.0, throughput={16: 1000.0, 32: 800.0}, reference=16
+    )
+    assert stay.bucket == 16
+
+
+def test_goodput_keeps_the_bucket_within_the_margin_or_before_it_is_measured():
+    within = choose_by_goodput(
+        16, (16, 32), noise_scale=1e6, throughput={16: 1000.0, 32: 1030.0}, reference=16
+    )
+    assert within.bucket == 16 and "within 5%" in within.reason
+    assert (
+        choose_by_goodput(16, BUCKETS, noise_scale=None, throughput={}, reference=16).bucket == 16
+    )
+    with pytest.raises(ValueError, match="current bucket 8 must be among"):
+        choose_by_goodput(8, BUCKETS, noise_scale=1.0, throughput={8: 1.0}, reference=8)
+
+
+def test_goodput_shrinks_when_the_noise_scale_falls_below_the_batch():
+    choice = choose_by_goodput(
+        256,
+        BUCKETS,
+        noise_scale=10.0,
+        throughput={b: 1000.0 for b in BUCKETS},
+        reference=16,
+    )
+    assert choice.bucket == 16  # equal throughput: the most efficient batch wins

@@ -26,6 +26,8 @@ float operations per step.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from triaccel_jax._src import validation
@@ -123,3 +125,134 @@ def efficiency(batch: int, noise_scale: float, reference: int) -> float:
     if math.isinf(noise_scale):
         return 1.0
     return (noise_scale + reference) / (noise_scale + batch)
+
+
+class GoodputChoice(NamedTuple):
+    """What :func:`choose_by_goodput` decided.
+
+    Attributes:
+      bucket: the bucket to train at (the current one when nothing beats it by the margin).
+      reason: why, in words, for the event log.
+      figures: per bucket considered, its efficiency, throughput (measured or modelled) and
+        goodput, for the event log.
+    """
+
+    bucket: int
+    reason: str
+    figures: dict[int, dict[str, float | str]]
+
+
+def choose_by_goodput(
+    current: int,
+    allowed: Sequence[int],
+    *,
+    noise_scale: float | None,
+    throughput: Mapping[int, float],
+    reference: int,
+    margin: float = 0.05,
+    min_efficiency: float = 0.5,
+    model: str = "measured",
+) -> GoodputChoice:
+    """The bucket of highest goodput (throughput x statistical efficiency) memory allows.
+
+    A bucket is a candidate when memory allows it (``allowed``, the current bucket among them)
+    and its efficiency is at least ``min_efficiency`` (0.5: at most the critical batch,
+    ``B <= B_noise + 2 B0``). Its throughput is the measured one where there is one; otherwise
+    ``model`` says: ``"measured"`` explores one bucket at a time: the unmeasured bucket next to
+    the measured ones is modelled by the trend of the two nearest measured buckets (a power law
+    through them), or, with one measured bucket, with samples per second in proportion to the
+    batch (the hopeful guess, so that it is tried); buckets beyond it are not candidates yet,
+    and once tried its measurement decides, so exploration goes on only while throughput rises;
+    ``"linear"`` models every unmeasured bucket that way (an under-used accelerator: efficiency
+    alone decides). The best candidate is chosen when its goodput beats the current bucket's by
+    ``margin``.
+
+    Args:
+      current: the bucket in force.
+      allowed: the buckets memory allows, ascending (the current one among them).
+      noise_scale: the gradient noise scale, or None before it is measured (then nothing moves).
+      throughput: measured samples per second by bucket (under the policy in force).
+      reference: the batch the learning rate was tuned at (Pollux's ``B0``).
+      margin: relative goodput gain a move needs, >= 0.
+      min_efficiency: the lowest statistical efficiency a bucket may have, in (0, 1].
+      model: ``"measured"`` or ``"linear"`` (see above).
+
+    Returns:
+      A :class:`GoodputChoice`.
+
+    Example:
+      >>> from triaccel_jax.controller._goodput import choose_by_goodput
+      >>> # Noise scale 100 and throughput rising with the batch: grow to 128, not to 256
+      >>> # (efficiency (100 + 16) / (100 + 256) = 0.33 < 0.5).
+      >>> choose_by_goodput(
+      ...     16,
+      ...     (16, 32, 64, 128, 256),
+      ...     noise_scale=100.0,
+      ...     throughput={16: 1000.0},
+      ...     reference=16,
+      ...     model="linear",
+      ... ).bucket
+      128
+
+    References:
+      Qiao et al., 2021, "Pollux", §3 (goodput); McCandlish et al., 2018 (the critical batch).
+    """
+    validation.check_in_range("margin", margin, 0.0, math.inf)
+    validation.check_in_range("min_efficiency", min_efficiency, 0.0, 1.0, low_inclusive=False)
+    validation.check_choice("model", model, ("measured", "linear"))
+    if current not in allowed:
+        raise ValueError(f"the current bucket {current} must be among the allowed {allowed}")
+    if noise_scale is None or current not in throughput:
+        return GoodputChoice(current, "the noise scale or throughput is not measured yet", {})
+    figures: dict[int, dict[str, float | str]] = {}
+    measured = sorted(throughput)
+    position = {bucket: i for i, bucket in enumerate(allowed)}
+    known = [position[b] for b in measured if b in position]
+    for bucket in allowed:
+        if bucket in throughput:
+            rate, source = throughput[bucket], "measured"
+        elif model == "linear" or min(abs(position[bucket] - i) for i in known) == 1:
+            rate, source = _extrapolate(bucket, throughput, linear=model == "linear")
+        else:
+            continue  # not a candidate before the bucket next to it is measured
+        eff = efficiency(bucket, noise_scale, reference)
+        figures[bucket] = {
+            "efficiency": eff,
+            "samples_per_second": rate,
+            "goodput": rate * eff,
+            "throughput_from": source,
+        }
+    present = float(figures[current]["goodput"])
+    candidates = [b for b in figures if float(figures[b]["efficiency"]) >= min_efficiency]
+    if current not in candidates:
+        candidates.append(current)
+    best = max(candidates, key=lambda b: (float(figures[b]["goodput"]), -abs(b - current)))
+    gain = float(figures[best]["goodput"]) / present - 1.0 if present > 0 else math.inf
+    if best == current or gain <= margin:
+        return GoodputChoice(
+            current,
+            f"goodput {present:.4g} samples/s at {current} is within {margin:.0%} of the best",
+            figures,
+        )
+    return GoodputChoice(
+        best,
+        f"goodput {float(figures[best]['goodput']):.4g} at {best} beats {present:.4g} at "
+        f"{current} by {gain:.0%} (noise scale {noise_scale:.4g}, efficiency "
+        f"{float(figures[best]['efficiency']):.2f})",
+        figures,
+    )
+
+
+def _extrapolate(
+    bucket: int, throughput: Mapping[int, float], *, linear: bool
+) -> tuple[float, str]:
+    """Samples per second at an unmeasured ``bucket``: in proportion to the batch from the nearest
+    measured one, or (``linear`` False, two measured) along the power law through the two nearest."""
+    nearest = sorted(throughput, key=lambda b: (abs(b - bucket), b))
+    first = nearest[0]
+    if linear or len(nearest) < 2:
+        return throughput[first] * bucket / first, f"in proportion to the batch from {first}"
+    second = nearest[1]
+    slope = math.log(throughput[first] / throughput[second]) / math.log(first / second)
+    rate = throughput[first] * (bucket / first) ** slope
+    return rate, f"the trend through {min(first, second)} and {max(first, second)}"
