@@ -95,8 +95,10 @@ OPTIMIZERS = {
         needs_obj_fn=True,
     ),
     "triaccel-bf16": OptimizerSpec(
-        "triaccel_jax.triaccel(1e-3, state_dtype=jnp.bfloat16)",
-        lambda: triaccel_jax.triaccel(LEARNING_RATE, state_dtype=jnp.bfloat16),
+        "triaccel_jax.triaccel(1e-3, config=TriAccelConfig(state_dtype=jnp.bfloat16))",
+        lambda: triaccel_jax.triaccel(
+            LEARNING_RATE, config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16)
+        ),
         timed_by_default=False,
         max_state_ratio=MAX_STATE_RATIO_BF16,
         max_step_ratio=MAX_STEP_RATIO,

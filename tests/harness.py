@@ -46,17 +46,24 @@ class Variant:
 VARIANTS = (
     Variant("fisher-fp32", lambda lr, **kw: triaccel_jax.triaccel(lr, **kw)),
     Variant(
-        "fisher-bf16", lambda lr, **kw: triaccel_jax.triaccel(lr, state_dtype=jnp.bfloat16, **kw)
+        "fisher-bf16",
+        lambda lr, **kw: triaccel_jax.triaccel(
+            lr, config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16), **kw
+        ),
     ),
     Variant(
         "hutchinson-fp32",
-        lambda lr, **kw: triaccel_jax.triaccel(lr, estimator="hutchinson", **kw),
+        lambda lr, **kw: triaccel_jax.triaccel(
+            lr, config=triaccel_jax.TriAccelConfig(estimator="hutchinson"), **kw
+        ),
         needs_loss=True,
     ),
     Variant(
         "hutchinson-bf16",
         lambda lr, **kw: triaccel_jax.triaccel(
-            lr, estimator="hutchinson", state_dtype=jnp.bfloat16, **kw
+            lr,
+            config=triaccel_jax.TriAccelConfig(estimator="hutchinson", state_dtype=jnp.bfloat16),
+            **kw,
         ),
         needs_loss=True,
     ),

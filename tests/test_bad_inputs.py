@@ -136,6 +136,7 @@ class Case(NamedTuple):
 UNCHANGED_MESSAGE = r"^labels out of range: 11 classes, expected 10(\n|$)"
 
 T = triaccel_jax
+HUTCHINSON = T.TriAccelConfig(estimator="hutchinson")
 CASES = [
     # optimizer construction
     Case("triaccel-lr-none", lambda _: T.triaccel(None), ValueError, "`learning_rate`"),
@@ -149,13 +150,13 @@ CASES = [
     Case("triaccel-b2-one", lambda _: T.triaccel(0.1, b2=1.0), ValueError, r"`b2`.*\[0.0, 1.0\)"),
     Case(
         "triaccel-state-dtype-int8",
-        lambda _: T.triaccel(0.1, state_dtype="int8"),
+        lambda _: T.triaccel(0.1, config=T.TriAccelConfig(state_dtype="int8")),
         ValueError,
         "`state_dtype`.*'int8'",
     ),
     Case(
         "triaccel-estimator-unknown",
-        lambda _: T.triaccel(0.1, estimator="newton"),
+        lambda _: T.triaccel(0.1, config=T.TriAccelConfig(estimator="newton")),
         ValueError,
         "`estimator`.*'newton'",
     ),
@@ -192,7 +193,7 @@ CASES = [
     ),
     Case(
         "init-state-policy-for-other-params",
-        lambda _: T.triaccel(0.1, state_dtype=policy(OTHER)).init(PARAMS),
+        lambda _: T.triaccel(0.1, config=T.TriAccelConfig(state_dtype=policy(OTHER))).init(PARAMS),
         ValueError,
         "no entry for leaf",
     ),
@@ -210,13 +211,13 @@ CASES = [
     ),
     Case(
         "update-hutchinson-without-loss-fn",
-        lambda _: update(T.triaccel(0.1, estimator="hutchinson"), PARAMS),
+        lambda _: update(T.triaccel(0.1, config=HUTCHINSON), PARAMS),
         ValueError,
         "needs the loss as an extra argument.*loss_fn=",
     ),
     Case(
         "update-hutchinson-loss-fn-not-callable",
-        lambda _: update(T.triaccel(0.1, estimator="hutchinson"), PARAMS, loss_fn=3.0),
+        lambda _: update(T.triaccel(0.1, config=HUTCHINSON), PARAMS, loss_fn=3.0),
         TypeError,
         "`loss_fn` must be callable",
     ),

@@ -509,7 +509,9 @@ def test_model_state_flows_through_micro_batches_and_aux_metrics_are_averaged():
 
 
 def test_hutchinson_gets_the_loss_as_an_extra_argument():
-    tx = triaccel_jax.triaccel(1e-2, estimator="hutchinson", curvature_every=1)
+    tx = triaccel_jax.triaccel(
+        1e-2, config=triaccel_jax.TriAccelConfig(estimator="hutchinson"), curvature_every=1
+    )
     controller = make_controller(tx=tx, probe=FakeMemoryProbe(BIG))
     controller.run(3)
     signals = triaccel_jax.signals(controller.opt_state)

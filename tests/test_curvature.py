@@ -105,7 +105,7 @@ def test_hutchinson_under_masked_explains_and_unmask_gives_the_trained_leaves_cu
     params = {"w": jnp.array([1.0, 2.0]), "b": jnp.array([0.5])}
     scale = jnp.array([3.0, 5.0])  # H_w = diag(6, 10): Hutchinson is exact for it
     loss = lambda p: jnp.sum(scale * p["w"] ** 2) + jnp.sum(jnp.sin(p["b"]))
-    inner = triaccel_jax.triaccel(0.1, estimator="hutchinson")
+    inner = triaccel_jax.triaccel(0.1, config=triaccel_jax.TriAccelConfig(estimator="hutchinson"))
     if wrapper == "masked":
         tx = optax.masked(inner, {"w": True, "b": False})
     else:

@@ -35,7 +35,9 @@ def setup(tx, policy=None):
 
 
 def test_apply_gradients_forwards_the_loss_to_hutchinson():
-    tx = triaccel_jax.triaccel(0.05, estimator="hutchinson", curvature_every=1)
+    tx = triaccel_jax.triaccel(
+        0.05, config=triaccel_jax.TriAccelConfig(estimator="hutchinson"), curvature_every=1
+    )
     state, x, y = setup(tx)
 
     def loss(params):
@@ -159,7 +161,9 @@ class NNXModel(nnx.Module):
 
 def test_nnx_optimizer_with_extra_arguments_and_signals():
     model = NNXModel(nnx.Rngs(0))
-    tx = triaccel_jax.triaccel(0.05, estimator="hutchinson", curvature_every=1)
+    tx = triaccel_jax.triaccel(
+        0.05, config=triaccel_jax.TriAccelConfig(estimator="hutchinson"), curvature_every=1
+    )
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     x = jax.random.normal(jax.random.key(1), (16, 8))
     y = jnp.sin(x.sum(-1, keepdims=True))

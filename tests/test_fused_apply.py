@@ -92,7 +92,9 @@ OPTIMIZERS = {
         mask=lambda tree: jax.tree_util.tree_map_with_path(_is_kernel, tree),
         curvature_every=2,
     ),
-    "hutchinson": lambda: triaccel_jax.triaccel(0.02, estimator="hutchinson", curvature_every=4),
+    "hutchinson": lambda: triaccel_jax.triaccel(
+        0.02, config=triaccel_jax.TriAccelConfig(estimator="hutchinson"), curvature_every=4
+    ),
 }
 
 
@@ -123,7 +125,9 @@ def test_float32_state_agrees_with_the_optax_update_bit_for_bit(name):
 
 
 def test_bfloat16_moments_stay_within_their_stochastic_rounding_of_the_optax_path():
-    tx = triaccel_jax.triaccel(0.05, state_dtype=jnp.bfloat16, curvature_every=3)
+    tx = triaccel_jax.triaccel(
+        0.05, config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16), curvature_every=3
+    )
     expected_params, expected_state, _ = _train(tx, 1, fused=False)
     params, state, _ = _train(tx, 1, fused=True)
     chex.assert_trees_all_equal_dtypes(state, expected_state)
@@ -287,8 +291,8 @@ def test_the_controller_refuses_fused_update_for_an_optimizer_it_cannot_fuse():
 def test_the_flax_train_state_takes_the_fused_path_where_triton_runs_it(monkeypatch):
     import flax.linen as flax_linen  # the test extra installs Flax
 
-    from triaccel_jax.flax import TrainState
     from triaccel_jax import transforms as fused_lib
+    from triaccel_jax.flax import TrainState
 
     class MLP(flax_linen.Module):
         @flax_linen.compact

@@ -7,8 +7,6 @@ that set array shapes (the curvature store's layout, the number of probes) live 
 
 from __future__ import annotations
 
-import warnings
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -120,25 +118,31 @@ def test_config_is_frozen_hashable_and_checked():
         triaccel_jax.triaccel(0.1, config={"block_size": 8})
 
 
-@pytest.mark.parametrize("keyword", ["block_size", "rho", "num_samples"])
-def test_shape_options_are_only_accepted_in_config(keyword):
-    # One way to say each thing: the options that set shapes live in TriAccelConfig, where
-    # inject_hyperparams never traces them.
+@pytest.mark.parametrize(
+    ("keyword", "value"),
+    [
+        ("block_size", 8),
+        ("rho", 0.5),
+        ("num_samples", 2),
+        ("estimator", "hutchinson"),
+        ("state_dtype", jnp.bfloat16),
+        ("impl", "reference"),
+        ("scale", "block"),
+    ],
+)
+def test_config_options_are_only_accepted_in_config(keyword, value):
+    # One way to say each thing: the options that are not numbers to tune live in
+    # TriAccelConfig, where inject_hyperparams never traces them.
     with pytest.raises(TypeError, match=keyword):
-        triaccel_jax.triaccel(0.1, **{keyword: 8})
+        triaccel_jax.triaccel(0.1, **{keyword: value})
     with pytest.raises(TypeError, match=keyword):
-        triaccel_jax.scale_by_triaccel(**{keyword: 8})
-    # estimator= and state_dtype= are never numbers, so they remain plain keywords.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        triaccel_jax.triaccel(0.1, estimator="hutchinson", state_dtype=jnp.bfloat16)
+        triaccel_jax.scale_by_triaccel(**{keyword: value})
+    triaccel_jax.triaccel(0.1, config=triaccel_jax.TriAccelConfig(**{keyword: value}))
 
 
-def test_a_dtype_type_injected_as_a_schedule_is_explained():
-    # jnp.bfloat16 is callable, so inject_hyperparams takes it for a schedule of the step.
-    tx = optax.inject_hyperparams(triaccel_jax.triaccel)(0.1, state_dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"state_dtype.*TriAccelConfig"):
-        tx.init(PARAMS)
+def test_a_number_for_the_state_dtype_is_refused():
+    with pytest.raises(ValueError, match=r"state_dtype.*dtype.*number"):
+        triaccel_jax.TriAccelConfig(state_dtype=np.float32(1.0))
 
 
 @pytest.mark.standard_promotion(

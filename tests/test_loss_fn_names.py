@@ -20,7 +20,9 @@ def loss(p):
 
 
 def hutchinson():
-    return triaccel_jax.triaccel(0.1, estimator="hutchinson", curvature_every=1)
+    return triaccel_jax.triaccel(
+        0.1, config=triaccel_jax.TriAccelConfig(estimator="hutchinson"), curvature_every=1
+    )
 
 
 @pytest.mark.parametrize("name", ["obj_fn", "value_fn"])
@@ -47,7 +49,9 @@ def test_hutchinson_diagonal_takes_the_other_names(name):
 
 def test_one_value_fn_feeds_triaccel_and_a_line_search():
     tx = optax.chain(
-        triaccel_jax.scale_by_triaccel(estimator="hutchinson", curvature_every=1),
+        triaccel_jax.scale_by_triaccel(
+            config=triaccel_jax.TriAccelConfig(estimator="hutchinson"), curvature_every=1
+        ),
         optax.scale_by_learning_rate(1.0),  # a descent direction, which the line search scales
         optax.scale_by_zoom_linesearch(max_linesearch_steps=8),
     )

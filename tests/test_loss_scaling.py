@@ -33,7 +33,7 @@ def make_problem():
 def test_injected_nonfinite_steps_are_skipped_and_state_stays_finite():
     params, loss = make_problem()
     tx = triaccel_jax.transforms.dynamic_loss_scale(
-        triaccel_jax.triaccel(0.05, state_dtype=jnp.bfloat16),
+        triaccel_jax.triaccel(0.05, config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16)),
         initial_scale=2.0**10,
         growth_interval=3,
     )
@@ -91,7 +91,7 @@ def test_forwards_extra_arguments():
     params = {"w": jnp.ones(3)}
     loss_fn = lambda p: jnp.sum(2.0 * p["w"] ** 2)
     tx = triaccel_jax.transforms.dynamic_loss_scale(
-        triaccel_jax.triaccel(0.1, estimator="hutchinson")
+        triaccel_jax.triaccel(0.1, config=triaccel_jax.TriAccelConfig(estimator="hutchinson"))
     )
     _, state = tx.update(jax.grad(loss_fn)(params), tx.init(params), params, loss_fn=loss_fn)
     assert triaccel_jax.signals(state)["w"]["mean_curvature"] == pytest.approx(4.0)

@@ -18,6 +18,7 @@ from triaccel_jax import Controller
 from triaccel_jax import FakeMemoryProbe
 from triaccel_jax import PrecisionPolicy
 from triaccel_jax.controller._sampler import ElasticSampler
+from triaccel_jax.transforms import LossScaling
 
 BATCH, STEPS = 32, 30
 # The loss is small, so that its gradients sit below float16's normal range: the cotangent of
@@ -225,7 +226,7 @@ def test_a_train_state_round_trip_carries_the_loss_scale_and_its_rule():
         params=params,
         tx=triaccel_jax.triaccel(1e-2),
         policy=fp16(params),
-        loss_scaling={"initial_scale": 2.0**10},
+        loss_scaling=LossScaling(initial_scale=2.0**10),
     )
     options = dict(min_batch=BATCH, max_batch=BATCH, probe=FakeMemoryProbe(BIG))
     controller = Controller.from_train_state(tiny_loss, state, make_data(), **options)
@@ -237,6 +238,20 @@ def test_a_train_state_round_trip_carries_the_loss_scale_and_its_rule():
     assert float(back.loss_scale.scale) == 2.0**10 * 0.5**skipped
     again = Controller.from_train_state(tiny_loss, back, make_data(), **options)
     assert float(again.loss_scale.scale) == float(back.loss_scale.scale)
+
+
+def test_a_train_state_takes_the_loss_scaling_rule_not_a_dict_of_its_keywords():
+    from triaccel_jax.flax import TrainState
+
+    params = make_params()
+    with pytest.raises(TypeError, match=r"`loss_scaling` must be a .*LossScaling.*got dict"):
+        TrainState.create(
+            apply_fn=None,
+            params=params,
+            tx=triaccel_jax.triaccel(1e-2),
+            policy=fp16(params),
+            loss_scaling={"initial_scale": 2.0**10},  # type: ignore[arg-type]
+        )
 
 
 def test_a_wrapped_optimizer_under_a_scaling_policy_is_rejected():

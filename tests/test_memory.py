@@ -55,7 +55,9 @@ def test_exact_bytes_fp32_masters_bf16_kernel_triaccel_state():
     assert report.total == report.params + 4096 + 8320 + report.optimizer_state
 
     # The moments are the param-sized part of the state: bf16 moments save exactly half of them.
-    bf16_state = triaccel_jax.triaccel(1e-3, state_dtype=jnp.bfloat16).init(params)
+    bf16_state = triaccel_jax.triaccel(
+        1e-3, config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16)
+    ).init(params)
     saved = report.optimizer_state - memory_report(params, bf16_state, policy).optimizer_state
     assert saved == 2 * (64 * 32 + 32) * (F32 - BF16)
 

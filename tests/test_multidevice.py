@@ -71,14 +71,13 @@ DATA_PARALLEL = textwrap.dedent(
     x = jax.random.normal(keys[1], (64, 6))
     y = jax.random.normal(keys[2], (64, 4))
     mesh = Mesh(np.array(jax.devices()), ("data",))
+    HUTCHINSON = triaccel_jax.TriAccelConfig(estimator="hutchinson")
 
     def loss(p, x, y):
         return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
 
     def train(axis_name):
-        tx = triaccel_jax.triaccel(
-            1e-2, estimator="hutchinson", curvature_every=1, axis_name=axis_name
-        )
+        tx = triaccel_jax.triaccel(1e-2, config=HUTCHINSON, curvature_every=1, axis_name=axis_name)
 
         def step(params, state, x, y):
             # Each replica holds its own copy of the state (leading axis of 1 here).
@@ -122,7 +121,7 @@ DATA_PARALLEL = textwrap.dedent(
         )
 
     # The averaged estimate is the global batch's: one step equals the single-device one.
-    tx = triaccel_jax.scale_by_triaccel(estimator="hutchinson", axis_name="data")
+    tx = triaccel_jax.scale_by_triaccel(config=HUTCHINSON, axis_name="data")
 
     def curvature(params, x, y):
         local_loss = lambda p: loss(p, x, y)
@@ -136,7 +135,7 @@ DATA_PARALLEL = textwrap.dedent(
             **({"check_vma": False} if hasattr(jax, "shard_map") else {"check_rep": False}),
         )
     )(params, x, y)
-    single_tx = triaccel_jax.scale_by_triaccel(estimator="hutchinson")
+    single_tx = triaccel_jax.scale_by_triaccel(config=HUTCHINSON)
     _, single = single_tx.update(
         jax.grad(loss)(params, x, y), single_tx.init(params), params,
         loss_fn=lambda p: loss(p, x, y),

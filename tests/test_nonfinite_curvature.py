@@ -32,7 +32,7 @@ PARAMS = {
 }
 GRADS = jax.tree.map(lambda p: jnp.cos(3 * p) + 0.1, PARAMS)
 TX = triaccel_jax.scale_by_triaccel(
-    estimator="hutchinson",
+    config=triaccel_jax.TriAccelConfig(estimator="hutchinson"),
     curvature_every=1,
     curvature_decay=DECAY,
     alpha=ALPHA,

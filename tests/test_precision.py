@@ -100,7 +100,7 @@ def test_policy_masters_train_with_stochastic_updates():
 
 
 def test_triaccel_state_dtypes_follow_the_policy():
-    tx = triaccel_jax.triaccel(1e-2, state_dtype=POLICY)
+    tx = triaccel_jax.triaccel(1e-2, config=triaccel_jax.TriAccelConfig(state_dtype=POLICY))
     state = tx.init(PARAMS)
     chex.assert_type(
         [state[0].mu["conv"], state[0].nu["dense"]["kernel"], state[0].mu["dense"]["bias"]],
@@ -111,7 +111,9 @@ def test_triaccel_state_dtypes_follow_the_policy():
     chex.assert_trees_all_equal_dtypes(new_state, state)
     partial = triaccel_jax.PrecisionPolicy.uniform({"conv": PARAMS["conv"]}, "bf16")
     with pytest.raises(ValueError, match="dense/bias"):
-        triaccel_jax.triaccel(1e-2, state_dtype=partial).init(PARAMS)
+        triaccel_jax.triaccel(1e-2, config=triaccel_jax.TriAccelConfig(state_dtype=partial)).init(
+            PARAMS
+        )
 
 
 def test_convert_state_recasts_moments_and_keeps_everything_else():
@@ -131,7 +133,10 @@ def test_convert_state_recasts_moments_and_keeps_everything_else():
     for field in ("count", "curvature_count", "curvature", "leaf_signals", "rounding_key"):
         chex.assert_trees_all_equal(getattr(before, field), getattr(after, field))
     # The converted state keeps training with the policy's optimizer.
-    policy_tx = optax.chain(optax.clip(1.0), triaccel_jax.triaccel(1e-2, state_dtype=POLICY))
+    policy_tx = optax.chain(
+        optax.clip(1.0),
+        triaccel_jax.triaccel(1e-2, config=triaccel_jax.TriAccelConfig(state_dtype=POLICY)),
+    )
     _, resumed = jax.jit(policy_tx.update)(grads, converted, PARAMS)
     assert resumed[1][0].mu["conv"].dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="no entry for leaf"):

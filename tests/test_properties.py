@@ -161,7 +161,9 @@ def optimizer_examples(
 OPTIMIZERS = {
     "fp32": triaccel_jax.triaccel(0.1),  # curvature on the first update, not the second
     "fp32-every-step": triaccel_jax.triaccel(0.1, curvature_every=1),
-    "bf16-every-step": triaccel_jax.triaccel(0.1, state_dtype=jnp.bfloat16, curvature_every=1),
+    "bf16-every-step": triaccel_jax.triaccel(
+        0.1, config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16), curvature_every=1
+    ),
 }
 JITTED = {name: jax.jit(tx.update) for name, tx in OPTIMIZERS.items()}
 

@@ -57,7 +57,7 @@ def test_signals_found_in_wrapped_states(make):
 
 
 def test_signals_inside_jit_are_traced_scalars():
-    tx = triaccel_jax.triaccel(0.1, state_dtype=jnp.bfloat16)
+    tx = triaccel_jax.triaccel(0.1, config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16))
     state = tx.init(PARAMS)
 
     @jax.jit

@@ -41,7 +41,9 @@ def test_empty_pytree():
 
 
 def test_state_holds_arrays_with_int32_counters():
-    tx = triaccel_jax.scale_by_triaccel(state_dtype=jnp.bfloat16)
+    tx = triaccel_jax.scale_by_triaccel(
+        config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16)
+    )
     state = tx.init({"w": jnp.ones((4, 4))})
     chex.assert_type([state.count, state.curvature_count], jnp.int32)
     chex.assert_type([state.mu["w"], state.nu["w"]], jnp.bfloat16)
@@ -104,7 +106,9 @@ def test_bf16_state_keeps_small_increments_with_stochastic_rounding():
     # nu grows by (1 - b2) * g**2 = 1e-3 per step from 1.0: below half a bf16 ulp at 1.0
     # (2**-8), so round-to-nearest would keep nu at exactly 1.0 forever.
     params = {"w": jnp.ones(4096)}
-    tx = triaccel_jax.scale_by_triaccel(b2=0.999, state_dtype=jnp.bfloat16)
+    tx = triaccel_jax.scale_by_triaccel(
+        b2=0.999, config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16)
+    )
     state = tx.init(params)
     state = state._replace(
         nu={"w": jnp.ones(4096, jnp.bfloat16)}, count=jnp.asarray(10**6, jnp.int32)
@@ -124,7 +128,9 @@ def test_update_is_deterministic_for_a_seed():
     grads = {"w": jnp.sin(jnp.arange(64.0))}
     results = []
     for _ in range(2):
-        tx = triaccel_jax.scale_by_triaccel(state_dtype=jnp.bfloat16, seed=5)
+        tx = triaccel_jax.scale_by_triaccel(
+            config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16), seed=5
+        )
         _, state = tx.update(grads, tx.init(params), params)
         results.append(state.mu["w"])
     np.testing.assert_array_equal(results[0], results[1])
@@ -143,7 +149,7 @@ def test_learning_rate_schedule():
 
 
 def test_hutchinson_without_loss_fn_says_how_to_pass_it():
-    tx = triaccel_jax.triaccel(0.1, estimator="hutchinson")
+    tx = triaccel_jax.triaccel(0.1, config=triaccel_jax.TriAccelConfig(estimator="hutchinson"))
     params = {"w": jnp.ones(3)}
     with pytest.raises(ValueError, match=r"loss_fn=.*Flax"):
         tx.update(params, tx.init(params), params)
@@ -161,8 +167,6 @@ def test_hutchinson_without_loss_fn_says_how_to_pass_it():
         ({"curvature_every": 0}, r"curvature_every.*an integer >= 1, got 0"),
         ({"curvature_every": 2.5}, r"curvature_every.*an integer >= 1, got 2.5"),
         ({"curvature_every": True}, r"curvature_every.*an integer >= 1, got True"),
-        ({"estimator": "newton"}, r"estimator.*fisher.*hutchinson"),
-        ({"state_dtype": jnp.float16}, r"state_dtype.*bfloat16"),
         ({"weight_decay": -1.0}, "weight_decay"),
         ({"eps": -1e-8}, "eps"),
         ({"curvature_decay": 1.0}, "curvature_decay"),
@@ -175,6 +179,29 @@ def test_bad_input_names_the_argument(kwargs, names):
     kwargs = {"learning_rate": 0.1, **kwargs}
     with pytest.raises(ValueError, match=names):
         triaccel_jax.triaccel(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"estimator": "newton"}, r"estimator.*fisher.*hutchinson"),
+        ({"state_dtype": jnp.float16}, r"state_dtype.*bfloat16"),
+    ],
+    ids=["estimator", "state_dtype"],
+)
+def test_bad_config_option_names_the_argument(kwargs, names):
+    with pytest.raises(ValueError, match=names):
+        triaccel_jax.TriAccelConfig(**kwargs)
+
+
+@pytest.mark.parametrize("keyword", ["estimator", "state_dtype"])
+def test_config_options_are_not_keywords_of_the_optimizer(keyword):
+    # One way to say each thing: config=TriAccelConfig(estimator=..., state_dtype=...).
+    value = {"estimator": "fisher", "state_dtype": jnp.bfloat16}[keyword]
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):
+        triaccel_jax.triaccel(0.1, **{keyword: value})
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):
+        triaccel_jax.scale_by_triaccel(**{keyword: value})
 
 
 def test_shape_options_in_config_work_when_injected():

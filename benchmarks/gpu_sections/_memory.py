@@ -53,7 +53,7 @@ def memory_child(config: str, batch_size: int, dry_run: bool) -> None:
     y = jax.random.randint(jax.random.key(1), (batch_size,), 0, 10)
     variables = model.init(jax.random.key(2), x[:1], train=False)
     params, batch_stats = variables["params"], variables["batch_stats"]
-    tx = triaccel_jax.triaccel(1e-3, state_dtype=state_dtype)
+    tx = triaccel_jax.triaccel(1e-3, config=triaccel_jax.TriAccelConfig(state_dtype=state_dtype))
     opt_state = tx.init(params)
 
     def make_step(policy, donate):

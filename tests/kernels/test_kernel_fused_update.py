@@ -27,7 +27,10 @@ def _triaccel_steps(learning_rate, weight_decay, state_dtype=None):
     """Three jitted triaccel steps on one leaf, with what each step read and wrote."""
     params, grads = _problem()
     tx = triaccel_jax.triaccel(
-        learning_rate, weight_decay=weight_decay, state_dtype=state_dtype, **HYPER
+        learning_rate,
+        weight_decay=weight_decay,
+        config=triaccel_jax.TriAccelConfig(state_dtype=state_dtype),
+        **HYPER,
     )
     state = tx.init(params)
 

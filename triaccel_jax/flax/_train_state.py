@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from collections.abc import Iterable
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -43,8 +42,8 @@ class TrainState(train_state.TrainState):
       replaced as in Flax (e.g. ``batch_stats=``); the names of optax *extra arguments*
       (``loss_fn``, ``value_fn``, ``obj_fn``, ``value``, ``grad``, and those declared with
       ``create(..., extra_arg_names=...)``) are forwarded to ``tx.update`` (e.g. ``loss_fn=``
-      for ``triaccel(estimator="hutchinson")``); any other keyword, such as a misspelt field,
-      is a ``TypeError`` naming it rather than an argument silently ignored.
+      for ``TriAccelConfig(estimator="hutchinson")``); any other keyword, such as a misspelt
+      field, is a ``TypeError`` naming it rather than an argument silently ignored.
     * ``policy`` (static, not a pytree leaf) and ``compute_params``: with a policy whose compute
       dtypes are not all fp32, ``compute_params`` holds the compute copy of ``params``
       (:func:`triaccel_jax.cast_params`), refreshed by every ``apply_gradients``; the forward pass
@@ -81,7 +80,8 @@ class TrainState(train_state.TrainState):
       >>> model = nn.Dense(1)
       >>> x, y = jnp.ones((8, 3)), jnp.zeros((8, 1))
       >>> params = model.init(jax.random.key(0), x)["params"]
-      >>> tx = triaccel_jax.triaccel(0.1, estimator="hutchinson")
+      >>> hutchinson = triaccel_jax.TriAccelConfig(estimator="hutchinson")
+      >>> tx = triaccel_jax.triaccel(0.1, config=hutchinson)
       >>> state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
       >>> loss = lambda p: jnp.mean((state.apply_fn({"params": p}, x) - y) ** 2)
       >>> state = state.apply_gradients(grads=jax.grad(loss)(state.params), loss_fn=loss)
@@ -108,7 +108,7 @@ class TrainState(train_state.TrainState):
         policy: policy_lib.PrecisionPolicy | None = None,
         batch_stats: Any = None,
         extra_arg_names: Iterable[str] = (),
-        loss_scaling: Mapping[str, Any] | None = None,
+        loss_scaling: transforms.LossScaling | None = None,
         **kwargs: Any,
     ) -> TrainState:
         """A state at step 0 with ``tx.init(params)`` and the policy's compute copy.
@@ -121,13 +121,18 @@ class TrainState(train_state.TrainState):
           batch_stats: BatchNorm statistics, if the model has them.
           extra_arg_names: names of extra arguments some transform in ``tx`` takes besides
             the known ``loss_fn``, ``value_fn``, ``obj_fn``, ``value`` and ``grad``.
-          loss_scaling: keyword arguments of the dynamic loss scale (``initial_scale``,
-            ``growth_interval``, ``growth_factor``, ``backoff_factor``, ``min_scale``,
-            ``max_scale``), used while the policy computes a leaf in fp16 or fp8.
+          loss_scaling: the dynamic loss scale's rule, a
+            :class:`triaccel_jax.transforms.LossScaling` (e.g.
+            ``LossScaling(initial_scale=2.0**10)``; None: its defaults), used while the policy
+            computes a leaf in fp16 or fp8.
           **kwargs: other fields of a subclass.
 
         Returns:
           The state.
+
+        Raises:
+          TypeError: ``loss_scaling`` is not a :class:`triaccel_jax.transforms.LossScaling` (a
+            dict of its keywords included), or ``extra_arg_names`` is not a sequence of names.
         """
         if isinstance(extra_arg_names, str) or not isinstance(extra_arg_names, Iterable):
             raise TypeError(
@@ -144,7 +149,13 @@ class TrainState(train_state.TrainState):
                     f"`extra_arg_names` holds {name!r}, a field of the state: apply_gradients "
                     "replaces fields, so it cannot also be an extra argument"
                 )
-        rule = transforms.LossScaling(**dict(loss_scaling or {}))
+        if loss_scaling is None:
+            loss_scaling = transforms.LossScaling()
+        elif not isinstance(loss_scaling, transforms.LossScaling):
+            raise TypeError(
+                "`loss_scaling` must be a triaccel_jax.transforms.LossScaling, e.g. "
+                f"loss_scaling=LossScaling(initial_scale=2.0**10), got {type(loss_scaling).__name__}"
+            )
         if policy is not None:
             policy_lib.check_policy(policy, params)
         opt_state = tx.init(params)
@@ -160,8 +171,8 @@ class TrainState(train_state.TrainState):
             policy=policy,
             compute_params=_compute_copy(params, policy),
             extra_arg_names=extra_arg_names,
-            loss_scale=rule.init(),
-            loss_scaling=rule,
+            loss_scale=loss_scaling.init(),
+            loss_scaling=loss_scaling,
             **kwargs,
         )
 

@@ -30,8 +30,6 @@ def triaccel(
     max_scale: float = 2.0,
     seed: int = 0,
     axis_name: str | None = None,
-    estimator: str | None = None,
-    state_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The Tri-Accel optimizer: AdamW with a per-leaf, curvature-derived step-size scale.
 
@@ -51,7 +49,10 @@ def triaccel(
       config: a :class:`triaccel_jax.TriAccelConfig` with the options that are not numbers:
         estimator (``"fisher"``, the default, needs no extra argument; ``"hutchinson"`` needs
         ``loss_fn=`` in ``update``), curvature-store layout (``block_size``, ``rho``),
-        Hutchinson probes (``num_samples``) and moment dtype (``state_dtype``). None: defaults.
+        Hutchinson probes (``num_samples``) and moment dtype (``state_dtype``: None for
+        float32, ``jnp.bfloat16``, or a :class:`triaccel_jax.PrecisionPolicy` giving each
+        leaf's), e.g. ``TriAccelConfig(estimator="hutchinson", state_dtype=jnp.bfloat16)``.
+        None: defaults.
       curvature_every: steps between curvature estimates, >= 1.
       curvature_decay: EMA decay of the curvature estimates, in [0, 1).
       alpha: exponent of the step-size scale, >= 0.
@@ -60,9 +61,6 @@ def triaccel(
       seed: seed of the stochastic rounding and of the Hutchinson probes.
       axis_name: the ``shard_map``/``pmap`` axis over which replicas average their curvature
         estimates (see :func:`triaccel_jax.scale_by_triaccel`); None for one replica or ``jit``.
-      estimator: shorthand for ``config.estimator``.
-      state_dtype: shorthand for ``config.state_dtype``: None (float32), ``jnp.float32``,
-        ``jnp.bfloat16``, or a :class:`triaccel_jax.PrecisionPolicy` (each leaf's state dtype).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. Works under ``optax.inject_hyperparams``
@@ -88,11 +86,7 @@ def triaccel(
     """
     validation.check_learning_rate(learning_rate)
     validation.check_in_range("weight_decay", weight_decay, 0.0, float("inf"))
-    config = config_lib.resolve_config(
-        config,
-        estimator=estimator,
-        state_dtype=state_dtype,
-    )
+    config = config_lib.resolve_config(config)
     direction = transform.scale_by_triaccel(
         b1,
         b2,

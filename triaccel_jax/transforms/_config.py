@@ -27,12 +27,10 @@ def normalized_state_dtype(state_dtype: Any) -> Any:
     if state_dtype is None or isinstance(state_dtype, policy_lib.PrecisionPolicy):
         return state_dtype
     if isinstance(state_dtype, (jax.Array, np.ndarray, np.generic)):
-        # optax.inject_hyperparams takes a dtype type such as jnp.bfloat16 (callable) for a
-        # schedule and hands its value at step 0 to the factory.
+        # jnp.dtype() of a number is the number's dtype: a value is not a dtype.
         raise ValueError(
-            f"`state_dtype` arrived as the number {state_dtype!r}: optax.inject_hyperparams takes "
-            "a dtype type such as jnp.bfloat16 for a schedule; pass "
-            "config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16) or the name 'bfloat16'"
+            f"`state_dtype` must be a dtype (e.g. jnp.bfloat16), its name or a PrecisionPolicy, "
+            f"got the number {state_dtype!r}"
         )
     try:
         name = jnp.dtype(state_dtype).name
@@ -68,8 +66,8 @@ class TriAccelConfig:
         stochastically rounded), or a :class:`triaccel_jax.PrecisionPolicy` giving each leaf's.
       impl: how the moments' narrow writes are computed: ``"auto"`` (default: the Triton cast
         kernel only where CUDA runs it and ``triaccel_jax/kernels/auto_table.json`` measured it
-        faster than XLA, else the pure-JAX reference), ``"reference"`` (always the reference; bit for bit
-        what ``triaccel`` computed before this option) or ``"triton"`` (refused with a
+        faster than XLA, else the pure-JAX reference), ``"reference"`` (always the reference;
+        bit for bit what ``triaccel`` computed before this option) or ``"triton"`` (refused with a
         RuntimeError at the first update where Triton cannot run). See
         :func:`triaccel_jax.kernels.resolve`.
       scale: granularity of the curvature step scale: ``"leaf"`` (default: one scale per leaf,
@@ -113,21 +111,12 @@ class TriAccelConfig:
         object.__setattr__(self, "state_dtype", normalized_state_dtype(self.state_dtype))
 
 
-def resolve_config(config: TriAccelConfig | None, **keywords: Any) -> TriAccelConfig:
-    """The config that ``config`` and the factory's config keywords (None: not given) describe.
-
-    ``estimator`` and ``state_dtype`` are plain keywords as well (never numbers, so
-    ``inject_hyperparams`` leaves them alone).
-    """
-    if config is not None and not isinstance(config, TriAccelConfig):
+def resolve_config(config: TriAccelConfig | None) -> TriAccelConfig:
+    """``config``, or the default config for None; a TypeError for anything else."""
+    if config is None:
+        return TriAccelConfig()
+    if not isinstance(config, TriAccelConfig):
         raise TypeError(
             f"`config` must be a triaccel_jax.TriAccelConfig, got {type(config).__name__}"
-        )
-    given = {name: value for name, value in keywords.items() if value is not None}
-    if config is None:
-        return TriAccelConfig(**given)
-    for name in given:
-        raise ValueError(
-            f"`{name}` given both as a keyword and in `config`: pass it in `config` only"
         )
     return config

@@ -92,8 +92,6 @@ def scale_by_triaccel(
     max_scale: float = 2.0,
     seed: int = 0,
     axis_name: str | None = None,
-    estimator: str | None = None,
-    state_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Rescales updates by Adam's moments times a per-leaf curvature step-size scale.
 
@@ -120,9 +118,6 @@ def scale_by_triaccel(
         estimate and keeps the same state, as the gradients (averaged by the caller) do. None
         (default) for a single replica or a ``jit`` over sharded data, where the estimate is
         already the global one.
-      estimator: shorthand for ``config.estimator`` (``"fisher"`` or ``"hutchinson"``).
-      state_dtype: shorthand for ``config.state_dtype`` (under ``inject_hyperparams`` give a
-        dtype as its name, or in ``config``: a dtype type looks like a schedule there).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. Its ``update`` takes the keyword-only extra
@@ -131,8 +126,8 @@ def scale_by_triaccel(
       extra arguments. The update has each gradient's dtype.
 
     Raises:
-      ValueError: a hyperparameter is out of range, or an option is given both as a keyword
-        and in ``config``.
+      ValueError: a hyperparameter is out of range.
+      TypeError: ``config`` is not a :class:`triaccel_jax.TriAccelConfig`.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -150,11 +145,7 @@ def scale_by_triaccel(
     validation.check_in_range("b1", b1, 0.0, 1.0, high_inclusive=False)
     validation.check_in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
     validation.check_in_range("eps", eps, 0.0, float("inf"))
-    config = resolve_config(
-        config,
-        estimator=estimator,
-        state_dtype=state_dtype,
-    )
+    config = resolve_config(config)
     validation.check_integer("curvature_every", curvature_every, 1)
     validation.check_in_range("curvature_decay", curvature_decay, 0.0, 1.0, high_inclusive=False)
     validation.check_in_range("alpha", alpha, 0.0, float("inf"))
