@@ -267,3 +267,49 @@ def test_goodput_shrinks_when_the_noise_scale_falls_below_the_batch():
         reference=16,
     )
     assert choice.bucket == 16  # equal throughput: the most efficient batch wins
+
+
+def goodput_controller(probe, **settings):
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(4096, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=8) + 0.5 * rng.normal(size=4096)).astype(np.float32)
+
+    def loss(params, batch):
+        inputs, targets = batch
+        return jnp.mean((inputs @ params - targets) ** 2)
+
+    return triaccel_jax.Controller(
+        loss,
+        jnp.zeros(8),
+        optax.sgd(0.02),
+        (x, y),
+        min_batch=8,
+        max_batch=512,
+        batch_size=8,
+        probe=probe,
+        check_every=5,
+        patience=1,
+        batch_rule="goodput",
+        throughput_model="linear",
+        **settings,
+    )
+
+
+def test_goodput_grows_with_the_noise_scale_within_the_critical_batch_and_under_memory():
+    controller = goodput_controller(triaccel_jax.FakeMemoryProbe(10**12))
+    infos = controller.run(150)
+    moves = [e for e in controller.events if e.kind in ("grow", "shrink")]
+    assert moves and moves[0].kind == "grow"
+    for event in moves:
+        chosen = event.figures["goodput"][event.new]
+        assert chosen["efficiency"] >= 0.5, event
+        assert event.figures["noise_scale"] is not None
+    # Growth follows the noise scale, which rises as the fit improves.
+    assert infos[-1].noise_scale > infos[20].noise_scale
+    assert controller.batch_size > 8
+    # Memory stays the cap: 1000 + 100 b under 85% of 10000 fits b <= 75, so at most 64.
+    capped = goodput_controller(
+        triaccel_jax.FakeMemoryProbe(10_000, peak_bytes=lambda b: 1_000 + 100 * b)
+    )
+    capped_infos = capped.run(160)
+    assert max(i.micro_batch for i in capped_infos) == capped.batch_size == 64

@@ -19,6 +19,8 @@ from triaccel_jax.precision import PlannerConfig
 from triaccel_jax.transforms import LossScaling
 
 LR_SCALINGS = ("sqrt", "linear", "none")
+BATCH_RULES = ("memory", "goodput")
+THROUGHPUT_MODELS = ("measured", "linear")
 
 
 class BatchLayout(NamedTuple):
@@ -98,6 +100,18 @@ class ControllerConfig:
       measure_noise_scale: run a step of one micro-batch as two halves accumulated like
         micro-batches (the update is the same; buckets must then be even), so that every step
         measures the gradient noise scale; steps of several micro-batches always do.
+      batch_rule: how the bucket moves at a memory check. ``"memory"``: to the largest bucket
+        memory allows. ``"goodput"``: to the bucket of highest goodput (measured throughput x
+        statistical efficiency from the gradient noise scale, Pollux) among those memory allows,
+        at most the critical batch; it measures the noise scale every step (as
+        ``measure_noise_scale``). Memory stays the cap either way, and out-of-memory recovery is
+        the same.
+      goodput_margin: relative goodput gain a goodput move needs, >= 0.
+      min_efficiency: the lowest statistical efficiency a goodput bucket may have, in (0, 1]
+        (0.5: at most the critical batch).
+      throughput_model: how goodput rates a bucket not measured yet: ``"measured"`` (explore
+        one bucket at a time along the measured trend) or ``"linear"`` (samples per second in
+        proportion to the batch: statistical efficiency alone decides).
 
     Example:
       >>> from triaccel_jax.controller import ControllerConfig
@@ -138,6 +152,10 @@ class ControllerConfig:
     fused_update: bool | None = None
     statistics_decay: float = 0.95
     measure_noise_scale: bool = False
+    batch_rule: str = "memory"
+    goodput_margin: float = 0.05
+    min_efficiency: float = 0.5
+    throughput_model: str = "measured"
 
     def __post_init__(self) -> None:
         validation.check_in_range(
@@ -154,6 +172,12 @@ class ControllerConfig:
             if self.replan_every is None:
                 raise ValueError("`first_replan` needs `replan_every` (precision is not planned)")
         validation.check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        validation.check_choice("batch_rule", self.batch_rule, BATCH_RULES)
+        validation.check_choice("throughput_model", self.throughput_model, THROUGHPUT_MODELS)
+        validation.check_in_range("goodput_margin", self.goodput_margin, 0.0, float("inf"))
+        validation.check_in_range(
+            "min_efficiency", self.min_efficiency, 0.0, 1.0, low_inclusive=False
+        )
         validation.check_in_range(
             "statistics_decay", self.statistics_decay, 0.0, 1.0, high_inclusive=False
         )
@@ -170,6 +194,11 @@ class ControllerConfig:
                     f"`{name}` must be a {kind.__module__.rsplit('.', 1)[0]}.{kind.__name__}, "
                     f"e.g. {name}={kind.__name__}(...), got {type(value).__name__}"
                 )
+
+    @property
+    def splits_steps(self) -> bool:
+        """Whether a step of one micro-batch runs as two halves, to measure the noise scale."""
+        return self.measure_noise_scale or self.batch_rule == "goodput"
 
     def replan_due(self, step: int) -> bool:
         """Whether a re-plan is due before ``step`` (steps done so far).

@@ -27,6 +27,7 @@ from triaccel_jax import training
 from triaccel_jax._src import validation
 from triaccel_jax.controller import _agreement as agreement
 from triaccel_jax.controller import _bucket_tracker as bucket_tracker
+from triaccel_jax.controller import _buckets as buckets_lib
 from triaccel_jax.controller import _compiling as compiling
 from triaccel_jax.controller import _config as config_lib
 from triaccel_jax.controller import _events as events_lib
@@ -185,10 +186,11 @@ class Controller:
         layout = config.layout(self._feeder.multiple)
         self.buckets, self._global = layout.buckets, layout.global_batch
         odd = [bucket for bucket in layout.buckets if bucket % 2]
-        if config.measure_noise_scale and odd:
+        if config.splits_steps and odd:
             raise ValueError(
-                f"measure_noise_scale=True splits each step in two halves, so every bucket must "
-                f"be even; buckets {odd} are not (raise `min_batch`)"
+                f"measuring the noise scale (measure_noise_scale=True or batch_rule='goodput') "
+                f"splits each step in two halves, so every bucket must be even; buckets {odd} "
+                "are not (raise `min_batch`)"
             )
         self._bucket = bucket_tracker.BucketTracker(
             layout.buckets,
@@ -503,7 +505,7 @@ class Controller:
             pending=dict(plan.pending) if plan is not None else {},
             sampler=self.sampler.state_dict(),
             tuned_learning_rate=self._lr.base_lr,
-            noise_scale=tuple(self._noise),
+            noise_scale=(self._noise.grad_sq, self._noise.trace, self._noise.weight),
             throughput=dict(self._throughput),
         )
         return state_record.to_state_dict(record, self._identity())
@@ -798,11 +800,14 @@ class Controller:
             compiled_peaks=self._compiler.peaks(self._policy_signature()),
             fixed_bytes=self._bucket.fixed_bytes(state, self.params),
         )
+        chosen: dict[str, Any] = {}
+        if self.config.batch_rule == "goodput" and decision.kind != "shrink":
+            decision, chosen = self._goodput_decision(decision)
         if decision.kind == "keep" or (decision.kind == "grow" and self._compiler.busy):
             return
         if decision.kind == "shrink":
             self._compiler.call_off_grow()  # a grow decided before memory tightened is not taken
-        figures = {"peak_bytes": self._known_peaks().get(micro), "limit_bytes": limit}
+        figures = {"peak_bytes": self._known_peaks().get(micro), "limit_bytes": limit, **chosen}
         if decision.kind == "grow" and self.config.compile_in_background:
             key = (decision.bucket, self._num_micro(decision.bucket), self.policy)
             self._compiler.start(key, decision.reason, figures)
@@ -820,6 +825,38 @@ class Controller:
                 return
         self._log(decision.kind, micro, decision.bucket, decision.reason, **figures)
         self._bucket.micro = decision.bucket
+
+    def _goodput_decision(
+        self, memory: buckets_lib.BucketDecision
+    ) -> tuple[buckets_lib.BucketDecision, dict[str, Any]]:
+        """The bucket of highest goodput among those memory allows (``batch_rule="goodput"``):
+        up to the memory decision's bucket when it grows, else up to the bucket in force.
+        Returns the decision and its figures for the event log."""
+        micro = self._bucket.micro
+        cap = memory.bucket if memory.kind == "grow" else micro
+        ceiling = self._bucket.ceiling
+        allowed = [b for b in self.buckets if b <= cap and (ceiling is None or b < ceiling)]
+        if micro not in allowed:
+            allowed = sorted({*allowed, micro})
+        signature = self._policy_signature()
+        throughput = {
+            b: rate
+            for (b, num_micro, sig), rate in self._throughput.items()
+            if sig == signature and num_micro == self._num_micro(b)
+        }
+        choice = goodput.choose_by_goodput(
+            micro,
+            allowed,
+            noise_scale=self._noise.simple,
+            throughput=throughput,
+            reference=self._lr.reference,
+            margin=self.config.goodput_margin,
+            min_efficiency=self.config.min_efficiency,
+            model=self.config.throughput_model,
+        )
+        kind = "keep" if choice.bucket == micro else "grow" if choice.bucket > micro else "shrink"
+        figures = {"noise_scale": self._noise.simple, "goodput": choice.figures}
+        return memory._replace(kind=kind, bucket=choice.bucket, reason=choice.reason), figures
 
     def _refuse_grow(self, bucket: int) -> bool:
         """Logs a ``"reject"`` and returns True when ``bucket``'s compiled peak is too high."""
@@ -985,7 +1022,7 @@ class Controller:
             seed=self._seed,
             loss_scaling=training.loss_scaling_for(policy, self.config.loss_scaling, opt_state),
             fused=self._fused(opt_state),
-            split=self.config.measure_noise_scale,
+            split=self.config.splits_steps,
         )
         args = training.abstract_step_arguments(
             (self.params, opt_state, self.model_state),
@@ -1043,7 +1080,7 @@ class Controller:
     def _measured_micro(self, step: records.PendingStep) -> int:
         """The samples behind the step's ``micro_grad_sq_norm``: its micro-batch, or half of it
         for a step of one micro-batch split in two (``measure_noise_scale``)."""
-        if self.config.measure_noise_scale and step.num_micro == 1:
+        if self.config.splits_steps and step.num_micro == 1:
             return step.micro // 2
         return step.micro
 

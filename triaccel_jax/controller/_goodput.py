@@ -163,8 +163,8 @@ def choose_by_goodput(
     through them), or, with one measured bucket, with samples per second in proportion to the
     batch (the hopeful guess, so that it is tried); buckets beyond it are not candidates yet,
     and once tried its measurement decides, so exploration goes on only while throughput rises;
-    ``"linear"`` models every unmeasured bucket that way (an under-used accelerator: efficiency
-    alone decides). The best candidate is chosen when its goodput beats the current bucket's by
+    ``"linear"`` takes every bucket's samples per second in proportion to its batch, measured
+    or not (an under-used accelerator: statistical efficiency alone decides). The best candidate is chosen when its goodput beats the current bucket's by
     ``margin``.
 
     Args:
@@ -209,10 +209,12 @@ def choose_by_goodput(
     position = {bucket: i for i, bucket in enumerate(allowed)}
     known = [position[b] for b in measured if b in position]
     for bucket in allowed:
-        if bucket in throughput:
+        if model == "linear":
+            rate, source = throughput[current] * bucket / current, "in proportion to the batch"
+        elif bucket in throughput:
             rate, source = throughput[bucket], "measured"
-        elif model == "linear" or min(abs(position[bucket] - i) for i in known) == 1:
-            rate, source = _extrapolate(bucket, throughput, linear=model == "linear")
+        elif min(abs(position[bucket] - i) for i in known) == 1:
+            rate, source = _extrapolate(bucket, throughput)
         else:
             continue  # not a candidate before the bucket next to it is measured
         eff = efficiency(bucket, noise_scale, reference)
@@ -243,14 +245,12 @@ def choose_by_goodput(
     )
 
 
-def _extrapolate(
-    bucket: int, throughput: Mapping[int, float], *, linear: bool
-) -> tuple[float, str]:
-    """Samples per second at an unmeasured ``bucket``: in proportion to the batch from the nearest
-    measured one, or (``linear`` False, two measured) along the power law through the two nearest."""
+def _extrapolate(bucket: int, throughput: Mapping[int, float]) -> tuple[float, str]:
+    """Samples per second at an unmeasured ``bucket``: along the power law through the two
+    nearest measured buckets, or in proportion to the batch from the one measured."""
     nearest = sorted(throughput, key=lambda b: (abs(b - bucket), b))
     first = nearest[0]
-    if linear or len(nearest) < 2:
+    if len(nearest) < 2:
         return throughput[first] * bucket / first, f"in proportion to the batch from {first}"
     second = nearest[1]
     slope = math.log(throughput[first] / throughput[second]) / math.log(first / second)

@@ -151,7 +151,7 @@ def from_state_dict(state: Any, identity: Mapping[str, Any]) -> ControllerRecord
         pending=pending,
         sampler=state["sampler"],
         tuned_learning_rate=state["tuned_learning_rate"],
-        noise_scale=_floats(state["noise_scale"], 3, "noise_scale"),
+        noise_scale=_three_floats(state["noise_scale"], "noise_scale"),
         throughput=_throughput(state["throughput"]),
     )
 
@@ -170,10 +170,10 @@ def _throughput(saved: Any) -> dict[tuple[int, int, str], float]:
     return throughput
 
 
-def _floats(value: Any, count: int, name: str) -> tuple[float, ...]:
-    if not isinstance(value, list | tuple) or len(value) != count:
-        raise ValueError(f"controller state: `{name}` must hold {count} numbers, got {value!r}")
-    return tuple(float(v) for v in value)
+def _three_floats(value: Any, name: str) -> tuple[float, float, float]:
+    if not isinstance(value, list | tuple) or len(value) != 3:
+        raise ValueError(f"controller state: `{name}` must hold 3 numbers, got {value!r}")
+    return float(value[0]), float(value[1]), float(value[2])
 
 
 def _loss_scale(record: Mapping[str, Any]) -> LossScaleState:
