@@ -340,10 +340,10 @@ CASES = [
         "unknown compute dtype 'int8'",
     ),
     Case(
-        "from-json-bad-pending",
+        "from-json-pending-entry",
         lambda _: PrecisionPolicy.from_json(POLICY_JSON + LEAF_W + ', "pending": {"w": "bf16"}}'),
         ValueError,
-        "'pending' must map paths to",
+        r"unknown entries \['pending'\]",
     ),
     Case(
         "from-json-bad-reasons",

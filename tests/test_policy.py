@@ -53,14 +53,20 @@ def test_json_round_trip_keeps_leaves_and_reasons():
     assert again.reasons == policy.reasons
 
 
-def test_json_written_with_pending_streaks_still_loads():
-    # Before the planner's streaks moved to PrecisionPlan, policy documents carried them.
+def test_json_holding_an_entry_to_json_never_writes_is_refused():
+    # The planner's streaks belong to a PrecisionPlan, never to the policy's document.
     document = json.loads(PrecisionPolicy.uniform(PARAMS, "bf16").to_json())
     document["pending"] = {"encoder/kernel": ["fp32", 1]}
-    policy = PrecisionPolicy.from_json(json.dumps(document))
-    assert policy == PrecisionPolicy.uniform(PARAMS, "bf16")
+    with pytest.raises(ValueError, match=r"not a precision policy: unknown entries \['pending'\]"):
+        PrecisionPolicy.from_json(json.dumps(document))
+
+
+def test_pending_streaks_are_read_from_their_own_entry():
+    document = {"pending": {"encoder/kernel": ["fp32", 1]}}
     assert pending_from_document(document) == {"encoder/kernel": ("fp32", 1)}
     assert pending_from_document({}) == {}
+    with pytest.raises(ValueError, match=r"'pending' must map paths to \[compute dtype, count\]"):
+        pending_from_document({"pending": {"w": "bf16"}})
 
 
 def test_lookup_by_path_uses_an_index():

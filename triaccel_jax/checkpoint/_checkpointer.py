@@ -291,23 +291,17 @@ class Checkpointer:
             # Orbax raises whatever tensorstore or json raised, deep in its reader; say which of
             # the two usual causes it is, using the record written at save time.
             cause = records_lib.root_cause(error)
-            records = meta.get("arrays")
-            mismatch = None if records is None else records_lib.template_mismatch(template, records)
+            mismatch = records_lib.template_mismatch(template, meta["arrays"])
             if mismatch is not None:
                 problem = f"could not be restored into the given template: {mismatch} ({cause})"
-            elif records is not None:
+            else:
                 problem = (
                     f"could not be read ({cause}); the template matches what was saved, so the "
                     "checkpoint's files are damaged (truncated, corrupted or missing)"
                 )
-            else:
-                problem = (
-                    f"could not be restored ({cause}); its files may be damaged or the template "
-                    "may not match what was saved"
-                )
             raise CheckpointError(f"{where} {problem}") from error
         if self.verify:
-            records_lib.verify_records(where, restored["state"], meta.get("arrays") or {})
+            records_lib.verify_records(where, restored["state"], meta["arrays"])
         return restored["state"], meta
 
     def restore_state(self, state: Any, *, step: int | None = None) -> Any:
@@ -367,8 +361,10 @@ class Checkpointer:
             raise CheckpointError(
                 f"{where}: checkpoint version {meta.get('version')!r} is not supported"
             )
-        records = meta.get("arrays")  # absent in checkpoints written before it was recorded
-        if records is not None and not (
+        records = meta.get("arrays")
+        if records is None:
+            raise CheckpointError(f"{where}: its JSON item has no 'arrays' record of the arrays")
+        if not (
             isinstance(records, dict)
             and all(
                 isinstance(r, dict)

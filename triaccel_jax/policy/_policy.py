@@ -28,6 +28,7 @@ from triaccel_jax.policy import _dtypes as dtypes
 
 JSON_FORMAT = "triaccel_jax.PrecisionPolicy"
 JSON_VERSION = 1
+_JSON_ENTRIES = frozenset({"format", "version", "leaves", "reasons"})
 
 
 class LeafPrecision(NamedTuple):
@@ -245,9 +246,9 @@ class PrecisionPolicy:
     def from_json(cls, text: str | bytes) -> PrecisionPolicy:
         """Reads :meth:`to_json`'s output. Only JSON is accepted; nothing is ever unpickled.
 
-        Documents written before the planner's memory moved to
-        :class:`triaccel_jax.policy.PrecisionPlan` may hold a ``"pending"`` entry; it is
-        checked and ignored (:func:`pending_from_document` reads it).
+        A document holds what :meth:`to_json` writes and nothing else: an entry it never writes
+        (such as the planner's ``"pending"`` streaks, which belong to a
+        :class:`triaccel_jax.policy.PrecisionPlan`) is an error naming it.
 
         Raises:
           ValueError: the text is not a JSON policy document (the message says what is wrong).
@@ -273,6 +274,12 @@ class PrecisionPolicy:
                 f"precision policy version {document.get('version')!r} is not supported "
                 f"(this triaccel_jax reads version {JSON_VERSION})"
             )
+        unknown = sorted(set(document) - _JSON_ENTRIES, key=str)
+        if unknown:
+            raise ValueError(
+                f"not a precision policy: unknown entries {unknown} (a policy document holds "
+                f"only {sorted(_JSON_ENTRIES)})"
+            )
         leaves = document.get("leaves")
         if not isinstance(leaves, dict) or not all(
             isinstance(v, dict) and set(v) == {"compute", "state"} for v in leaves.values()
@@ -281,7 +288,6 @@ class PrecisionPolicy:
         reasons = document.get("reasons", {})
         if not isinstance(reasons, dict):
             raise ValueError("not a precision policy: 'reasons' must map paths to strings")
-        pending_from_document(document)
         return cls(
             tuple((p, LeafPrecision(v["compute"], v["state"])) for p, v in leaves.items()),
             {str(k): str(v) for k, v in reasons.items()},
@@ -341,8 +347,8 @@ class PrecisionPlan(NamedTuple):
 def pending_from_document(document: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
     """The planner's streaks ``{path: (compute dtype, count)}`` in a JSON document's ``"pending"``.
 
-    Policies and controller states written before the streaks moved out of the policy carry them
-    there; a document without the entry has none.
+    :attr:`PrecisionPlan.pending` as the controller's state record stores it, beside (not in)
+    the policy: ``{path: [compute dtype, count]}``. A document without the entry has none.
 
     Raises:
       ValueError: the entry is not a map of paths to ``[compute dtype, count]``.
@@ -352,9 +358,7 @@ def pending_from_document(document: Mapping[str, Any]) -> dict[str, tuple[str, i
         isinstance(v, list | tuple) and len(v) == 2 and isinstance(v[1], int)
         for v in pending.values()
     ):
-        raise ValueError(
-            "not a precision policy: 'pending' must map paths to [compute dtype, count]"
-        )
+        raise ValueError("'pending' must map paths to [compute dtype, count]")
     return {str(p): (str(v[0]), int(v[1])) for p, v in pending.items()}
 
 
