@@ -1,4 +1,10 @@
-"""Shared fixtures: a backend-compile counter and deterministic settings."""
+"""Shared fixtures: a backend-compile counter, strict dtype promotion, the controller factory.
+
+The tests are grouped by stage in folders (tests/policy/, tests/controller/, ...); the shared
+modules (``harness``, ``controller_harness``, ``simulated_devices``, ``jax_versions``) live
+here, in tests/, which pytest puts on ``sys.path`` because this conftest has no ``__init__.py``
+beside it (the default prepend import mode), so every test module imports them by name.
+"""
 
 from __future__ import annotations
 
@@ -67,3 +73,15 @@ class CompileCounter:
 @pytest.fixture
 def count_compiles() -> CompileCounter:
     return CompileCounter()
+
+
+@pytest.fixture
+def make_controller():
+    """The controller factory of ``controller_harness`` (``make_controller(**overrides)``).
+
+    ``from controller_harness import make_controller`` gives the same function; this fixture is
+    for tests that prefer to receive it as an argument.
+    """
+    import controller_harness  # tests/ is on sys.path (this conftest's folder, prepend mode)
+
+    return controller_harness.make_controller

@@ -2,10 +2,10 @@
 
 A variant is a name, a factory ``learning_rate -> GradientTransformationExtraArgs``, whether it
 needs the loss as an extra argument, and under which of optax's names for it (``loss_fn``,
-``obj_fn``, ``value_fn``) the harness passes it. ``tests/test_harness.py`` runs every check on
-every variant, in the spirit of optax's common optimizer tests; the checks of a single update run
-both jitted and eagerly (``chex.variants(with_jit=True, without_jit=True)``), each variant named
-as in ``NAMED_VARIANTS``.
+``obj_fn``, ``value_fn``) the harness passes it. ``tests/transforms/test_harness.py`` runs every
+check on every variant, in the spirit of optax's common optimizer tests; the checks of a single
+update run both jitted and eagerly (``chex.variants(with_jit=True, without_jit=True)``), each
+variant named as in ``NAMED_VARIANTS``.
 """
 
 from __future__ import annotations

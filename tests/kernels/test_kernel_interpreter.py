@@ -42,54 +42,6 @@ pytestmark = [
 ]
 
 TARGETS = [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn]
-N = 3000  # three programs of 1024, the last one masked
-
-
-def _midpoints(dtype, n: int, seed: int) -> np.ndarray:
-    """Float32 values exactly halfway between neighbouring values of ``dtype`` (RNE ties)."""
-    raw = {1: np.uint8, 2: np.uint16}[jnp.dtype(dtype).itemsize]
-    info = jnp.finfo(dtype)
-    codes = np.random.default_rng(seed).integers(0, np.iinfo(raw).max, n, dtype=raw)
-    values = codes.view(jnp.dtype(dtype)).astype(np.float64)
-    upper = (codes + 1).astype(raw).view(jnp.dtype(dtype)).astype(np.float64)
-    mid = (values + upper) / 2
-    keep = np.isfinite(mid) & (np.abs(mid) < float(info.max)) & (np.sign(values) == np.sign(upper))
-    return mid[keep].astype(np.float32)
-
-
-def _inputs(dtype) -> jax.Array:
-    info = jnp.finfo(dtype)
-    k1, k2 = jax.random.split(jax.random.key(0))
-    # Log-uniform magnitudes from below the smallest subnormal to beyond the largest value.
-    exponents = jax.random.uniform(
-        k1, (N - 700,), minval=float(info.minexp - info.nmant - 3), maxval=float(info.maxexp) + 1
-    )
-    signs = jnp.where(jax.random.bernoulli(k2, 0.5, exponents.shape), 1.0, -1.0)
-    special = np.array(
-        [
-            np.inf,
-            -np.inf,
-            np.nan,
-            0.0,
-            -0.0,
-            float(info.max),
-            -float(info.max),
-            1e-45,
-            3e38,
-            -3e38,
-            65504.0,
-            65519.0,
-            65520.0,
-            448.0,
-            464.0,
-            465.0,
-            -1e-40,
-        ],
-        np.float32,
-    )
-    mids = _midpoints(dtype, 700 - special.size, seed=1)
-    values = jnp.concatenate([signs * 2.0**exponents, special, mids]).astype(jnp.float32)
-    return values[:N] if values.size >= N else jnp.pad(values, (0, N - values.size))
 
 
 def _cast_kernel(x, dtype, rounding, key, scale, block=common.BLOCK):
@@ -110,7 +62,7 @@ def _cast_kernel(x, dtype, rounding, key, scale, block=common.BLOCK):
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("dtype", TARGETS, ids=lambda d: jnp.dtype(d).name)
 def test_cast_kernel_matches_the_reference_bit_for_bit(dtype, rounding, scale):
-    x = _inputs(dtype)
+    x = kernel_bridge.inputs(dtype)
     key = jax.random.key(7)
     with jax.disable_jit():
         expected = np.asarray(
@@ -132,7 +84,7 @@ def test_cast_kernel_matches_the_reference_bit_for_bit(dtype, rounding, scale):
 
 
 def test_cast_kernel_bits_do_not_depend_on_the_block_size():
-    x = _inputs(jnp.float16)
+    x = kernel_bridge.inputs(jnp.float16)
     key = jax.random.key(3)
     a = _cast_kernel(x, jnp.float16, "stochastic", key, None, block=256)
     b = _cast_kernel(x, jnp.float16, "stochastic", key, None, block=4096)
@@ -190,21 +142,6 @@ FUSED_CASES = [
 ]
 
 
-def _fused_inputs(grad_dtype, moment_dtype, master_dtype, n=N):
-    keys = jax.random.split(jax.random.key(5), 4)
-    grad = jax.random.normal(keys[0], (n,)) * jnp.exp(jax.random.normal(keys[1], (n,)) * 3)
-    mu = grad * 0.3 + jax.random.normal(keys[2], (n,)) * 0.1
-    nu = grad**2 * 0.5 + 1e-6
-    master = jax.random.normal(keys[3], (n,))
-    grad = grad.at[:3].set(jnp.array([0.0, jnp.inf, jnp.nan]))
-    return (
-        grad.astype(grad_dtype),
-        mu.astype(moment_dtype),
-        nu.astype(moment_dtype),
-        master.astype(master_dtype),
-    )
-
-
 @pytest.mark.parametrize(
     ("grad_dtype", "moment_dtype", "master_dtype", "compute_dtype", "rounding", "compute_scale"),
     FUSED_CASES,
@@ -220,7 +157,7 @@ def _fused_inputs(grad_dtype, moment_dtype, master_dtype, n=N):
 def test_fused_kernel_matches_the_reference_bit_for_bit(
     grad_dtype, moment_dtype, master_dtype, compute_dtype, rounding, compute_scale
 ):
-    grad, mu, nu, master = _fused_inputs(grad_dtype, moment_dtype, master_dtype)
+    grad, mu, nu, master = kernel_bridge.fused_inputs(grad_dtype, moment_dtype, master_dtype)
     kwargs = dict(
         count=jnp.int32(5),
         learning_rate=jnp.float32(3e-3),
@@ -261,10 +198,10 @@ def test_fused_kernel_matches_the_reference_bit_for_bit(
     )
     got = kernel_bridge.launch(
         _fused_update_triton.fused_update_kernel,
-        common.grid(N),
+        common.grid(kernel_bridge.N),
         arguments,
         [t.dtype for t in out_types],
-        N,
+        kernel_bridge.N,
         meta,
     )
     for name, e, g in zip(fused_lib.FusedUpdate._fields, expected, got, strict=True):
@@ -295,51 +232,11 @@ def test_no_warnings_leak_from_the_reference():
         )
 
 
-def _interpreted_jax_triton():
-    """A stand-in for the jax_triton module (0.4's keywords) that runs the kernel under the
-    interpreter from a ``jax.pure_callback``: the whole JAX path of ``impl="triton"`` (argument
-    packing, output declarations, bitcasts, reshapes, dispatch, jit) runs on CPU."""
-    calls = []
-
-    def triton_call(
-        *args, kernel, out_type=None, grid, num_warps=None, backend_options=None, **metaparams
-    ):
-        calls.append({"backend_options": backend_options, "num_warps": num_warps, "grid": grid})
-        single = not isinstance(out_type, list | tuple)
-        out_types = [out_type] if single else list(out_type)
-        positions = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
-
-        def host(*arrays):
-            filled = list(args)
-            for i, array in zip(positions, arrays, strict=True):
-                filled[i] = np.asarray(array)
-            outs = kernel_bridge.launch(
-                kernel,
-                grid,
-                filled,
-                [t.dtype for t in out_types],
-                out_types[0].shape[0],
-                metaparams,
-            )
-            return [o.view(t.dtype) for o, t in zip(outs, out_types, strict=True)]
-
-        results = jax.pure_callback(
-            host,
-            [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in out_types],
-            *[args[i] for i in positions],
-        )
-        return results[0] if single else results
-
-    import types
-
-    return types.SimpleNamespace(triton_call=triton_call), calls
-
-
 @pytest.fixture
 def fake_cuda(monkeypatch):
     from triaccel_jax.kernels import _dispatch
 
-    module, calls = _interpreted_jax_triton()
+    module, calls = kernel_bridge.interpreted_jax_triton()
     monkeypatch.setitem(__import__("sys").modules, "jax_triton", module)
     monkeypatch.setattr(_dispatch, "_cuda_backend", lambda: True)
     # A GPU where every measured op went to Triton: `auto` obeys the table (test_kernel_auto_table).
@@ -350,7 +247,7 @@ def fake_cuda(monkeypatch):
 
 
 def test_cast_through_jax_triton(fake_cuda):
-    x = _inputs(jnp.float8_e4m3fn)[:2000].reshape(40, 50)
+    x = kernel_bridge.inputs(jnp.float8_e4m3fn)[:2000].reshape(40, 50)
     key = jax.random.key(4)
     from triaccel_jax.kernels import _dispatch
 
@@ -375,7 +272,8 @@ def test_cast_through_jax_triton(fake_cuda):
 
 def test_fused_update_through_jax_triton(fake_cuda):
     grad, mu, nu, master = (
-        a.reshape(30, 100) for a in _fused_inputs(jnp.bfloat16, jnp.bfloat16, jnp.float32)
+        a.reshape(30, 100)
+        for a in kernel_bridge.fused_inputs(jnp.bfloat16, jnp.bfloat16, jnp.float32)
     )
     kwargs = dict(
         compute_dtype=jnp.float8_e4m3fn,

@@ -1,8 +1,8 @@
 """The launch table: a measured ``launch`` in kernels/auto_table.json sets block and warps.
 
 Under the Triton interpreter (``.venv-kernels``), through the same stand-in for jax_triton as
-``test_kernel_interpreter.py``: every launch candidate gives the reference's bits, and the
-table's choice reaches the launch (grid and ``num_warps``).
+``test_kernel_interpreter.py`` (``kernel_bridge.interpreted_jax_triton``): every launch candidate
+gives the reference's bits, and the table's choice reaches the launch (grid and ``num_warps``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ pytest.importorskip("torch", reason="the interpreter tests need torch (kernels-d
 pytest.importorskip("triton", reason="the interpreter tests need triton (kernels-dev extra)")
 
 import kernel_bridge
-import test_kernel_interpreter as interpreter
 
 from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import _launch
@@ -27,7 +26,7 @@ from triaccel_jax.kernels import fused_update as fused_lib
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """A CUDA backend whose jax_triton runs the kernels under the interpreter (records calls)."""
-    module, calls = interpreter._interpreted_jax_triton()
+    module, calls = kernel_bridge.interpreted_jax_triton()
     monkeypatch.setitem(__import__("sys").modules, "jax_triton", module)
     monkeypatch.setattr(_dispatch, "triton_unavailable_reason", lambda: None)
     return calls
@@ -42,7 +41,7 @@ def _table_with(monkeypatch, op, launch):
 @pytest.mark.parametrize("launch", _launch.CANDIDATES, ids=lambda c: f"{c.block}x{c.num_warps}")
 def test_every_cast_launch_candidate_gives_the_reference_bits(fake_cuda, monkeypatch, launch):
     _table_with(monkeypatch, "cast/bfloat16/stochastic", launch)
-    x = interpreter._inputs(jnp.bfloat16)[:1500]  # not a multiple of any block: the tail is masked
+    x = kernel_bridge.inputs(jnp.bfloat16)[:1500]  # not a multiple of any block: the tail is masked
     key = jax.random.key(5)
     got = jax.jit(lambda x: cast_lib.cast(x, jnp.bfloat16, rounding="stochastic", key=key))(x)
     with jax.disable_jit():
@@ -55,7 +54,7 @@ def test_every_cast_launch_candidate_gives_the_reference_bits(fake_cuda, monkeyp
 def test_the_fused_update_takes_its_launch_from_the_table(fake_cuda, monkeypatch):
     launch = _launch.LaunchConfig(block=2048, num_warps=8)
     _table_with(monkeypatch, "fused_update/bfloat16", launch)
-    grad, mu, nu, master = interpreter._fused_inputs(jnp.float32, jnp.bfloat16, jnp.float32)
+    grad, mu, nu, master = kernel_bridge.fused_inputs(jnp.float32, jnp.bfloat16, jnp.float32)
     kwargs = dict(compute_dtype=jnp.bfloat16, key=jax.random.key(2))
     count, lr = jnp.int32(2), jnp.float32(1e-3)
     step = lambda count, lr, *a: fused_lib.fused_update(*a, count=count, learning_rate=lr, **kwargs)

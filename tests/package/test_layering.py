@@ -20,7 +20,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "triaccel_jax"
 
 # Bottom-up. "" is the top level itself: triaccel_jax/__init__.py and __main__.py.

@@ -43,7 +43,7 @@ def update(tx: optax.GradientTransformation, grads: Any, **extra_args: Any) -> A
     return tx.update(grads, tx.init(PARAMS), PARAMS, **extra_args)
 
 
-# -- a small controller, as in tests/test_controller.py ------------------------------------------
+# -- a small controller, as in tests/controller_harness.py -----------------------------------------
 
 
 def controller_data(n: int = 64) -> dict[str, np.ndarray]:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import jax
 import optax
 import pytest
-from test_controller import FakeMemoryProbe
-from test_controller import FaultyController
-from test_controller import linear_probe
-from test_controller import make_controller
-from test_learning_rate import BASE_LR
-from test_learning_rate import shrink_settings
+from controller_harness import BASE_LR
+from controller_harness import FaultyController
+from controller_harness import linear_probe
+from controller_harness import make_controller
+from controller_harness import shrink_settings
 
+from triaccel_jax import FakeMemoryProbe
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.policy import _dtypes as dtypes
 from triaccel_jax.precision import PlannerConfig

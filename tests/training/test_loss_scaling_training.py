@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_controller import BIG
-from test_controller import make_data
-from test_controller import make_params
+from controller_harness import BIG
+from controller_harness import make_data
+from controller_harness import make_params
 
 import triaccel_jax
 from triaccel_jax import Controller

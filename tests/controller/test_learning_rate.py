@@ -8,31 +8,17 @@ import jax
 import numpy as np
 import optax
 import pytest
-from test_controller import BIG
-from test_controller import FaultyController
-from test_controller import loss_fn
-from test_controller import make_data
-from test_controller import make_params
+from controller_harness import BASE_LR
+from controller_harness import BIG
+from controller_harness import FaultyController
+from controller_harness import loss_fn
+from controller_harness import make_data
+from controller_harness import make_params
+from controller_harness import shrink_settings
 
 from triaccel_jax import Controller
 from triaccel_jax import FakeMemoryProbe
 from triaccel_jax.flax import TrainState
-
-BASE_LR = 0.1
-
-
-def shrink_settings() -> dict:
-    """A batch of 64 that an out-of-memory error shrinks to 32, the rate scaled linearly from 64
-    (a fresh probe each time: probes record their readings)."""
-    return dict(
-        min_batch=32,
-        max_batch=64,
-        batch_size=64,
-        reference_batch=64,
-        lr_scaling="linear",
-        probe=FakeMemoryProbe(BIG),
-        check_every=1000,
-    )
 
 
 def injected_lr(opt_state) -> float:

@@ -14,7 +14,7 @@ import pytest
 from triaccel_jax.cli import _arguments as arguments
 from triaccel_jax.cli import _compilation_cache as compilation_cache
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--dataset", "digits", "--epochs", "1", "--max-steps", "4", "--batch-size", "32"]
 TINY += ["--max-batch", "64", "--check-every", "2", "--replan-every", "3", "--no-progress"]
 

@@ -9,78 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from controller_harness import BIG
+from controller_harness import NUM_EXAMPLES
+from controller_harness import FaultyController
+from controller_harness import linear_probe
+from controller_harness import loss_fn
+from controller_harness import make_controller
+from controller_harness import make_data
+from controller_harness import make_params
 
 import triaccel_jax
 from triaccel_jax import Controller
 from triaccel_jax import FakeMemoryProbe
-from triaccel_jax.controller import OutOfMemoryFaults
 from triaccel_jax.precision import PlannerConfig
-
-NUM_EXAMPLES = 512
-BIG = 10**12  # a limit nothing reaches
-
-
-def make_data(n: int = NUM_EXAMPLES) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(n, 8)).astype(np.float32)
-    w = rng.normal(size=(8,)).astype(np.float32)
-    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=n)).astype(np.float32)
-    return {"x": x, "y": y, "id": np.arange(n, dtype=np.int32)}
-
-
-def make_params() -> dict[str, jax.Array]:
-    k1, k2 = jax.random.split(jax.random.key(0))
-    return {
-        "w1": jax.random.normal(k1, (8, 32)) * 0.3,
-        "w2": jax.random.normal(k2, (32,)) * 0.3,
-    }
-
-
-def loss_fn(params, batch, *, policy, rng):
-    hidden = jnp.tanh(batch["x"] @ params["w1"])
-    return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
-
-
-def linear_probe(limit=20_000, base=1_000, per_sample=100, **kwargs) -> FakeMemoryProbe:
-    return FakeMemoryProbe(limit, peak_bytes=lambda b: base + per_sample * b, **kwargs)
-
-
-def make_controller(cls=Controller, **overrides) -> Controller:
-    kwargs = {
-        "min_batch": 8,
-        "max_batch": 256,
-        "probe": linear_probe(),
-        "check_every": 1,
-        "seed": 0,
-    }
-    kwargs.update(overrides)
-    tx = kwargs.pop("tx", None) or triaccel_jax.triaccel(1e-2)
-    return cls(kwargs.pop("loss_fn", loss_fn), make_params(), tx, make_data(), **kwargs)
-
-
-class FaultyController(Controller):
-    """A controller whose runs get out-of-memory errors injected through the public ``faults=``
-    hook (:class:`triaccel_jax.controller.OutOfMemoryFaults`); it keeps every delivered
-    :class:`StepInfo`, so ``seen`` lists the sample ids each step trained.
-
-    ``faults`` maps a step to how many attempts at it fail at dispatch, ``read_faults`` to how
-    many fail when its metrics are read (where asynchronous dispatch surfaces a device's error).
-    """
-
-    def __init__(self, *args, faults=None, read_faults=None, callback=None, **kwargs):
-        self.injector = OutOfMemoryFaults(at_dispatch=faults, at_read=read_faults)
-        self.infos: list[triaccel_jax.controller.StepInfo] = []
-
-        def record(info):
-            self.infos.append(info)
-            if callback is not None:
-                callback(info)
-
-        super().__init__(*args, faults=self.injector, callback=record, **kwargs)
-
-    @property
-    def seen(self) -> list[np.ndarray]:
-        return [info.indices for info in self.infos]
 
 
 def raising(error: BaseException):

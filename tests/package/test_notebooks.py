@@ -19,7 +19,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
-NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = sorted(path.name for path in NOTEBOOK_DIR.glob("*.ipynb"))
 EXPECTED = ("01_quickstart.ipynb", "02_diagnostics.ipynb", "03_elastic_batch.ipynb")
 CELL_TIMEOUT_S = 300

@@ -12,8 +12,8 @@ import threading
 import jax
 import jax.numpy as jnp
 import pytest
-from test_controller import linear_probe
-from test_controller import make_controller
+from controller_harness import linear_probe
+from controller_harness import make_controller
 
 from triaccel_jax.controller import _compiling as compiling
 from triaccel_jax.precision import PlannerConfig

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from test_controller import FaultyController
-from test_controller import make_controller
+from controller_harness import FaultyController
+from controller_harness import make_controller
 
 import triaccel_jax
 

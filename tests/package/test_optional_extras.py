@@ -20,7 +20,7 @@ import pytest
 
 from triaccel_jax._src import extras
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 BLOCK = (
     "import sys\n"
     "for name in ('flax', 'orbax', 'matplotlib', 'clu'):\n"

@@ -11,7 +11,7 @@ import pytest
 
 import triaccel_jax
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Where the importable tree lies in the repository.
 PACKAGE_ROOTS = {"triaccel_jax": ROOT / "triaccel_jax"}
 

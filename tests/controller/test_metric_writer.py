@@ -14,7 +14,6 @@ import sys
 
 import optax
 import pytest
-from test_controller import make_controller
 
 import triaccel_jax
 from triaccel_jax.controller import Event
@@ -54,7 +53,7 @@ class RecordingWriter:
         self.closed = True
 
 
-def test_every_step_and_every_decision_is_written():
+def test_every_step_and_every_decision_is_written(make_controller):
     writer = RecordingWriter()
     callback = MetricWriterCallback(writer)
     # An injected rate, so that the rate itself is known and written beside its factor.
@@ -97,7 +96,7 @@ def test_every_step_and_every_decision_is_written():
     assert f"limit_bytes={grow.figures['limit_bytes']}" in text
 
 
-def test_every_thins_the_scalars_but_not_the_events():
+def test_every_thins_the_scalars_but_not_the_events(make_controller):
     writer = RecordingWriter()
     controller = make_controller(callback=MetricWriterCallback(writer, every=3, prefix="train/"))
     controller.run(10)
@@ -109,7 +108,7 @@ def test_every_thins_the_scalars_but_not_the_events():
     assert sorted(tags) == sorted(f"train/events/{e.kind}" for e in stepped)
 
 
-def test_a_loss_metric_is_written_and_a_non_number_is_not():
+def test_a_loss_metric_is_written_and_a_non_number_is_not(make_controller):
     writer = RecordingWriter()
     callback = MetricWriterCallback(writer)
     info = (
@@ -173,7 +172,7 @@ def read_tensorboard(logdir) -> dict[str, dict[int, object]]:
     return values
 
 
-def test_clu_default_writer_writes_tensorboard_files_that_read_back(tmp_path):
+def test_clu_default_writer_writes_tensorboard_files_that_read_back(tmp_path, make_controller):
     try:
         from clu import metric_writers  # noqa: F401
     except ImportError as error:

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from test_controller import loss_fn
-from test_controller import make_controller
+from controller_harness import loss_fn
+from controller_harness import make_controller
 
 import triaccel_jax
 from triaccel_jax import Checkpointer

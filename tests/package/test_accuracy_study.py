@@ -17,7 +17,7 @@ import pytest
 
 import triaccel_jax
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # The study's parts are the package benchmarks/accuracy/ (benchmarks/ is not a package).

@@ -12,7 +12,8 @@
 * A truncated, overwritten or deleted file, a garbled JSON file: a CheckpointError naming the
   step and the problem, never wrong values or an exception from deep inside orbax.
 
-Run as a script (``python test_faults.py FOLDER``) this module is the saver process.
+Run as a script (``PYTHONPATH=tests python tests/package/test_faults.py FOLDER``) this module
+is the saver process.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_controller import BIG
-from test_controller import FaultyController
-from test_controller import loss_fn
-from test_controller import make_controller
-from test_controller import make_data
-from test_controller import make_params
+from controller_harness import BIG
+from controller_harness import FaultyController
+from controller_harness import loss_fn
+from controller_harness import make_controller
+from controller_harness import make_data
+from controller_harness import make_params
 
 import triaccel_jax
 from triaccel_jax import Checkpointer
@@ -315,7 +316,11 @@ def kill_during_save(folder: Path, kill_step: int, fraction: float) -> bool:
 
     Returns whether save ``kill_step`` finished before the kill landed after all.
     """
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # The script imports the shared modules of tests/ (controller_harness), which pytest put on
+    # its own sys.path: the saver gets them through PYTHONPATH.
+    tests_root = str(Path(__file__).resolve().parents[1])
+    python_path = os.pathsep.join(filter(None, [tests_root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": python_path}
     with open(folder.parent / "saver.log", "w") as log:
         saver = subprocess.Popen(
             [sys.executable, __file__, str(folder)],

@@ -3,8 +3,9 @@
 Margin: triaccel's mean test accuracy over two seeds must be at least AdamW's minus 1 point. The
 test split has 360 images, so one image is 0.28 points; across five seeds AdamW's accuracy at this
 setting spreads over about 1.7 points (96.1-97.8%), and triaccel measured 0.3-0.6 points above it
-at every seed (``python tests/test_digits.py`` prints both). A 1-point margin absorbs seed noise of
-about three images yet fails a real regression (a broken step-size scale loses several points).
+at every seed (``python tests/transforms/test_digits.py`` prints both). A 1-point margin absorbs
+seed noise of about three images yet fails a real regression (a broken step-size scale loses
+several points).
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ import sys
 
 import jax.numpy as jnp
 import pytest
-from test_controller import BIG
-from test_controller import FaultyController
-from test_controller import make_controller
+from controller_harness import BIG
+from controller_harness import FaultyController
+from controller_harness import make_controller
 
 import triaccel_jax
 from triaccel_jax import FakeMemoryProbe

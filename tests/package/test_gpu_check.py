@@ -11,7 +11,7 @@ import sys
 from triaccel_jax.cli import _end_to_end as e2e
 from triaccel_jax.kernels import _dispatch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_quick_mode_runs_end_to_end_on_cpu(tmp_path):
