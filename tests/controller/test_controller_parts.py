@@ -216,7 +216,6 @@ def _record(**changes):
         sampler={"epoch": 0, "cursor": 3},
         tuned_learning_rate=None,
         noise_scale=(0.5, 2.0, 0.4),
-        throughput={(16, 1, "abc"): 1500.0, (8, 2, "abc"): 900.0},
     )
     return ControllerRecord(**{**fields, **changes})
 

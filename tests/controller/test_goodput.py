@@ -141,7 +141,7 @@ def test_the_controller_measures_the_noise_scale_and_throughput_and_saves_them()
     resumed = make(controller.params)  # sgd: the params are the whole training state
     resumed.load_state_dict(json.loads(json.dumps(controller.state_dict())))
     assert resumed.noise_scale == controller.noise_scale
-    assert resumed.throughput == controller.throughput
+    assert resumed.throughput == {}  # a measurement of the machine: measured again
     # The next step's estimate continues from the saved one in both.
     assert resumed.step().noise_scale == controller.step().noise_scale
 

@@ -2,10 +2,13 @@
 
 Each process reads its own memory probe; a decision taken from local figures could differ
 between hosts, which would then run different shapes and deadlock in the first collective. So
-the figures are all-gathered and combined conservatively: the largest peak, the smallest limit.
+the figures are all-gathered and combined conservatively: the largest peak, the smallest limit,
+and the smallest measured throughput.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -34,3 +37,23 @@ def agree_on_memory(
     peaks = [int(v) for v, ok in zip(values[:, 0], present[:, 0], strict=True) if ok]
     limits = [int(v) for v, ok in zip(values[:, 1], present[:, 1], strict=True) if ok]
     return (max(peaks) if peaks else None), (min(limits) if limits else None)
+
+
+def agree_on_rates(rates: Sequence[float | None]) -> list[float | None]:
+    """Per position, the smallest rate over all processes, None where any process has none.
+
+    A data-parallel step goes at the pace of its slowest host, so the throughput a decision uses
+    is the smallest; the positions (e.g. one per batch bucket) must mean the same on every host.
+
+    Example:
+      >>> from triaccel_jax.controller._agreement import agree_on_rates
+      >>> agree_on_rates([1500.0, None])  # one process: the figures themselves
+      [1500.0, None]
+    """
+    if jax.process_count() == 1:
+        return list(rates)
+    from jax.experimental import multihost_utils
+
+    local = np.array([_MISSING if r is None else r for r in rates], np.float32)
+    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(rates))
+    return [None if (column < 0).any() else float(column.min()) for column in gathered.T]

@@ -386,7 +386,11 @@ class Controller:
     @property
     def throughput(self) -> dict[tuple[int, int, str], float]:
         """Measured samples per second by ``(micro-batch, micro-batches, policy signature)``:
-        a moving average over the steps run there, compiles and out-of-memory retries excluded."""
+        a moving average over the steps run there, compiles and out-of-memory retries excluded.
+
+        A measurement of this process on this machine: :meth:`state_dict` does not save it (a
+        restarted run, perhaps elsewhere, measures again), and with several processes the
+        decisions use the smallest over them."""
         return dict(self._throughput)
 
     @property
@@ -506,7 +510,6 @@ class Controller:
             sampler=self.sampler.state_dict(),
             tuned_learning_rate=self._lr.base_lr,
             noise_scale=(self._noise.grad_sq, self._noise.trace, self._noise.weight),
-            throughput=dict(self._throughput),
         )
         return state_record.to_state_dict(record, self._identity())
 
@@ -524,7 +527,6 @@ class Controller:
         self.sampler.load_state_dict(record.sampler)
         self.step_count, self._last_loss = record.step, record.last_loss
         self._noise = goodput.NoiseScale(*record.noise_scale)
-        self._throughput = dict(record.throughput)
         self._lr.restore_tuned(record.tuned_learning_rate)
         self._bucket.restore(record)
         self._compiler.load_peaks_record(record.compiled_peaks)
@@ -839,10 +841,11 @@ class Controller:
         if micro not in allowed:
             allowed = sorted({*allowed, micro})
         signature = self._policy_signature()
+        local = [self._throughput.get((b, self._num_micro(b), signature)) for b in self.buckets]
+        # Every host decides alike: the step goes at the pace of the slowest.
+        agreed = agreement.agree_on_rates(local)
         throughput = {
-            b: rate
-            for (b, num_micro, sig), rate in self._throughput.items()
-            if sig == signature and num_micro == self._num_micro(b)
+            b: rate for b, rate in zip(self.buckets, agreed, strict=True) if rate is not None
         }
         choice = goodput.choose_by_goodput(
             micro,

@@ -47,8 +47,6 @@ class ControllerRecord(NamedTuple):
       sampler: the sampler's own state.
       noise_scale: the gradient noise scale's smoothed estimates ``(|G|^2, tr(Sigma),
         weight)`` (:class:`triaccel_jax.controller._goodput.NoiseScale`).
-      throughput: measured samples per second by ``(micro-batch, micro-batches, policy
-        signature)`` (saved as ``"{micro-batches}x{micro-batch}/{signature}"``).
     """
 
     step: int
@@ -67,7 +65,6 @@ class ControllerRecord(NamedTuple):
     sampler: Mapping[str, Any]
     tuned_learning_rate: float | None
     noise_scale: tuple[float, float, float]
-    throughput: dict[tuple[int, int, str], float]
 
 
 def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict[str, Any]:
@@ -93,7 +90,6 @@ def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict
       ...     {"epoch": 0},
       ...     None,
       ...     (0.0, 0.0, 0.0),
-      ...     {(16, 1, "none"): 2500.0},
       ... )
       >>> to_state_dict(record, {"seed": 0})["measured_peaks"]
       {'16': 900}
@@ -104,10 +100,6 @@ def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict
     data["pending"] = {p: list(v) for p, v in record.pending.items()}
     data["sampler"] = dict(record.sampler)
     data["noise_scale"] = list(record.noise_scale)
-    data["throughput"] = {
-        f"{num_micro}x{micro}/{signature}": rate
-        for (micro, num_micro, signature), rate in record.throughput.items()
-    }
     data["loss_scale"] = {k: np.asarray(v).item() for k, v in record.loss_scale._asdict().items()}
     return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity, **data}
 
@@ -152,22 +144,7 @@ def from_state_dict(state: Any, identity: Mapping[str, Any]) -> ControllerRecord
         sampler=state["sampler"],
         tuned_learning_rate=state["tuned_learning_rate"],
         noise_scale=_three_floats(state["noise_scale"], "noise_scale"),
-        throughput=_throughput(state["throughput"]),
     )
-
-
-def _throughput(saved: Any) -> dict[tuple[int, int, str], float]:
-    throughput = {}
-    for key, rate in dict(saved).items():
-        shape, _, signature = str(key).partition("/")
-        num_micro, _, micro = shape.partition("x")
-        if not (signature and num_micro.isdigit() and micro.isdigit()):
-            raise ValueError(
-                f"controller state: throughput key {key!r} is not "
-                "'{micro-batches}x{micro-batch}/{signature}'"
-            )
-        throughput[(int(micro), int(num_micro), signature)] = float(rate)
-    return throughput
 
 
 def _three_floats(value: Any, name: str) -> tuple[float, float, float]:
