@@ -262,6 +262,9 @@ def test_the_default_main_job_without_fashion_mnist_shows_every_adaptation(
     assert len(elastic["policies"]) >= 2  # the precision map has more than one column
     scales = elastic["step_scales"][-1]["scales"]
     assert len(set(round(v, 3) for v in scales.values())) > 1  # per-layer scales differ
+    noise = [h["noise_scale"] for h in elastic["history"]]
+    assert all(n > 0 for n in noise[1:]), "the gradient noise scale was not measured"
+    assert "the gradient noise scale B_simple" in out
     for run in record["results"]:
         samples = [h["samples"] for h in run["history"]]
         # One point per step along the x axis of the loss curve (no flat runs of equal x).

@@ -19,6 +19,7 @@ from controller_harness import make_controller
 from controller_harness import shrink_settings
 
 from triaccel_jax import FakeMemoryProbe
+from triaccel_jax import PrecisionPolicy
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.policy import _dtypes as dtypes
 from triaccel_jax.precision import PlannerConfig
@@ -116,3 +117,82 @@ def test_a_rollback_past_a_policy_switch_restores_the_policy_with_the_moments():
     for path, leaf in jax.tree_util.tree_flatten_with_path(moments)[0]:
         key = tree_lib.path_string(path)
         assert leaf.dtype == dtypes.FORMATS[policy.state(key)].dtype, (key, leaf.dtype)
+
+
+# -- found by review of the rebuilt controller ------------------------------------------------
+
+
+def test_set_policy_while_a_replan_compiles_in_the_background_is_not_undone_by_it():
+    controller = make_controller(
+        compile_in_background=True,
+        max_batch=8,
+        replan_every=1000,
+        first_replan=2,
+        planner=PlannerConfig(min_size=1, budget=1.0),
+    )
+    controller.run(3)
+    assert controller.compile_pending  # the planner's policy compiles in the background
+    user = PrecisionPolicy.uniform(controller.params)
+    controller.set_policy(user)
+    controller.wait_for_compile()
+    controller.run(2)
+    assert controller.policy == user
+    assert "replan" not in [e.kind for e in controller.events]
+
+
+def test_every_event_reaches_a_step_info_also_a_switch_made_at_the_first_dispatch_of_a_run():
+    for window in (0, 1):
+        controller = make_controller(
+            compile_in_background=True, max_batch=16, batch_size=8, steps_in_flight=window
+        )
+        infos = []
+        for _ in range(3):
+            infos += controller.run(1)
+        controller.wait_for_compile()
+        for _ in range(3):
+            infos += controller.run(1)
+        delivered = [e for info in infos for e in info.events]
+        assert any(e.kind == "grow" for e in delivered), window
+        # Every event after the controller was made reaches exactly one StepInfo, in order.
+        made = next(i for i, e in enumerate(controller.events) if e.step > 0 or e.kind == "grow")
+        first = controller.events.index(delivered[0])
+        assert delivered == controller.events[min(first, made) :], window
+
+
+def test_a_background_grow_to_a_bucket_already_compiled_does_not_compile_it_again():
+    controller = make_controller(compile_in_background=True, max_batch=16, batch_size=8)
+    controller.precompile()
+    controller.run(3)
+    controller.wait_for_compile()
+    controller.run(3)
+    compiles = [e.new for e in controller.events if e.kind == "compile"]
+    assert sorted(compiles) == ["1x16", "1x8"] and controller.micro_batch == 16
+
+
+def test_no_policy_is_refused_while_precision_is_re_planned():
+    controller = make_controller(max_batch=8, replan_every=2)
+    with pytest.raises(ValueError, match="replan_every"):
+        controller.set_policy(None)
+    controller.run(4)  # still plans
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("compiled_peaks", {"x": {"notint": 1}}),
+        ("ceiling", "zz"),
+        ("tuned_learning_rate", "abc"),
+        ("loss_scale", {"scale": "x", "good_steps": 0, "skipped_steps": 0}),
+    ],
+)
+def test_a_malformed_state_changes_nothing(field, bad):
+    saved = make_controller(max_batch=16, batch_size=8)
+    saved.run(5)
+    state = saved.state_dict()
+    state[field] = bad
+    controller = make_controller(max_batch=16, batch_size=8)
+    before = (controller.step_count, controller.sampler.state_dict(), controller.state_dict())
+    with pytest.raises(ValueError):
+        controller.load_state_dict(state)
+    after = (controller.step_count, controller.sampler.state_dict(), controller.state_dict())
+    assert after == before

@@ -168,7 +168,8 @@ def test_a_split_step_updates_as_the_whole_batch_and_measures_its_halves():
         )
     np.testing.assert_allclose(outs[True].params, outs[False].params, rtol=1e-6)
     whole = jax.grad(loss)(w, (x[0], y[0]))
-    halves = [jax.grad(loss)(w, (x[0, i : i + 16], y[0, i : i + 16])) for i in (0, 16)]
+    # The halves are the even-numbered samples and the odd-numbered ones.
+    halves = [jax.grad(loss)(w, (x[0, i::2], y[0, i::2])) for i in (0, 1)]
     metrics = outs[True].metrics
     assert float(metrics["grad_sq_norm"]) == pytest.approx(float(jnp.sum(whole**2)), rel=1e-5)
     expected = np.mean([float(jnp.sum(h**2)) for h in halves])
@@ -313,3 +314,10 @@ def test_goodput_grows_with_the_noise_scale_within_the_critical_batch_and_under_
     )
     capped_infos = capped.run(160)
     assert max(i.micro_batch for i in capped_infos) == capped.batch_size == 64
+
+
+def test_goodput_with_a_fixed_global_batch_is_refused():
+    with pytest.raises(ValueError, match="keep_global_batch=True fixes it"):
+        triaccel_jax.controller.ControllerConfig(
+            batch_rule="goodput", keep_global_batch=True, min_batch=8, max_batch=64
+        )

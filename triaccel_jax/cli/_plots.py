@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pathlib
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -99,6 +100,15 @@ def write_plots(
             title="Tri-Accel: batch size and memory over training", ylabel="batch size (samples)"
         )
         batch_ax.legend(loc="lower right")
+        noise = [h.get("noise_scale", math.nan) for h in elastic.history]
+        if any(math.isfinite(n) and n > 0 for n in noise):
+            noise_ax = batch_ax.twinx()
+            noise_ax.plot(
+                steps, noise, color="tab:orange", lw=1, label="gradient noise scale B_simple"
+            )
+            noise_ax.set(ylabel="noise scale (samples)")
+            noise_ax.set_yscale("log")
+            noise_ax.legend(loc="upper left")
         mem_ax.plot(
             steps,
             [h["peak_mib"] for h in elastic.history],

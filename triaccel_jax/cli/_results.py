@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -180,7 +181,15 @@ def reading_notes(
             if scales
             else "no step scales were recorded"
         )
-        notes.append(f"**Tri-Accel's adaptations.** {batch}; {precision}; {spread}.")
+        noise = [h["noise_scale"] for h in elastic.history if math.isfinite(h["noise_scale"])]
+        measured = (
+            f"; the gradient noise scale B_simple (McCandlish et al., 2018; the batch beyond "
+            f"which a step helps less per sample) went from {noise[0]:.0f} to {noise[-1]:.0f} "
+            "samples (batch_memory.png)"
+            if noise
+            else ""
+        )
+        notes.append(f"**Tri-Accel's adaptations.** {batch}; {precision}; {spread}{measured}.")
     notes.append(
         "**Memory.** *compiled MiB* is XLA's compiled memory analysis of one training step (on a "
         "CPU, XLA computes bf16 convolutions in float32, so it understates bf16's saving); "

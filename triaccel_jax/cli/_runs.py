@@ -114,8 +114,12 @@ def build_controller(
             if budget is None
             else controller_lib.BudgetMemoryProbe(budget)
         )
+        min_batch = min(32, args.batch_size)
         kwargs = dict(
-            min_batch=min(32, args.batch_size),
+            min_batch=min_batch,
+            # Each step as two halves (the same update) measures the gradient noise scale,
+            # plotted beside the batch; it needs even buckets.
+            measure_noise_scale=min_batch % 2 == 0,
             max_batch=max(args.max_batch, args.batch_size),
             batch_size=args.batch_size,
             probe=probe,
@@ -151,6 +155,7 @@ def _history_row(info: Any, samples: int) -> dict[str, float]:
         "batch": info.batch_size,
         "peak_mib": math.nan if info.peak_bytes is None else info.peak_bytes / 2**20,
         "limit_mib": math.nan if info.limit_bytes is None else info.limit_bytes / 2**20,
+        "noise_scale": math.nan if info.noise_scale is None else info.noise_scale,
     }
 
 

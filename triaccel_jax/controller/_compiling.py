@@ -196,6 +196,13 @@ class StepCompiler:
         if self.job is not None and self.job.plan is None:
             self.job = self.job._replace(switch=False)
 
+    def cancel(self) -> None:
+        """Forgets the background compile's switch (its executable is still cached if ready)."""
+        job, self.job = self.job, None
+        if job is not None and job.future.done() and job.future.exception() is None:
+            executable, seconds = job.future.result()
+            self._store(job.key, executable, seconds)
+
     def wait(self) -> bool:
         """Blocks until the background compile (if any) is ready; returns whether there was one."""
         if self.job is None:

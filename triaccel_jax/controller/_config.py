@@ -185,6 +185,11 @@ class ControllerConfig:
             raise ValueError(
                 f"`fused_update` must be None, True or False, got {self.fused_update!r}"
             )
+        if self.batch_rule == "goodput" and self.keep_global_batch:
+            raise ValueError(
+                "batch_rule='goodput' moves the batch, and keep_global_batch=True fixes it: "
+                "choose one"
+            )
         if self.global_batch is not None and not self.keep_global_batch:
             raise ValueError("`global_batch` is only used with keep_global_batch=True")
         for name, kind in (("planner", PlannerConfig), ("loss_scaling", LossScaling)):

@@ -306,10 +306,11 @@ class Controller:
             raise TypeError("from_train_state takes params, opt_state and batch_stats from `state`")
         kwargs.setdefault("policy", getattr(state, "policy", None))
         if isinstance(getattr(state, "loss_scaling", None), LossScaling):
-            if isinstance(kwargs.get("config"), config_lib.ControllerConfig):
-                kwargs["config"] = dataclasses.replace(
-                    kwargs["config"], loss_scaling=state.loss_scaling
-                )
+            given = kwargs.get("config")
+            if isinstance(given, config_lib.ControllerConfig):
+                # The state's rule, unless the config sets one of its own.
+                if given.loss_scaling == LossScaling():
+                    kwargs["config"] = dataclasses.replace(given, loss_scaling=state.loss_scaling)
             else:
                 kwargs.setdefault("loss_scaling", state.loss_scaling)
         controller = cls(
@@ -470,12 +471,24 @@ class Controller:
 
         The planner's pending streaks start afresh: they were for the policy replaced.
 
+        A re-plan compiling in the background is called off: the policy set here is the one in
+        force until the next re-plan.
+
         Raises:
-          ValueError: the policy does not cover the params.
+          ValueError: the policy does not cover the params, or is None while precision is
+            re-planned (``replan_every``).
         """
         if policy is not None:
             check_policy(policy, self.params)
+        elif self.config.replan_every is not None and hasattr(self, "_compiler"):
+            raise ValueError(
+                "set_policy(None) while precision is re-planned (replan_every="
+                f"{self.config.replan_every}): the planner needs a policy to start from; pass "
+                "PrecisionPolicy.uniform(params) for all fp32"
+            )
         self._flush()  # the switch belongs to the steps after it
+        if hasattr(self, "_compiler"):  # made after the starting plan
+            self._call_off_background()
         if policy is not None:
             # Only triaccel states hold per-leaf moment dtypes; any other state is kept as is.
             self.opt_state = self._place(convert_state(self.opt_state, policy))
@@ -522,18 +535,23 @@ class Controller:
         """
         self._flush()
         record = state_record.from_state_dict(state, self._identity())
+        opt_state = self.opt_state
         if record.policy is not None:
             record.policy.check_matches(self.params)
+            # The moments were converted to the starting policy when this controller was made.
+            opt_state = self._place(convert_state(self.opt_state, record.policy))
+        loss_scale = self._place(record.loss_scale)
+        # Everything is read and checked (the sampler checks its own state before taking it):
+        # nothing below raises.
         self.sampler.load_state_dict(record.sampler)
+        self._call_off_background()
         self.step_count, self._last_loss = record.step, record.last_loss
         self._noise = goodput.NoiseScale(*record.noise_scale)
         self._lr.restore_tuned(record.tuned_learning_rate)
         self._bucket.restore(record)
         self._compiler.load_peaks_record(record.compiled_peaks)
-        self.loss_scale = self._place(record.loss_scale)
+        self.loss_scale, self.opt_state = loss_scale, opt_state
         if record.policy is not None:
-            # The moments were converted to the starting policy when this controller was made.
-            self.opt_state = self._place(convert_state(self.opt_state, record.policy))
             self.plan = PrecisionPlan(record.policy, record.pending)
         if self._train_state is not None:
             # The train state given to from_train_state is the saved step's: its step counter
@@ -559,15 +577,18 @@ class Controller:
         An out-of-memory error at dispatch reads every queued step, then runs this one through
         the synchronous retry.
         """
-        start = time.perf_counter()
-        spent = self._device_seconds()
+        # A switch made at this boundary belongs to this step's record and its StepInfo.
+        first_event = len(self.events)
         self._take_background_compile()  # a grow or re-plan whose compile is ready switches now
         count = self.step_count
         check_due = count > 0 and count % self.config.check_every == 0
         replan_due = self.config.replan_due(count)
         if check_due or replan_due:
             self._flush()  # the checks read what the queued steps produce
-        first_event = len(self.events)
+        first_event = min(first_event, len(self.events))
+        # The controller's own work: what follows, less any compile a check runs.
+        start = time.perf_counter()
+        spent = self._device_seconds()
         if check_due:
             self._check_memory()
         if replan_due:
@@ -810,8 +831,12 @@ class Controller:
         if decision.kind == "shrink":
             self._compiler.call_off_grow()  # a grow decided before memory tightened is not taken
         figures = {"peak_bytes": self._known_peaks().get(micro), "limit_bytes": limit, **chosen}
-        if decision.kind == "grow" and self.config.compile_in_background:
-            key = (decision.bucket, self._num_micro(decision.bucket), self.policy)
+        key = (decision.bucket, self._num_micro(decision.bucket), self.policy)
+        if (
+            decision.kind == "grow"
+            and self.config.compile_in_background
+            and key not in self._compiler
+        ):
             self._compiler.start(key, decision.reason, figures)
             self._log(
                 "grow_decided",
@@ -953,7 +978,14 @@ class Controller:
                 self._log("grow", self._bucket.micro, bucket, job.reason, **job.figures)
                 self._bucket.micro = bucket
         if self._replan_due_at is not None:
+            self._flush()  # a re-plan reads what the queued steps produce
             self._replan()
+
+    def _call_off_background(self) -> None:
+        """Forgets a background compile's switch and a re-plan waiting for it (``set_policy``
+        and ``load_state_dict`` set the state themselves)."""
+        self._compiler.cancel()
+        self._replan_due_at = None
 
     def _on_out_of_memory(self, micro: int, tried: list[str], error: BaseException) -> None:
         """Charges an out-of-memory error to ``micro``, the bucket its step ran at."""

@@ -127,24 +127,47 @@ def from_state_dict(state: Any, identity: Mapping[str, Any]) -> ControllerRecord
     if document is not None:
         policy = PrecisionPolicy.from_json(json.dumps(document))
     pending = pending_from_document({"pending": state["pending"]})
-    return ControllerRecord(
-        step=int(state["step"]),
-        micro_batch=int(state["micro_batch"]),
-        ceiling=state["ceiling"],
-        grow_streak=int(state["grow_streak"]),
-        shrink_streak=int(state["shrink_streak"]),
-        measured_peaks={int(b): int(v) for b, v in state["measured_peaks"].items()},
-        compiled_peaks=dict(state["compiled_peaks"]),
-        limit_bytes=state["limit_bytes"],
-        last_loss=state["last_loss"],
-        lr_factor=float(state["lr_factor"]),
-        loss_scale=_loss_scale(state["loss_scale"]),
-        policy=policy,
-        pending=pending,
-        sampler=state["sampler"],
-        tuned_learning_rate=state["tuned_learning_rate"],
-        noise_scale=_three_floats(state["noise_scale"], "noise_scale"),
-    )
+    ceiling = _optional(state["ceiling"], int, "ceiling")
+    if ceiling is not None and ceiling not in identity.get("buckets", (ceiling,)):
+        raise ValueError(f"controller state: ceiling {ceiling!r} is not a bucket")
+    try:
+        return ControllerRecord(
+            step=int(state["step"]),
+            micro_batch=int(state["micro_batch"]),
+            ceiling=ceiling,
+            grow_streak=int(state["grow_streak"]),
+            shrink_streak=int(state["shrink_streak"]),
+            measured_peaks={int(b): int(v) for b, v in state["measured_peaks"].items()},
+            compiled_peaks={
+                str(sig): {str(int(b)): int(v) for b, v in peaks.items()}
+                for sig, peaks in dict(state["compiled_peaks"]).items()
+            },
+            limit_bytes=_optional(state["limit_bytes"], int, "limit_bytes"),
+            last_loss=_optional(state["last_loss"], float, "last_loss"),
+            lr_factor=float(state["lr_factor"]),
+            loss_scale=_loss_scale(state["loss_scale"]),
+            policy=policy,
+            pending=pending,
+            sampler=state["sampler"],
+            tuned_learning_rate=_optional(
+                state["tuned_learning_rate"], float, "tuned_learning_rate"
+            ),
+            noise_scale=_three_floats(state["noise_scale"], "noise_scale"),
+        )
+    except (TypeError, ValueError, AttributeError) as error:
+        raise ValueError(f"not a controller state: {error}") from None
+
+
+def _optional(value: Any, kind: type, name: str) -> Any:
+    """``value`` as ``kind`` (None kept), or a ValueError naming the field."""
+    if value is None:
+        return None
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"controller state: `{name}` must be a number or null, got {value!r}"
+        ) from None
 
 
 def _three_floats(value: Any, name: str) -> tuple[float, float, float]:

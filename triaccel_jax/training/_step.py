@@ -378,9 +378,13 @@ def make_train_step(
         (:func:`triaccel_jax.transforms.fused_apply`) instead of ``tx.update`` and
         ``optax.apply_updates``.
       split: with one micro-batch, run it as two halves accumulated like micro-batches (its
-        size must be even), so that the step's two squared gradient norms differ and measure
-        the gradient noise scale; the update is the same (the mean of the halves' means is the
-        batch mean). Each half sees the model state the other left, as micro-batches do.
+        size must be even; the even-numbered samples and the odd-numbered ones, so that each
+        device keeps its own rows under data parallelism), so that the step's two squared
+        gradient norms differ and measure the gradient noise scale. For a loss whose per-sample
+        terms are independent the update is the same (the mean of the halves' means is the batch
+        mean); with a model state (BatchNorm) each half computes its own statistics and updates
+        the state in turn, as micro-batches do, and each half gets its own ``rng``. An
+        extra-args optimizer's ``loss_fn`` (Hutchinson's curvature) still sees the whole batch.
 
     Returns:
       The pure step function, to be jitted, returning a :class:`StepOutput` (its metrics listed
@@ -416,6 +420,7 @@ def make_train_step(
         rng = jax.random.fold_in(jax.random.key(seed), step)
         scale = loss_scale.scale if loss_scaling is not None else jnp.float32(1.0)
         count = num_micro
+        whole = jax.tree.map(lambda x: x[0], batch)  # the first micro-batch, unsplit
         if split and num_micro == 1:
             batch = jax.tree.map(_halves, batch)
             count = 2
@@ -447,7 +452,7 @@ def make_train_step(
         grad_sq_norm = micro_sq_norm if count == 1 else _sq_norm(unscaled(grads, scale))
         extra: dict[str, Any] = {}
         if takes_extra:
-            extra["loss_fn"] = lambda p: loss_fn(p, new_model_state, first, policy, rng)[0]
+            extra["loss_fn"] = lambda p: loss_fn(p, new_model_state, whole, policy, rng)[0]
         out = apply_gradients(
             tx,
             grads,
@@ -551,8 +556,10 @@ def check_loss_structure(
 
 
 def _halves(leaf: jax.Array) -> jax.Array:
-    """A ``(1, b, ...)`` batch leaf as ``(2, b / 2, ...)``: the step's two halves."""
+    """A ``(1, b, ...)`` batch leaf as ``(2, b / 2, ...)``: the even-numbered samples, then the
+    odd-numbered ones, so that a batch sharded over devices splits within each shard (no
+    gather)."""
     size = leaf.shape[1]
     if size % 2:
         raise ValueError(f"split=True needs an even micro-batch, got {size} samples")
-    return leaf.reshape(2, size // 2, *leaf.shape[2:])
+    return jnp.swapaxes(leaf.reshape(size // 2, 2, *leaf.shape[2:]), 0, 1)
