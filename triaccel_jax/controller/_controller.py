@@ -214,6 +214,10 @@ class Controller:
             loss_fn, has_aux=config.has_aux, has_model_state=model_state is not None
         )
         self._in_flight = records.InFlight()
+        self._compiler = compiling.StepCompiler(self._make_step)
+        # The step a re-plan came due at while a background compile was waiting (None: none
+        # waits); it runs as soon as that compile is taken.
+        self._replan_due_at: int | None = None
         self._start_plan(policy)
         self._lr = learning_rate.LearningRateScaling(
             self.opt_state, config.lr_hyperparam, config.lr_scaling, layout.reference_batch
@@ -227,10 +231,6 @@ class Controller:
         # Samples per second of the steps run at each (micro-batch, micro-batches, policy
         # signature), smoothed; steps that compiled or ran out of memory are not counted.
         self._throughput: dict[tuple[int, int, str], float] = {}
-        self._compiler = compiling.StepCompiler(self._make_step)
-        # The step a re-plan came due at while a background compile was waiting (None: none
-        # waits); it runs as soon as that compile is taken.
-        self._replan_due_at: int | None = None
         self.events: list[events_lib.Event] = []
         self._train_state: tuple[Any, int] | None = None
         self.timings = {"step": 0.0, "compile": 0.0, "data": 0.0, "control": 0.0}
@@ -480,15 +480,14 @@ class Controller:
         """
         if policy is not None:
             check_policy(policy, self.params)
-        elif self.config.replan_every is not None and hasattr(self, "_compiler"):
+        elif self.config.replan_every is not None:
             raise ValueError(
                 "set_policy(None) while precision is re-planned (replan_every="
                 f"{self.config.replan_every}): the planner needs a policy to start from; pass "
                 "PrecisionPolicy.uniform(params) for all fp32"
             )
         self._flush()  # the switch belongs to the steps after it
-        if hasattr(self, "_compiler"):  # made after the starting plan
-            self._call_off_background()
+        self._call_off_background()
         if policy is not None:
             # Only triaccel states hold per-leaf moment dtypes; any other state is kept as is.
             self.opt_state = self._place(convert_state(self.opt_state, policy))
@@ -585,7 +584,6 @@ class Controller:
         replan_due = self.config.replan_due(count)
         if check_due or replan_due:
             self._flush()  # the checks read what the queued steps produce
-        first_event = min(first_event, len(self.events))
         # The controller's own work: what follows, less any compile a check runs.
         start = time.perf_counter()
         spent = self._device_seconds()
@@ -745,8 +743,8 @@ class Controller:
         decay = self.config.statistics_decay
         self._noise = goodput.update_noise_scale(
             self._noise,
-            grad_sq_norm=metrics.get("grad_sq_norm", math.nan),
-            micro_grad_sq_norm=metrics.get("micro_grad_sq_norm", math.nan),
+            grad_sq_norm=metrics["grad_sq_norm"],
+            micro_grad_sq_norm=metrics["micro_grad_sq_norm"],
             batch=len(step.indices),
             micro=self._measured_micro(step),
             decay=decay,
