@@ -98,14 +98,16 @@ class ControllerConfig:
         the gradient noise scale (from steps of several micro-batches) and each step's
         throughput, in [0, 1).
       measure_noise_scale: run a step of one micro-batch as two halves accumulated like
-        micro-batches (the update is the same; buckets must then be even), so that every step
-        measures the gradient noise scale; steps of several micro-batches always do.
-      batch_rule: how the bucket moves at a memory check. ``"memory"``: to the largest bucket
-        memory allows. ``"goodput"``: to the bucket of highest goodput (measured throughput x
-        statistical efficiency from the gradient noise scale, Pollux) among those memory allows,
-        at most the critical batch; it measures the noise scale every step (as
-        ``measure_noise_scale``). Memory stays the cap either way, and out-of-memory recovery is
-        the same.
+        micro-batches (the update is the same), so that every step measures the gradient noise
+        scale; steps of several micro-batches always do. A step of one odd-sized micro-batch
+        runs whole and carries no estimate.
+      batch_rule: how the bucket moves at a memory check. ``"goodput"`` (the default): to the
+        bucket of highest goodput (measured throughput x statistical efficiency from the
+        gradient noise scale, Pollux) among those memory allows, at most the critical batch; it
+        measures the noise scale every step (as ``measure_noise_scale``). ``"memory"``: to the
+        largest bucket memory allows. Memory stays the cap either way, and out-of-memory
+        recovery is the same. With ``keep_global_batch`` the batch is fixed and the micro-batch
+        follows memory whatever the rule.
       goodput_margin: relative goodput gain a goodput move needs, >= 0.
       min_efficiency: the lowest statistical efficiency a goodput bucket may have, in (0, 1]
         (0.5: at most the critical batch).
@@ -152,7 +154,7 @@ class ControllerConfig:
     fused_update: bool | None = None
     statistics_decay: float = 0.95
     measure_noise_scale: bool = False
-    batch_rule: str = "memory"
+    batch_rule: str = "goodput"
     goodput_margin: float = 0.05
     min_efficiency: float = 0.5
     throughput_model: str = "measured"
@@ -185,11 +187,6 @@ class ControllerConfig:
             raise ValueError(
                 f"`fused_update` must be None, True or False, got {self.fused_update!r}"
             )
-        if self.batch_rule == "goodput" and self.keep_global_batch:
-            raise ValueError(
-                "batch_rule='goodput' moves the batch, and keep_global_batch=True fixes it: "
-                "choose one"
-            )
         if self.global_batch is not None and not self.keep_global_batch:
             raise ValueError("`global_batch` is only used with keep_global_batch=True")
         for name, kind in (("planner", PlannerConfig), ("loss_scaling", LossScaling)):
@@ -201,9 +198,15 @@ class ControllerConfig:
                 )
 
     @property
+    def moves_by_goodput(self) -> bool:
+        """Whether goodput moves the batch (``batch_rule="goodput"`` and a batch free to move)."""
+        return self.batch_rule == "goodput" and not self.keep_global_batch
+
+    @property
     def splits_steps(self) -> bool:
-        """Whether a step of one micro-batch runs as two halves, to measure the noise scale."""
-        return self.measure_noise_scale or self.batch_rule == "goodput"
+        """Whether a step of one (even) micro-batch runs as two halves, to measure the noise
+        scale."""
+        return self.measure_noise_scale or self.moves_by_goodput
 
     def replan_due(self, step: int) -> bool:
         """Whether a re-plan is due before ``step`` (steps done so far).

@@ -185,13 +185,6 @@ class Controller:
         self._feeder = feeding.BatchFeeder(data, config.num_examples, mesh, config.data_axis)
         layout = config.layout(self._feeder.multiple)
         self.buckets, self._global = layout.buckets, layout.global_batch
-        odd = [bucket for bucket in layout.buckets if bucket % 2]
-        if config.splits_steps and odd:
-            raise ValueError(
-                f"measuring the noise scale (measure_noise_scale=True or batch_rule='goodput') "
-                f"splits each step in two halves, so every bucket must be even; buckets {odd} "
-                "are not (raise `min_batch`)"
-            )
         self._bucket = bucket_tracker.BucketTracker(
             layout.buckets,
             layout.start,
@@ -822,7 +815,7 @@ class Controller:
             fixed_bytes=self._bucket.fixed_bytes(state, self.params),
         )
         chosen: dict[str, Any] = {}
-        if self.config.batch_rule == "goodput" and decision.kind != "shrink":
+        if self.config.moves_by_goodput and decision.kind != "shrink":
             decision, chosen = self._goodput_decision(decision)
         if decision.kind == "keep" or (decision.kind == "grow" and self._compiler.busy):
             return
@@ -1055,7 +1048,7 @@ class Controller:
             seed=self._seed,
             loss_scaling=training.loss_scaling_for(policy, self.config.loss_scaling, opt_state),
             fused=self._fused(opt_state),
-            split=self.config.splits_steps,
+            split=self._splits(micro, num_micro),
         )
         args = training.abstract_step_arguments(
             (self.params, opt_state, self.model_state),
@@ -1113,9 +1106,15 @@ class Controller:
     def _measured_micro(self, step: records.PendingStep) -> int:
         """The samples behind the step's ``micro_grad_sq_norm``: its micro-batch, or half of it
         for a step of one micro-batch split in two (``measure_noise_scale``)."""
-        if self.config.splits_steps and step.num_micro == 1:
+        if self._splits(step.micro, step.num_micro):
             return step.micro // 2
         return step.micro
+
+    def _splits(self, micro: int, num_micro: int) -> bool:
+        """Whether a step runs its one micro-batch as two halves, to measure the noise scale
+        (``ControllerConfig.splits_steps``); an odd micro-batch cannot be halved and runs whole,
+        without an estimate."""
+        return self.config.splits_steps and num_micro == 1 and micro % 2 == 0
 
     def _known_peaks(self) -> dict[int, int]:
         """Peak bytes per bucket under the current policy (see ``BucketTracker.known_peaks``)."""
