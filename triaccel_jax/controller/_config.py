@@ -20,6 +20,7 @@ from triaccel_jax.transforms import LossScaling
 
 LR_SCALINGS = ("sqrt", "linear", "none")
 BATCH_RULES = ("memory", "goodput")
+PRECISION_RULES = ("speed", "memory")
 THROUGHPUT_MODELS = ("measured", "linear")
 
 
@@ -108,7 +109,13 @@ class ControllerConfig:
         largest bucket memory allows. Memory stays the cap either way, and out-of-memory
         recovery is the same. With ``keep_global_batch`` the batch is fixed and the micro-batch
         follows memory whatever the rule.
-      goodput_margin: relative goodput gain a goodput move needs, >= 0.
+      goodput_margin: relative gain a move needs, >= 0: goodput for a goodput bucket move,
+        measured samples per second for a lower precision kept for speed.
+      precision_rule: what a re-planned precision is for (with ``replan_every``). ``"speed"``
+        (the default): leaves go lower where memory needs it (before the batch shrinks) or
+        where a trial of the planner's policy measured its steps faster than the policy before
+        it; otherwise they keep float32 (on a CPU, where bf16 is emulated, that is float32
+        unless memory is short). ``"memory"``: every leaf the accuracy budget allows goes lower.
       min_efficiency: the lowest statistical efficiency a goodput bucket may have, in (0, 1]
         (0.5: at most the critical batch).
       throughput_model: how goodput rates a bucket not measured yet: ``"measured"`` (explore
@@ -158,6 +165,7 @@ class ControllerConfig:
     goodput_margin: float = 0.05
     min_efficiency: float = 0.5
     throughput_model: str = "measured"
+    precision_rule: str = "speed"
 
     def __post_init__(self) -> None:
         validation.check_in_range(
@@ -176,6 +184,7 @@ class ControllerConfig:
         validation.check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         validation.check_choice("batch_rule", self.batch_rule, BATCH_RULES)
         validation.check_choice("throughput_model", self.throughput_model, THROUGHPUT_MODELS)
+        validation.check_choice("precision_rule", self.precision_rule, PRECISION_RULES)
         validation.check_in_range("goodput_margin", self.goodput_margin, 0.0, float("inf"))
         validation.check_in_range(
             "min_efficiency", self.min_efficiency, 0.0, 1.0, low_inclusive=False

@@ -37,12 +37,14 @@ from triaccel_jax.controller import _learning_rate as learning_rate
 from triaccel_jax.controller import _logging as logging_lib
 from triaccel_jax.controller import _memory_probe as memory_probe
 from triaccel_jax.controller import _out_of_memory as out_of_memory
+from triaccel_jax.controller import _precision_speed as precision_speed
 from triaccel_jax.controller import _replan as replan_lib
 from triaccel_jax.controller import _sampler as sampler_lib
 from triaccel_jax.controller import _state_record as state_record
 from triaccel_jax.controller import _step_records as records
 from triaccel_jax.policy import PrecisionPlan
 from triaccel_jax.policy import PrecisionPolicy
+from triaccel_jax.policy import carried_itemsize
 from triaccel_jax.policy import check_policy
 from triaccel_jax.transforms import LossScaling
 from triaccel_jax.transforms import convert_state
@@ -224,6 +226,10 @@ class Controller:
         # Samples per second of the steps run at each (micro-batch, micro-batches, policy
         # signature), smoothed; steps that compiled or ran out of memory are not counted.
         self._throughput: dict[tuple[int, int, str], float] = {}
+        # precision_rule="speed": the lower-precision policy on trial (None: none), and whether
+        # a lower precision measured slower this run (then it is only taken where memory needs).
+        self._trial: precision_speed.PolicyTrial | None = None
+        self._lower_is_slower = False
         self.events: list[events_lib.Event] = []
         self._train_state: tuple[Any, int] | None = None
         self.timings = {"step": 0.0, "compile": 0.0, "data": 0.0, "control": 0.0}
@@ -743,10 +749,14 @@ class Controller:
             decay=decay,
         )
         if seconds > 0 and not any(e.kind in ("compile", "oom") for e in events):
-            key = (step.micro, step.num_micro, self._signature_of(step.before.plan))
+            signature = self._signature_of(step.before.plan)
+            key = (step.micro, step.num_micro, signature)
             rate = len(step.indices) / seconds
             old = self._throughput.get(key)
             self._throughput[key] = rate if old is None else decay * old + (1.0 - decay) * rate
+            trial = self._trial
+            if trial is not None and (trial.micro, trial.num_micro, trial.signature) == key:
+                self._trial = trial.add(len(step.indices), seconds)
         info = events_lib.StepInfo(
             step.step + 1,
             len(step.indices),
@@ -804,6 +814,7 @@ class Controller:
         under the high-water mark (else it is logged as a ``"reject"``); a shrink is taken at
         once. Either moves the learning rate with the batch.
         """
+        self._judge_trial()
         micro = self._bucket.micro
         reading = self.probe.read(batch_size=micro)
         peak, limit = agreement.agree_on_memory(reading.peak_bytes, reading.limit_bytes)
@@ -817,8 +828,12 @@ class Controller:
         chosen: dict[str, Any] = {}
         if self.config.moves_by_goodput and decision.kind != "shrink":
             decision, chosen = self._goodput_decision(decision)
+        if decision.kind == "grow" and self._trial is not None:
+            return  # a precision trial is timed at its own batch: the bucket holds until judged
         if decision.kind == "keep" or (decision.kind == "grow" and self._compiler.busy):
             return
+        if decision.kind == "shrink" and self._lower_precision_for_memory():
+            return  # memory is relieved by precision first (precision_rule="speed")
         if decision.kind == "shrink":
             self._compiler.call_off_grow()  # a grow decided before memory tightened is not taken
         figures = {"peak_bytes": self._known_peaks().get(micro), "limit_bytes": limit, **chosen}
@@ -893,8 +908,15 @@ class Controller:
         )
         return True
 
-    def _replan(self) -> None:
-        """Re-plans the policy from the optimizer's signals (:func:`._replan.replan`).
+    def _replan(self, *, for_memory: bool = False) -> bool:
+        """Re-plans the policy from the optimizer's signals (:func:`._replan.replan`); returns
+        whether a switch was made or started.
+
+        With ``precision_rule="speed"`` (:mod:`._precision_speed`) the planner lowers leaves
+        only as far as memory needs, unless a lower precision may still prove faster here: then
+        the budget's plan is taken as a trial, timed, and kept only if faster. ``for_memory``
+        (a memory check found the step over the high-water mark) plans for memory alone and
+        without hysteresis: relief cannot wait ``patience`` re-plans.
 
         A changed policy converts the optimizer state and forgets the measured peaks. With
         ``compile_in_background`` the new policy's step compiles on the worker thread first and
@@ -902,11 +924,40 @@ class Controller:
         while another background compile waits runs as soon as that one is taken.
         """
         if self._compiler.busy:
-            if self._replan_due_at is None:
+            if self._replan_due_at is None and not for_memory:
                 self._replan_due_at = self.step_count
-            return
+            return False
+        speed = self.config.precision_rule == "speed"
+        if speed and self._trial is not None and not for_memory:
+            return False  # the trial's verdict comes first
         due = self.step_count if self._replan_due_at is None else self._replan_due_at
         self._replan_due_at = None
+        assert self.policy is not None  # re-planning starts from a policy
+        micro = self._bucket.micro
+        figures: dict[str, Any] = {"precision_rule": self.config.precision_rule}
+        savings = None
+        if speed:
+            peak = self._known_peaks().get(micro)
+            needed = precision_speed.savings_needed(
+                self.policy,
+                self.params,
+                peak_bytes=peak,
+                limit_bytes=self._bucket.limit,
+                target=self.config.target,
+            )
+            if for_memory or self._lower_is_slower:
+                savings = needed
+            num_micro = self._num_micro(micro)
+            figures.update(
+                savings_needed_bytes=needed,
+                peak_bytes=peak,
+                limit_bytes=self._bucket.limit,
+                samples_per_second={
+                    signature: rate
+                    for (m, n, signature), rate in self._throughput.items()
+                    if (m, n) == (micro, num_micro)
+                },
+            )
         result = replan_lib.replan(
             self.opt_state,
             self.params,
@@ -915,18 +966,24 @@ class Controller:
             planner=self.config.planner,
             # The first plan leaves the all-fp32 start at once: hysteresis guards against
             # flipping back and forth between plans, and there is no earlier plan yet.
-            hysteresis=not self.config.is_first_replan(due),
+            hysteresis=not (self.config.is_first_replan(due) or for_memory),
+            savings_needed=savings,
         )
         if not result.changed:
             self.plan = result.plan  # the hysteresis streaks move on
-            return
-        figures = {"leaves_by_dtype": result.leaves_by_dtype, "loss": self._last_loss}
+            return False
+        figures.update(leaves_by_dtype=result.leaves_by_dtype, loss=self._last_loss)
         reason = "the planner chose another policy"
-        micro = self._bucket.micro
+        if for_memory:
+            reason = (
+                f"memory needs {figures['savings_needed_bytes']} B saved at micro-batch {micro}"
+            )
+        elif speed and savings is None and _lowers(self.policy, result.plan.policy):
+            figures["speed_trial"] = True
+            reason = "the accuracy budget allows lower precision: a trial times it against fp32"
         key = (micro, self._num_micro(micro), result.plan.policy)
         if self.config.compile_in_background and key not in self._compiler:
             self._compiler.start(key, reason, figures, plan=result.plan, opt_state=result.opt_state)
-            assert self.policy is not None  # re-planning starts from a policy
             self._log(
                 "replan_decided",
                 self.policy.signature,
@@ -934,8 +991,42 @@ class Controller:
                 f"{reason}; compiling its step in the background",
                 **figures,
             )
-            return
+            return True
         self._switch_policy(result.plan, reason, figures, opt_state=result.opt_state)
+        return True
+
+    def _lower_precision_for_memory(self) -> bool:
+        """With ``precision_rule="speed"`` and precision planned: a re-plan for memory before a
+        shrink; True when it switched (or started compiling) a policy that saves bytes."""
+        if self.config.precision_rule != "speed" or self.config.replan_every is None:
+            return False
+        return self._replan(for_memory=True)
+
+    def _judge_trial(self) -> None:
+        """Keeps a lower-precision trial's policy when its steps measured faster, else goes back
+        to the policy before it (:func:`._precision_speed.judge_trial`)."""
+        trial = self._trial
+        if trial is None:
+            return
+        if self._policy_signature() != trial.signature:
+            self._trial = None  # a rollback, set_policy or a load left the trial's policy
+            return
+        moved = self._bucket.micro != trial.micro
+        if trial.steps < self.config.check_every and not moved:
+            return
+        incumbent = None
+        if not moved:
+            key = (trial.micro, trial.num_micro, trial.previous_signature)
+            incumbent = self._throughput.get(key)
+        verdict = precision_speed.judge_trial(trial, incumbent, self.config.goodput_margin)
+        self._trial = None
+        new = trial.signature if verdict.keep else trial.previous_signature
+        self._log("precision_trial", trial.signature, new, verdict.reason, **verdict.figures)
+        if verdict.keep:
+            return
+        if incumbent is not None:
+            self._lower_is_slower = True
+        self._switch_policy(trial.previous, verdict.reason, verdict.figures)
 
     def _switch_policy(
         self, plan: PrecisionPlan, reason: str, figures: dict, *, opt_state: Any = None
@@ -947,6 +1038,15 @@ class Controller:
         if opt_state is None:
             opt_state = convert_state(self.opt_state, plan.policy)
         self.opt_state = self._place(opt_state)
+        if figures.get("speed_trial"):
+            micro = self._bucket.micro
+            self._trial = precision_speed.PolicyTrial(
+                self.plan,
+                self._policy_signature(),
+                self._signature_of(plan),
+                micro,
+                self._num_micro(micro),
+            )
         self.plan = plan
         self._bucket.measured = {}
 
@@ -977,6 +1077,7 @@ class Controller:
         and ``load_state_dict`` set the state themselves)."""
         self._compiler.cancel()
         self._replan_due_at = None
+        self._trial = None
 
     def _on_out_of_memory(self, micro: int, tried: list[str], error: BaseException) -> None:
         """Charges an out-of-memory error to ``micro``, the bucket its step ran at."""
@@ -1141,3 +1242,11 @@ class Controller:
     def _log(self, kind: str, old: Any, new: Any, reason: str, **figures: Any) -> None:
         self.events.append(events_lib.Event(self.step_count, kind, old, new, reason, figures))
         logging_lib.log_event(self.events[-1])
+
+
+def _lowers(before: PrecisionPolicy, after: PrecisionPolicy) -> bool:
+    """Whether ``after`` computes some leaf in fewer bytes than ``before`` does."""
+    return any(
+        carried_itemsize(after.compute(path)) < carried_itemsize(before.compute(path))
+        for path in after
+    )

@@ -19,7 +19,9 @@ class Event(NamedTuple):
     Attributes:
       step: the training step the decision was taken at (before that step ran).
       kind: what changed: ``"start"``, ``"grow"``, ``"shrink"``, ``"oom"``, ``"reject"``,
-        ``"replan"``, ``"learning_rate"`` (old and new are the rates themselves),
+        ``"replan"``, ``"precision_trial"`` (a lower precision's timed trial judged: old is
+        the trial policy's signature, new the one kept), ``"learning_rate"`` (old and new are
+        the rates themselves),
         ``"update_scale"`` (the batch's factor on the update, where the rate is a schedule or
         not injected), ``"compile"``, ``"restore"``, or, with
         ``compile_in_background``, ``"grow_decided"`` and ``"replan_decided"`` (the step the

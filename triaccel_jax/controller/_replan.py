@@ -45,6 +45,7 @@ def replan(
     loss: float | None = None,
     planner: PlannerConfig | None = None,
     hysteresis: bool = True,
+    savings_needed: int | None = None,
 ) -> Replan:
     """Re-plans the precision policy from the optimizer's signals.
 
@@ -57,6 +58,8 @@ def replan(
       planner: the planner's settings (default ``PlannerConfig()``).
       hysteresis: False plans as a first plan (leaves move at once, no streaks); the result is
         still compared with ``previous``'s policy.
+      savings_needed: bytes memory needs saved (the planner lowers leaves only that far), or
+        None (every leaf the budget allows); see :func:`triaccel_jax.plan_precision`.
 
     Returns:
       A :class:`Replan`.
@@ -81,6 +84,7 @@ def replan(
         params,
         previous if hysteresis else None,
         loss=loss,
+        savings_needed=savings_needed,
         **(planner or PlannerConfig()).options(),
     )
     before = previous.policy if isinstance(previous, PrecisionPlan) else previous

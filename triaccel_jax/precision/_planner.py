@@ -87,6 +87,7 @@ def plan_precision(
     patience: int = 2,
     margin: float = 0.25,
     state: str = "auto",
+    savings_needed: int | None = None,
 ) -> policy_lib.PrecisionPlan:
     """Plans a per-leaf precision policy from the optimizer's curvature and noise signals.
 
@@ -113,6 +114,11 @@ def plan_precision(
         other choice's inflated by ``1 + margin``, so a move must win by that margin, in [0, 1).
       state: state dtype: ``"fp32"``, ``"bf16"``, or ``"auto"`` (bf16 moments for leaves that
         compute below fp32, fp32 otherwise).
+      savings_needed: bytes of compute copies memory needs saved, or None. With None every
+        leaf the budget allows is lowered (the fewest bytes); with a number the planner stops
+        once its moves save that many bytes, still cheapest predicted increase per byte first:
+        a lower precision only where memory needs it (0 keeps every leaf fp32). A measured
+        figure, not a setting: the controller passes it when lower precision is not faster.
 
     Returns:
       A :class:`triaccel_jax.policy.PrecisionPlan`: the
@@ -164,7 +170,9 @@ def plan_precision(
     allowance = budget * (loss if loss is not None and not math.isinf(budget) else 1.0)
 
     prices = _price_leaves(signals, figures, shapes, allowed_names, min_size, previous, margin)
-    choice = _greedy(figures, prices, allowance)
+    if savings_needed is not None:
+        validation.check_integer("savings_needed", savings_needed, 0)
+    choice = _greedy(figures, prices, allowance, savings_needed)
     final, pending = _hold_back(choice, previous, prices.fixed, patience)
     reasons = {}
     leaves = []
@@ -180,6 +188,7 @@ def plan_precision(
             patience,
             allowance,
             size,
+            savings_needed,
         )
         if path in prices.notes:
             reasons[path] += f"; {prices.notes[path]}"
@@ -316,13 +325,17 @@ def _curvature_and_noise(path: str, record: Any) -> tuple[float, float]:
     return kappa, nsr
 
 
-def _greedy(figures, prices: _Prices, allowance: float) -> dict[str, str]:
+def _greedy(
+    figures, prices: _Prices, allowance: float, savings_needed: int | None = None
+) -> dict[str, str]:
     """Repeatedly takes the step down a ladder with the least predicted increase per byte saved,
-    while the total stays within ``allowance``."""
+    while the total stays within ``allowance`` (and, with ``savings_needed``, until the steps
+    taken save that many bytes)."""
     ladders, cost = prices.ladders, prices.cost
     choice = {path: "fp32" for path in figures}
     total = 0.0
-    heap: list[tuple[float, str, int]] = []
+    saved_so_far = 0
+    heap: list[tuple[float, str, int, int]] = []
 
     def push(path: str, level: int) -> None:
         ladder = ladders[path]
@@ -331,15 +344,16 @@ def _greedy(figures, prices: _Prices, allowance: float) -> dict[str, str]:
             width = policy_lib.carried_itemsize(here) - policy_lib.carried_itemsize(there)
             saved = width * figures[path][0]
             extra = cost[path][there] - cost[path][here]
-            heapq.heappush(heap, (extra / saved, path, level + 1))
+            heapq.heappush(heap, (extra / saved, path, level + 1, saved))
 
     for path in ladders:
         push(path, 0)
-    while heap:
-        _, path, level = heapq.heappop(heap)
+    while heap and (savings_needed is None or saved_so_far < savings_needed):
+        _, path, level, saved = heapq.heappop(heap)
         extra = cost[path][ladders[path][level]] - cost[path][choice[path]]
         if allowance > 0 and total + extra <= allowance:
             total += extra
+            saved_so_far += saved
             choice[path] = ladders[path][level]
             push(path, level)
     return choice
@@ -370,7 +384,7 @@ def _hold_back(
     return final, pending
 
 
-def _reason(compute, cost, ladder, pending, patience, allowance, size) -> str:
+def _reason(compute, cost, ladder, pending, patience, allowance, size, savings_needed) -> str:
     if pending is not None:
         return f"{compute} (held): {pending[0]} won {pending[1]}/{patience} re-plans in a row"
     share = f"{100 * cost[compute] / allowance:.1f}% of budget" if allowance > 0 else "no budget"
@@ -380,4 +394,9 @@ def _reason(compute, cost, ladder, pending, patience, allowance, size) -> str:
     cheaper = ladder[1] if len(ladder) > 1 else None
     if cheaper is None:
         return "fp32: no cheaper format allowed"
+    if savings_needed is not None and cost[cheaper] <= allowance:
+        return (
+            f"fp32: {cheaper} would add {cost[cheaper]:.2e}, within the budget, but memory needs "
+            f"only {savings_needed} B saved and lower precision is not taken for speed"
+        )
     return f"fp32: {cheaper} would add {cost[cheaper]:.2e}, beyond the budget left"

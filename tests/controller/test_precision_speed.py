@@ -1,0 +1,165 @@
+"""Precision by measured speed and memory (precision_rule="speed", the default).
+
+A lower precision is kept only where memory needs it or where its steps measured faster: the
+tests make one policy's steps slow on purpose (a host callback that sleeps inside the step) and
+check which policy the controller keeps, and that a memory cap is met by lowering precision
+before the batch shrinks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+from controller_harness import BIG
+from controller_harness import linear_probe
+from controller_harness import loss_fn as plain_loss
+from controller_harness import make_params
+
+from triaccel_jax import FakeMemoryProbe
+from triaccel_jax import PrecisionPolicy
+from triaccel_jax.controller import ControllerConfig
+from triaccel_jax.controller._precision_speed import PolicyTrial
+from triaccel_jax.controller._precision_speed import judge_trial
+from triaccel_jax.controller._precision_speed import savings_needed
+from triaccel_jax.precision import PlannerConfig
+
+EVERYTHING = PlannerConfig(budget=float("inf"), min_size=0)
+
+
+def _lowered(policy) -> bool:
+    return policy is not None and any(policy.compute(path) != "fp32" for path in policy)
+
+
+def _slow_when(lowered: bool, seconds: float = 0.03):
+    """A loss whose steps sleep ``seconds`` when the policy lowers a leaf (``lowered``) or when
+    it does not: the policy is known when the step is traced, so the sleep is compiled in."""
+
+    def loss(params, batch, *, policy, rng):
+        value = plain_loss(params, batch, policy=policy, rng=rng)
+        if _lowered(policy) == lowered:
+            jax.debug.callback(lambda: time.sleep(seconds))
+        return value
+
+    return loss
+
+
+def _settings(**overrides):
+    settings = dict(
+        min_batch=16,
+        max_batch=16,
+        probe=linear_probe(limit=BIG),
+        replan_every=20,
+        first_replan=5,
+        planner=EVERYTHING,
+    )
+    settings.update(overrides)
+    return settings
+
+
+def test_the_default_rule_is_speed():
+    assert ControllerConfig().precision_rule == "speed"
+    with pytest.raises(ValueError, match="precision_rule"):
+        ControllerConfig(precision_rule="fastest")
+
+
+def test_a_lower_precision_measured_slower_goes_back_to_fp32_and_is_not_tried_again(
+    make_controller,
+):
+    controller = make_controller(loss_fn=_slow_when(lowered=True), **_settings())
+    controller.run(60)
+    trials = [e for e in controller.events if e.kind == "precision_trial"]
+    assert len(trials) == 1, "a lower precision measured slower is not tried again"
+    (trial,) = trials
+    assert trial.figures["trial_samples_per_second"] < trial.figures["previous_samples_per_second"]
+    assert not _lowered(controller.policy)
+    # Two switches: to the trial's policy, and back to the one before it.
+    trial_switch, back = [e for e in controller.events if e.kind == "replan"]
+    assert trial_switch.figures["speed_trial"] is True
+    assert (trial_switch.old, trial_switch.new) == (back.new, back.old)
+    assert back.step == trial.step
+
+
+def test_a_lower_precision_measured_faster_is_kept(make_controller):
+    controller = make_controller(loss_fn=_slow_when(lowered=False), **_settings())
+    controller.run(40)
+    (trial,) = [e for e in controller.events if e.kind == "precision_trial"]
+    assert trial.figures["speedup"] > 0.05
+    assert trial.new == trial.old  # the trial policy is kept
+    assert _lowered(controller.policy)
+
+
+def test_the_memory_rule_lowers_wherever_the_budget_allows(make_controller):
+    controller = make_controller(
+        loss_fn=_slow_when(lowered=True), precision_rule="memory", **_settings()
+    )
+    controller.run(40)
+    assert _lowered(controller.policy)
+    assert not [e for e in controller.events if e.kind == "precision_trial"]
+
+
+def test_a_memory_cap_is_met_by_lowering_precision_before_the_batch_shrinks(make_controller):
+    holder = {}
+
+    def peak(batch):
+        # The step's memory halves when w1 computes in bf16: fp32 at batch 64 is over the
+        # high-water mark (95% of 10_000), bf16 fits.
+        lowered = _lowered(holder["controller"].policy)
+        return 2_000 + (60 if lowered else 130) * batch
+
+    probe = FakeMemoryProbe(10_000, peak_bytes=peak)
+    # Every step's lowered policy is slower: memory, not speed, must be why it is taken.
+    controller = make_controller(
+        loss_fn=_slow_when(lowered=True, seconds=0.001),
+        **_settings(min_batch=16, max_batch=64, batch_size=64, probe=probe, batch_rule="memory"),
+    )
+    holder["controller"] = controller
+    infos = controller.run(30)
+    kinds = [e.kind for e in controller.events]
+    assert "shrink" not in kinds
+    (replan,) = [e for e in controller.events if e.kind == "replan"]
+    assert replan.reason.startswith("memory needs")
+    assert replan.figures["savings_needed_bytes"] > 0
+    assert _lowered(controller.policy)
+    assert {info.batch_size for info in infos} == {64}
+
+
+def test_without_a_way_to_lower_precision_the_batch_shrinks(make_controller):
+    probe = FakeMemoryProbe(10_000, peak_bytes=lambda batch: 2_000 + 130 * batch)
+    controller = make_controller(
+        **_settings(
+            min_batch=16,
+            max_batch=64,
+            batch_size=64,
+            probe=probe,
+            batch_rule="memory",
+            planner=PlannerConfig(budget=0.0),
+        )
+    )
+    controller.run(10)
+    assert "shrink" in [e.kind for e in controller.events]
+    assert not _lowered(controller.policy)
+
+
+def test_judge_trial_keeps_only_a_faster_policy():
+    trial = PolicyTrial(None, "fp32", "bf16", 32, 1)
+    assert not judge_trial(trial, 100.0, 0.05).keep  # no timed step yet
+    trial = trial.add(320, 1.0).add(320, 1.0)  # 320 samples/s
+    assert trial.rate == pytest.approx(320.0)
+    assert judge_trial(trial, 300.0, 0.05).keep  # 6.7% faster
+    assert not judge_trial(trial, 310.0, 0.05).keep  # 3.2%: within the margin
+    assert not judge_trial(trial, None, 0.05).keep  # nothing to compare with
+
+
+def test_savings_needed_counts_what_the_policy_already_saves():
+    params = make_params()  # w1: 8 x 32, w2: 32
+    fp32 = PrecisionPolicy.uniform(params)
+    bf16 = PrecisionPolicy.uniform(params, "bf16")
+    assert savings_needed(fp32, params, peak_bytes=1_000, limit_bytes=1_000, target=0.8) == 200
+    # bf16 already saves 2 bytes x 288 elements: the need against fp32 includes them.
+    assert savings_needed(bf16, params, peak_bytes=1_000, limit_bytes=1_000, target=0.8) == 776
+    assert savings_needed(fp32, params, peak_bytes=None, limit_bytes=1_000, target=0.8) == 0
+    assert savings_needed(fp32, params, peak_bytes=500, limit_bytes=1_000, target=0.8) == 0
+    assert jnp.size(params["w1"]) + jnp.size(params["w2"]) == 288
