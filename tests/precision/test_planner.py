@@ -133,3 +133,32 @@ def test_previous_policy_for_other_params_names_the_path():
     other = PrecisionPolicy.uniform({"b": jnp.ones((3, 3))})
     with pytest.raises(ValueError, match="'a'"):
         plan_precision(signals, params, other)
+
+
+def test_savings_needed_lowers_only_as_far_as_memory_needs_cheapest_first():
+    params = {
+        "flat": jnp.ones((64, 64)),  # low curvature: the cheapest to round
+        "sharp": jnp.ones((64, 64)),
+        "bias": jnp.ones(64),
+    }
+    signals = {
+        "flat": {"mean_curvature": 1e-6},
+        "sharp": {"mean_curvature": 1e-2},
+        "bias": {"mean_curvature": 1e-6},
+    }
+    inf = float("inf")
+    everything = plan_precision(signals, params, budget=inf).policy
+    assert [everything.compute(p) for p in ("flat", "sharp", "bias")] == ["bf16", "bf16", "fp32"]
+    nothing = plan_precision(signals, params, budget=inf, savings_needed=0).policy
+    assert all(nothing.compute(p) == "fp32" for p in params)
+    assert "memory needs only 0 B saved" in nothing.reasons["flat"]
+    one_leaf = 2 * 64 * 64  # bf16 saves 2 bytes an element
+    some = plan_precision(signals, params, budget=inf, savings_needed=one_leaf).policy
+    assert (some.compute("flat"), some.compute("sharp")) == ("bf16", "fp32")
+    both = plan_precision(signals, params, budget=inf, savings_needed=one_leaf + 1).policy
+    assert (both.compute("flat"), both.compute("sharp")) == ("bf16", "bf16")
+    # The accuracy budget still bounds what memory may take.
+    tight = plan_precision(signals, params, budget=0.0, savings_needed=10**9).policy
+    assert all(tight.compute(p) == "fp32" for p in params)
+    with pytest.raises(ValueError, match="savings_needed"):
+        plan_precision(signals, params, savings_needed=-1)
