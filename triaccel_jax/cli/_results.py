@@ -157,23 +157,32 @@ def reading_notes(
     if elastic is not None and elastic.history:
         batches = [int(h["batch"]) for h in elastic.history]
         kinds = [e["kind"] for e in elastic.events]
-        if max(batches) != batches[0] or min(batches) != batches[0]:
+        moves = [e for e in elastic.events if e["kind"] in ("grow", "shrink", "oom")]
+        if moves:
+            path = " -> ".join([str(batches[0]), *(str(e["new"]) for e in moves)])
+            batch = f"the batch went {path} (last move: {moves[-1]['reason']})"
+        else:
             batch = (
-                f"the batch went {batches[0]} -> {max(batches)} ({kinds.count('grow')} grow(s), "
-                f"{kinds.count('shrink') + kinds.count('oom')} shrink(s))"
+                f"the batch stayed at {batches[0]}: no other bucket's goodput (measured samples/s "
+                "x statistical efficiency) beat it by the margin, within memory"
             )
+        trials = [e for e in elastic.events if e["kind"] == "precision_trial"]
+        for_memory = [
+            e
+            for e in elastic.events
+            if e["kind"] == "replan" and str(e["reason"]).startswith("memory needs")
+        ]
+        last = elastic.policies[-1]["leaves"] if elastic.policies else {}
+        counts = {dtype: list(last.values()).count(dtype) for dtype in sorted(set(last.values()))}
+        mix = ", ".join(f"{n} leaves {dtype}" for dtype, n in counts.items()) or "the start"
+        parts = [f"{len(for_memory)} re-plan(s) for memory"] if for_memory else []
+        parts += [f"a trial of lower precision: {e['reason']}" for e in trials]
+        if parts:
+            precision = f"precision: {'; '.join(parts)}; it ended at {mix}"
+        elif kinds.count("replan"):
+            precision = f"precision was re-planned {kinds.count('replan')} time(s), ending at {mix}"
         else:
-            batch = f"the batch stayed at {batches[0]} (no larger bucket was allowed in time)"
-        replans = kinds.count("replan")
-        if replans:
-            last = elastic.policies[-1]["leaves"] if elastic.policies else {}
-            counts = {
-                dtype: list(last.values()).count(dtype) for dtype in sorted(set(last.values()))
-            }
-            mix = ", ".join(f"{n} leaves {dtype}" for dtype, n in counts.items())
-            precision = f"precision was re-planned {replans} time(s), ending at {mix}"
-        else:
-            precision = "precision was never re-planned (no plan changed the policy)"
+            precision = "precision stayed at its start (no plan changed the policy)"
         scales = elastic.step_scales[-1]["scales"] if elastic.step_scales else {}
         spread = (
             f"per-layer step scales ended between {min(scales.values()):.2f} and "

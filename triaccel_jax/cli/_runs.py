@@ -117,9 +117,6 @@ def build_controller(
         min_batch = min(32, args.batch_size)
         kwargs = dict(
             min_batch=min_batch,
-            # Each step as two halves (the same update) measures the gradient noise scale,
-            # plotted beside the batch; it needs even buckets.
-            measure_noise_scale=min_batch % 2 == 0,
             max_batch=max(args.max_batch, args.batch_size),
             batch_size=args.batch_size,
             probe=probe,
