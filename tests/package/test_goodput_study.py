@@ -1,0 +1,196 @@
+"""benchmarks/goodput.py: its figures to the target on hand-made curves, and --quick end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from triaccel_jax.controller import ControllerConfig
+from triaccel_jax.data import fashion_mnist_not_found_message
+from triaccel_jax.data import find_fashion_mnist
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# benchmarks/ is not a package: the study is imported from its folder.
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import goodput  # noqa: E402
+
+
+def curve(seed, points, *, validation=0.8):
+    """A run of ``points`` ``(step, samples, seconds, accuracy)``."""
+    evals = [{"step": st, "samples": sa, "seconds": se, "accuracy": a} for st, sa, se, a in points]
+    return {
+        "seed": seed,
+        "accuracy": evals[-1]["accuracy"],
+        "validation": validation,
+        "evals": evals,
+    }
+
+
+def test_to_target_reads_the_first_evaluation_at_or_above_the_target():
+    run = curve(0, [(10, 320, 1.0, 0.70), (20, 640, 2.0, 0.80), (30, 960, 3.5, 0.79)])
+    assert goodput.to_target(run["evals"], 0.80) == {"steps": 20, "samples": 640, "seconds": 2.0}
+    assert goodput.to_target(run["evals"], 0.75) == {"steps": 20, "samples": 640, "seconds": 2.0}
+    assert goodput.to_target(run["evals"], 0.70) == {"steps": 10, "samples": 320, "seconds": 1.0}
+    assert goodput.to_target(run["evals"], 0.81) is None
+
+
+def test_target_figures_pair_by_seed_and_take_medians():
+    # The reference ends at 0.85 and 0.90: the per-seed targets (margin 0.003) are 0.847 and
+    # 0.897, which it first reaches at its last evaluation.
+    reference = [
+        curve(0, [(100, 3200, 10.0, 0.80), (200, 6400, 20.0, 0.85)]),
+        curve(1, [(100, 3200, 12.0, 0.84), (200, 6400, 24.0, 0.90)]),
+    ]
+    # Seed 0 reaches 0.847 at step 50 (ratio 0.25 in steps, 0.5 in samples, 0.9 in seconds);
+    # seed 1 at step 150 (0.75, 1.0, 1.25).
+    row = [
+        curve(0, [(50, 3200, 18.0, 0.86), (100, 6400, 36.0, 0.87)]),
+        curve(1, [(100, 3200, 15.0, 0.85), (150, 6400, 30.0, 0.898)]),
+    ]
+    figures = goodput.target_figures(row, reference, 0.003)
+    assert figures["reached"] == figures["n"] == 2
+    assert [p["target"] for p in figures["per_seed"]] == pytest.approx([0.847, 0.897])
+    assert figures["steps"] == pytest.approx(100.0)  # median of 50 and 150
+    assert figures["samples"] == pytest.approx(4800.0)
+    assert figures["seconds"] == pytest.approx(24.0)
+    assert figures["steps_ratio"] == pytest.approx((0.25 + 0.75) / 2)
+    assert figures["samples_ratio"] == pytest.approx((0.5 + 1.0) / 2)
+    assert figures["seconds_ratio"] == pytest.approx((0.9 + 1.25) / 2)
+    # Against itself: every ratio is 1.
+    self_figures = goodput.target_figures(reference, reference, 0.003)
+    assert self_figures["steps_ratio"] == self_figures["seconds_ratio"] == 1.0
+
+
+def test_a_seed_not_reached_counts_as_an_infinite_ratio():
+    reference = [curve(s, [(100, 3200, 10.0, 0.80), (200, 6400, 20.0, 0.85)]) for s in range(3)]
+    reached = curve(0, [(40, 3200, 5.0, 0.86)])
+    missing = [curve(s, [(40, 3200, 5.0, 0.70)]) for s in (1, 2)]
+    # One seed of three reached: the median ratio is infinite, reported as not reached.
+    figures = goodput.target_figures([reached, *missing], reference, 0.003)
+    assert figures["reached"] == 1
+    assert figures["steps"] == 40  # the median over the seeds that reached it
+    assert figures["steps_ratio"] is None
+    # Two of three reached: the median ratio is the larger finite one.
+    figures = goodput.target_figures(
+        [reached, curve(1, [(80, 6400, 6.0, 0.90)]), missing[1]], reference, 0.003
+    )
+    assert figures["reached"] == 2
+    assert figures["steps_ratio"] == pytest.approx(80 / 200)
+    assert figures["seconds_ratio"] == pytest.approx(6.0 / 20.0)
+
+
+def test_summary_picks_best_static_by_validation_and_says_met_or_missed():
+    rows = goodput.make_rows([32, 64])
+    # static64 has the better validation accuracy (though the worse test accuracy): it is the
+    # reference. goodput_linear reaches the target in 0.5x the steps; goodput in 1.5x the time.
+    ends = [0.85, 0.86, 0.84]
+    static32 = [
+        curve(s, [(100, 1, 5.0, 0.80), (200, 2, 10.0, e + 0.01)], validation=0.80)
+        for s, e in enumerate(ends)
+    ]
+    static64 = [
+        curve(s, [(50, 1, 5.0, 0.80), (100, 2, 10.0, e)], validation=0.82)
+        for s, e in enumerate(ends)
+    ]
+    linear = [curve(s, [(50, 2, 7.0, e), (60, 2, 8.0, e + 0.002)]) for s, e in enumerate(ends)]
+    measured = [curve(s, [(100, 2, 15.0, e - 0.001)]) for s, e in enumerate(ends)]
+    for runs in (static32, static64, linear, measured):
+        for run in runs:
+            run["steps"], run["seconds"], run["max_batch"] = run["evals"][-1]["step"], 1.0, 64
+    report = {
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "runs": {
+            "static32": static32,
+            "static64": static64,
+            "goodput": measured,
+            "goodput_linear": linear,
+        },
+        "chosen": {r.name: 1e-3 for r in rows},
+        "margin": 0.003,
+    }
+    summary = goodput.summarize(report)
+    assert summary["best_static"] == "static64"
+    assert set(summary["rows"]) == {"static32", "static64", "goodput", "goodput_linear"}
+    assert summary["rows"]["goodput_linear"]["target"]["steps_ratio"] == pytest.approx(0.5)
+    assert summary["rows"]["goodput"]["target"]["seconds_ratio"] == pytest.approx(1.5)
+    # static32 is 1 point better in every seed: a zero-width paired interval at +0.01.
+    assert summary["rows"]["static32"]["diff"] == pytest.approx([0.01, 0.01, 0.01])
+    met = {(t["row"], t["figure"]): t["met"] for t in summary["targets"]}
+    assert met == {
+        ("goodput_linear", "steps"): True,  # 0.5 <= 0.6
+        ("goodput", "seconds"): False,  # 1.5 > 1.0
+        ("goodput", "accuracy"): True,  # -0.1 points in every seed
+        ("goodput_linear", "accuracy"): True,  # +0.2 points in every seed
+    }
+
+
+def test_the_hessian_row_follows_the_controller_option():
+    names = [r.name for r in goodput.make_rows([32, 64, 128])]
+    assert names == [
+        "static32",
+        "static64",
+        "static128",
+        "memory",
+        "goodput",
+        "goodput_linear",
+        "goodput_hessian",
+    ]
+    fields = {f.name for f in dataclasses.fields(ControllerConfig)}
+    assert goodput.hessian_available() == ("noise_estimator" in fields)
+
+
+@pytest.mark.skipif(
+    find_fashion_mnist() is None,
+    reason=fashion_mnist_not_found_message().splitlines()[0]
+    + " (TRIACCEL_INSTALL_SYSTEM_DATA=1 bash tools/test.sh installs Debian's package as root)",
+)
+def test_quick_mode_writes_the_table_the_raw_numbers_and_the_plot(tmp_path):
+    command = [sys.executable, "benchmarks/goodput.py", "--quick", "--out", str(tmp_path)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    raw = json.loads((tmp_path / "goodput.json").read_text())
+    names = [r["name"] for r in raw["rows"]]
+    assert names == [r.name for r in goodput.make_rows([32, 64, 128])]
+    skipped = {} if goodput.hessian_available() else {"goodput_hessian"}
+    assert set(raw["skipped"]) == skipped
+    assert set(raw["runs"]) == set(names) - skipped
+    for name, runs in raw["runs"].items():
+        assert [r["seed"] for r in runs] == [0], name
+        for run in runs:
+            assert 0.0 <= run["accuracy"] <= 1.0 and 0.0 <= run["validation"] <= 1.0
+            assert run["evals"][-1]["accuracy"] == run["accuracy"]
+            for key in ("steps", "samples", "seconds", "compile_seconds"):
+                assert math.isfinite(run[key]) and run[key] >= 0, (name, key)
+            assert run["samples"] >= raw["protocol"]["train_images"]
+            if name.startswith("static"):
+                assert run["max_batch"] == int(name.removeprefix("static"))
+            else:
+                history = run["history"]
+                assert len(history["samples"]) == len(history["batch"]) == run["steps"]
+        # Every row has its learning rate chosen from the same grid, on validation.
+        assert raw["chosen"][name] in raw["protocol"]["grid"]
+        assert set(raw["tuning"][name]) == {str(lr) for lr in raw["protocol"]["grid"]}
+    summary = raw["summary"]
+    for name, row in summary["rows"].items():
+        assert all(math.isfinite(row[k]) for k in ("mean", "sd", "validation", "seconds")), name
+        assert math.isfinite(row["diff"][0])
+    assert summary["best_static"] in {"static32", "static64", "static128"}
+    assert summary["targets"] and all(isinstance(t["met"], bool) for t in summary["targets"])
+
+    table = (tmp_path / "goodput.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| row | lr |"))
+    body = table[table.index(header) :].split("\n\n")[0].splitlines()[2:]
+    assert [line.split(" | ")[0][2:] for line in body] == [r["label"] for r in raw["rows"]]
+    assert all(line.count("|") == header.count("|") for line in body)
+    assert ("met" in done.stdout) or ("missed" in done.stdout)
+    assert (tmp_path / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
