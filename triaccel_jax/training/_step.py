@@ -41,8 +41,13 @@ from triaccel_jax import policy as policy_lib
 from triaccel_jax import transforms
 from triaccel_jax._src import arrays
 from triaccel_jax._src import tree as tree_lib
+from triaccel_jax._src import validation
 
 MODEL_STATE = "model_state"
+
+# The values of make_train_step's `noise_weights`: how the step also weighs its squared gradient
+# norms (None: it does not).
+NOISE_WEIGHTS = ("curvature",)
 
 
 class StepOutput(NamedTuple):
@@ -62,14 +67,29 @@ class StepOutput(NamedTuple):
       micro-batches), and never below it (the mean of squared norms is at least the
       squared norm of the mean).
 
+    With ``noise_weights="curvature"`` (see :func:`make_train_step`) two more, computed alike
+    from the same unscaled gradients, with each leaf's squared norm weighted by the leaf's mean
+    curvature ``h_l >= 0`` in the optimizer state before the step's update
+    (:func:`triaccel_jax.transforms.mean_curvatures`, clipped at 0; leaves without curvature
+    weigh 0):
+
+    * ``curvature_grad_sq_norm``: ``sum_l h_l |G_big,l|^2``;
+    * ``curvature_micro_grad_sq_norm``: the mean over the micro-batches of ``sum_l h_l
+      |G_small,l|^2``.
+
     Both norms are summed in float32 over the trainable (floating-point) leaves; with
     micro-batches of ``B_small = B / num_micro`` samples they estimate the gradient noise scale
     ``B_simple = tr(Sigma) / |G|^2``, where ``|G|^2 ~ (B |G_big|^2 - B_small |G_small|^2) /
     (B - B_small)`` and ``tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B)``.
+    The same estimators, fed the curvature-weighted norms, estimate ``G^T H G`` and ``tr(H
+    Sigma)`` for the diagonal, per-leaf constant Hessian ``H = diag(h_l)``, and their ratio is
+    the Hessian-weighted noise scale ``B_noise = tr(H Sigma) / (G^T H G)`` (the expectation of
+    ``sum_l h_l |g_l|^2`` over batches of ``b`` samples is ``sum_l h_l |G_l|^2 + sum_l h_l
+    tr(Sigma_l) / b``, linear in the squared norms as the plain one is).
 
     References:
       McCandlish, Kaplan, Amodei et al., 2018, "An Empirical Model of Large-Batch Training",
-      appendix A.
+      appendix A (``B_simple``, and ``B_noise`` with the Hessian).
     """
 
     params: Any
@@ -361,6 +381,7 @@ def make_train_step(
     loss_scaling: transforms.LossScaling | None = None,
     fused: bool = False,
     split: bool = False,
+    noise_weights: str | None = None,
 ) -> Callable[..., StepOutput]:
     """The step ``(params, opt_state, model_state, batch, step, lr_factor, loss_scale)``.
 
@@ -385,6 +406,16 @@ def make_train_step(
         mean); with a model state (BatchNorm) each half computes its own statistics and updates
         the state in turn, as micro-batches do, and each half gets its own ``rng``. An
         extra-args optimizer's ``loss_fn`` (Hutchinson's curvature) still sees the whole batch.
+      noise_weights: None (the default), or ``"curvature"``: the metrics also carry
+        ``curvature_grad_sq_norm`` and ``curvature_micro_grad_sq_norm``, the two squared
+        gradient norms with each leaf's weighted by its mean curvature in the optimizer state
+        as it is before this step's update (:func:`triaccel_jax.transforms.mean_curvatures`,
+        negative values clipped at 0, float32), from which the Hessian-weighted noise scale
+        ``B_noise = tr(H Sigma) / (G^T H G)`` is estimated as ``B_simple`` is from the plain
+        ones (see :class:`StepOutput`). It sets what the step computes (not a hyperparameter);
+        the curvature is 0 until the optimizer's first estimate, and so are the weighted norms.
+        The optimizer must hold curvature (:func:`triaccel_jax.triaccel` or
+        :func:`triaccel_jax.scale_by_triaccel`, alone or inside optax's wrappers).
 
     Returns:
       The pure step function, to be jitted, returning a :class:`StepOutput` (its metrics listed
@@ -392,7 +423,45 @@ def make_train_step(
       multiplies the update only when the controller scales the learning rate without an
       injected hyperparameter (it is 1 otherwise); ``loss_scale`` is a
       :class:`LossScaleState`.
+
+    Raises:
+      ValueError: ``noise_weights`` is not None or ``"curvature"``; or, when the step is traced
+        with ``noise_weights="curvature"``, the optimizer state holds no curvature (e.g.
+        ``optax.adam``'s) or holds it for leaves the params do not have.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import triaccel_jax
+      >>> from triaccel_jax import training
+      >>> from triaccel_jax.transforms import LossScaling
+      >>> def mse(params, batch):
+      ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+      >>> loss = training.normalize_loss_fn(mse, has_aux=False, has_model_state=False)
+      >>> tx = triaccel_jax.triaccel(1e-2, curvature_every=1)
+      >>> step = jax.jit(
+      ...     training.make_train_step(
+      ...         loss, tx, policy=None, num_micro=2, seed=0, noise_weights="curvature"
+      ...     )
+      ... )
+      >>> params = {"w": jnp.zeros((3, 1))}
+      >>> x = jax.random.normal(jax.random.key(0), (2, 4, 3))  # 2 micro-batches of 4 samples
+      >>> batch = {"x": x, "y": x @ jnp.ones((3, 1))}
+      >>> scale = LossScaling().init()
+      >>> out = step(params, tx.init(params), None, batch, 0, 1.0, scale)  # a first estimate
+      >>> kappa = triaccel_jax.transforms.mean_curvatures(out.opt_state, params)["w"]
+      >>> out = step(out.params, out.opt_state, None, batch, 1, 1.0, scale)
+      >>> m = out.metrics  # one leaf: its squared norms times its curvature before the step
+      >>> bool(jnp.allclose(m["curvature_grad_sq_norm"], kappa * m["grad_sq_norm"]))
+      True
+      >>> bool(m["curvature_micro_grad_sq_norm"] >= m["curvature_grad_sq_norm"] > 0)
+      True
+
+    References:
+      McCandlish, Kaplan, Amodei et al., 2018, "An Empirical Model of Large-Batch Training",
+      appendix A (the noise scales ``B_simple`` and ``B_noise``).
     """
+    if noise_weights is not None:
+        validation.check_choice("noise_weights", noise_weights, NOISE_WEIGHTS)
     takes_extra = isinstance(tx, optax.GradientTransformationExtraArgs)
 
     def scaled_loss(params, model_state, micro_batch, rng, scale):
@@ -404,7 +473,17 @@ def make_train_step(
     def unscaled(grads, scale):
         return grads if loss_scaling is None else transforms.unscale(grads, scale)
 
-    def one(params, model_state, micro_batch, rng, scale):
+    def sq_norms(grads, scale, weights):
+        """The squared norm of the unscaled gradients, and the weighted one with ``weights``."""
+        grads = unscaled(grads, scale)
+        if weights is None:
+            return {"grad_sq_norm": _sq_norm(grads)}
+        return {
+            "grad_sq_norm": _sq_norm(grads),
+            "curvature_grad_sq_norm": _weighted_sq_norm(grads, weights),
+        }
+
+    def one(params, model_state, micro_batch, rng, scale, weights):
         (_, (loss, metrics, model_state)), grads = grad_fn(
             params, model_state, micro_batch, rng, scale
         )
@@ -413,12 +492,13 @@ def make_train_step(
             # (exactly, for the rule's powers of two), and float32 sums of scaled float16
             # gradients do not overflow.
             grads = _to_float32(grads)
-        sq_norm = _sq_norm(unscaled(grads, scale))
-        return grads, model_state, {"loss": loss, **metrics}, sq_norm
+        return grads, model_state, {"loss": loss, **metrics}, sq_norms(grads, scale, weights)
 
     def controller_step(params, opt_state, model_state, batch, step, lr_factor, loss_scale):
         rng = jax.random.fold_in(jax.random.key(seed), step)
         scale = loss_scale.scale if loss_scaling is not None else jnp.float32(1.0)
+        # The curvature the optimizer holds before this step's update, one weight per leaf.
+        weights = None if noise_weights is None else _curvature_weights(opt_state, params)
         count = num_micro
         whole = jax.tree.map(lambda x: x[0], batch)  # the first micro-batch, unsplit
         if split and num_micro == 1:
@@ -426,30 +506,30 @@ def make_train_step(
             count = 2
         first = jax.tree.map(lambda x: x[0], batch)
         if count == 1:
-            grads, new_model_state, metrics, micro_sq_norm = one(
-                params, model_state, first, rng, scale
+            grads, new_model_state, metrics, micro_norms = one(
+                params, model_state, first, rng, scale, weights
             )
         else:
 
             def body(carry, xs):
                 total, state = carry
                 micro_batch, index = xs
-                grads, state, metrics, sq_norm = one(
-                    params, state, micro_batch, jax.random.fold_in(rng, index), scale
+                grads, state, metrics, norms = one(
+                    params, state, micro_batch, jax.random.fold_in(rng, index), scale, weights
                 )
-                return (jax.tree.map(jnp.add, total, grads), state), (metrics, sq_norm)
+                return (jax.tree.map(jnp.add, total, grads), state), (metrics, norms)
 
             zeros = jax.eval_shape(
-                lambda: one(params, model_state, first, rng, scale)[0]
+                lambda: one(params, model_state, first, rng, scale, weights)[0]
             )  # the gradients' dtypes: float32 when the loss is scaled
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
-            (total, new_model_state), (metrics, sq_norms) = jax.lax.scan(
+            (total, new_model_state), (metrics, micro_norms) = jax.lax.scan(
                 body, (zeros, model_state), (batch, jnp.arange(count))
             )
             grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), total)
             metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
-            micro_sq_norm = jnp.mean(sq_norms)
-        grad_sq_norm = micro_sq_norm if count == 1 else _sq_norm(unscaled(grads, scale))
+            micro_norms = {name: jnp.mean(norms) for name, norms in micro_norms.items()}
+        norms = micro_norms if count == 1 else sq_norms(grads, scale, weights)
         extra: dict[str, Any] = {}
         if takes_extra:
             extra["loss_fn"] = lambda p: loss_fn(p, new_model_state, whole, policy, rng)[0]
@@ -470,9 +550,12 @@ def make_train_step(
             **metrics,
             "skipped": 1.0 - out.finite.astype(jnp.float32),
             "loss_scale": scale,
-            "grad_sq_norm": grad_sq_norm,
-            "micro_grad_sq_norm": micro_sq_norm,
+            "grad_sq_norm": norms["grad_sq_norm"],
+            "micro_grad_sq_norm": micro_norms["grad_sq_norm"],
         }
+        if weights is not None:
+            metrics["curvature_grad_sq_norm"] = norms["curvature_grad_sq_norm"]
+            metrics["curvature_micro_grad_sq_norm"] = micro_norms["curvature_grad_sq_norm"]
         return StepOutput(out.params, out.opt_state, out.carry, out.loss_scale, metrics)
 
     return controller_step
@@ -498,6 +581,37 @@ def _sq_norm(grads: Any) -> jax.Array:
         if tree_lib.is_trainable(g)
     ]
     return sum(squares, jnp.zeros((), jnp.float32))
+
+
+def _curvature_weights(opt_state: Any, params: Any) -> Any:
+    """Each leaf's mean curvature in ``opt_state``, clipped at 0 (None where a leaf has none).
+
+    Raises:
+      ValueError: ``opt_state`` holds no curvature, or holds it for leaves ``params`` lacks.
+    """
+    try:
+        kappa = transforms.mean_curvatures(opt_state, params)
+    except ValueError as error:
+        raise ValueError(
+            f'noise_weights="curvature" weighs the gradient norms by the curvature the '
+            f"optimizer holds, and it holds none usable: {error}. Use an optimizer built with "
+            "triaccel_jax.triaccel or triaccel_jax.scale_by_triaccel (e.g. not a plain "
+            "optax.adam), or noise_weights=None"
+        ) from None
+    # Hutchinson's estimate can make a mean curvature negative: such a leaf weighs nothing.
+    return jax.tree.map(lambda h: jnp.maximum(h, 0.0), kappa)
+
+
+def _weighted_sq_norm(grads: Any, weights: Any) -> jax.Array:
+    """``sum_l weights_l |grads_l|^2`` over the trainable leaves with a weight, in float32."""
+    treedef: Any  # a jaxlib PyTreeDef, which has no stubs mypy can see
+    leaves, treedef = jax.tree.flatten(grads)
+    terms = [
+        jnp.sum(jnp.square(g.astype(jnp.float32))) * h
+        for g, h in zip(leaves, treedef.flatten_up_to(weights), strict=True)
+        if h is not None and tree_lib.is_trainable(g)
+    ]
+    return sum(terms, jnp.zeros((), jnp.float32))
 
 
 def loss_scaling_for(

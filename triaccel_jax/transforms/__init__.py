@@ -11,7 +11,8 @@ model):
   :func:`expand_diagonal`, with :func:`block_counts` and :func:`uses_channel_pairs` for its
   layout), updated without gathering sharded leaves;
 * :func:`signals`, the per-leaf curvature, noise and step-size figures of any state holding a
-  triaccel state, :func:`convert_state`, which recasts the moments for a precision policy, and
+  triaccel state, :func:`mean_curvatures`, each leaf's mean curvature as a tree usable inside
+  ``jit``, :func:`convert_state`, which recasts the moments for a precision policy, and
   :func:`find_triaccel_states`, which finds the triaccel states inside any optimizer state;
 * dynamic loss scaling (:class:`LossScaling`, :func:`dynamic_loss_scale`, and
   :func:`select_tree`, which skips an overflowing step), with the pieces a train step uses:
@@ -51,6 +52,7 @@ from triaccel_jax.transforms._loss_scaling import needs_loss_scaling
 from triaccel_jax.transforms._loss_scaling import select_tree
 from triaccel_jax.transforms._loss_scaling import unscale
 from triaccel_jax.transforms._scale_by_triaccel import scale_by_triaccel
+from triaccel_jax.transforms._signals import mean_curvatures
 from triaccel_jax.transforms._signals import signals
 from triaccel_jax.transforms._state_conversion import convert_state
 from triaccel_jax.transforms._triaccel_state import LeafSignals
@@ -80,6 +82,7 @@ __all__ = (
     "hutchinson_diagonal",
     "leaf_finite",
     "loss_scale",
+    "mean_curvatures",
     "needs_loss_scaling",
     "scale_by_triaccel",
     "select_tree",

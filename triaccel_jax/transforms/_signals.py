@@ -131,3 +131,86 @@ def _bias_corrected(
         outlier_indices=store.outlier_indices,
         outlier_values=store.outlier_values * factor,
     )
+
+
+def mean_curvatures(opt_state: Any, params: Any) -> Any:
+    """Each leaf's mean curvature ``kappa_l``, as a tree like the params, from an optimizer state.
+
+    The figure is the one :func:`signals` reports as ``"mean_curvature"`` (the mean over the
+    leaf of its bias-corrected curvature EMA, refreshed every ``curvature_every`` steps, 0 before
+    the first estimate), read from every triaccel state inside ``opt_state`` (found as
+    :func:`signals` finds them: in a chain, under optax's wrappers, in a train state) and kept as
+    an array, so that it can be used inside ``jit``. It is not clipped: Hutchinson's estimate can
+    make it negative.
+
+    Args:
+      opt_state: an optimizer state holding one or more :func:`triaccel_jax.scale_by_triaccel`
+        states whose leaves do not overlap.
+      params: the params the optimizer was initialised with, or any tree of their structure (the
+        gradients): it sets the result's structure and names the leaves.
+
+    Returns:
+      A tree of ``params``' structure holding, for each leaf a triaccel state trains, its mean
+      curvature as a float32 scalar array (traced inside ``jit``), and None for the others
+      (integer or empty leaves, and leaves left to another optimizer).
+
+    Raises:
+      ValueError: no triaccel state is found, two of them hold the same leaf, or one holds a
+        leaf ``params`` does not have (the state is not one of these params).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import triaccel_jax
+      >>> from triaccel_jax.transforms import mean_curvatures
+      >>> params = {"a": jnp.ones(2), "b": jnp.ones(3), "step": jnp.int32(0)}
+      >>> tx = triaccel_jax.triaccel(1e-3)  # the Fisher estimate: the squared gradient
+      >>> state = tx.init(params)
+      >>> grads = {"a": jnp.full(2, 2.0), "b": jnp.full(3, 3.0), "step": jnp.int32(0)}
+      >>> _, state = tx.update(grads, state, params)
+      >>> kappa = jax.jit(mean_curvatures)(state, params)
+      >>> round(float(kappa["a"]), 4), round(float(kappa["b"]), 4), kappa["step"]
+      (4.0, 9.0, None)
+
+    References:
+      Tri-Accel (arXiv 2508.16905) and ``docs/design.md`` §3 for the curvature EMA.
+    """
+    states = triaccel_state.find_triaccel_states(opt_state)
+    if not states:
+        raise ValueError(
+            "no triaccel state found in `opt_state`, so it holds no curvature: pass the state of "
+            "an optimizer built with triaccel_jax.triaccel or triaccel_jax.scale_by_triaccel"
+        )
+    by_path: dict[str, jax.Array] = {}
+    for state in states:
+        with_paths, _ = jax.tree_util.tree_flatten_with_path(
+            state.leaf_signals, is_leaf=_is_leaf_signals
+        )
+        for path, node in with_paths:
+            if not _is_leaf_signals(node):
+                continue
+            key = tree_lib.path_string(path)
+            if key in by_path:
+                raise ValueError(f"two triaccel states hold curvature for leaf {key!r}")
+            value = (
+                node.mean_curvature
+                if isinstance(node, triaccel_state.LeafSignals)
+                else node["mean_curvature"]
+            )
+            by_path[key] = jnp.asarray(value, jnp.float32)
+    treedef: Any  # a jaxlib PyTreeDef, which has no stubs mypy can see
+    param_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = [tree_lib.path_string(path) for path, _ in param_paths]
+    unknown = sorted(set(by_path) - set(keys))
+    if unknown:
+        raise ValueError(
+            f"the optimizer state holds curvature for leaves {unknown} that `params` does not "
+            "have: pass the params (or gradients) the optimizer state was initialised with"
+        )
+    return treedef.unflatten([by_path.get(key) for key in keys])
+
+
+def _is_leaf_signals(node: Any) -> bool:
+    # nnx.Optimizer gives the NamedTuple back as a dict of its fields (see `signals`).
+    return isinstance(node, triaccel_state.LeafSignals) or (
+        isinstance(node, Mapping) and set(node) == set(SIGNAL_NAMES)
+    )
