@@ -292,7 +292,7 @@ def test_trains_under_the_controller_across_a_bucket_change(variant):
     probe = triaccel_jax.FakeMemoryProbe(10_000, peak_bytes=lambda b: 100 + 50 * b)
     controller = triaccel_jax.Controller(
         batch_loss, params, variant.make(5e-2), data, min_batch=16, max_batch=128,
-        probe=probe, check_every=5,
+        probe=probe, check_every=5, batch_rule="memory",  # memory grows it to 128 at once
     )  # fmt: skip
     infos = controller.run(60)
     assert {i.batch_size for i in infos} == {16, 128}
