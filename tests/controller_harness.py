@@ -8,7 +8,9 @@ factory as the ``make_controller`` fixture. It offers:
   two-layer MLP's params for it, and its mean-squared-error loss (the controller's signature);
 * ``linear_probe``: a :class:`~triaccel_jax.FakeMemoryProbe` whose peak is linear in the batch;
 * ``make_controller(cls=Controller, **overrides)``: a controller on that problem (buckets 8-256,
-  the linear probe, a memory check every step, seed 0); any argument can be overridden;
+  the linear probe, a memory check every step, seed 0); any argument can be overridden. The batch
+  rule is the library's default (goodput, which times the buckets): a test of memory-driven
+  growth or shrinking passes ``batch_rule="memory"`` itself;
 * ``FaultyController``: a controller with out-of-memory errors injected through ``faults=``,
   keeping every :class:`StepInfo` it delivers;
 * ``BIG``, a memory limit nothing reaches; ``BASE_LR`` and ``shrink_settings()``: a batch of 64

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import jax
@@ -46,7 +47,7 @@ def changes(controller: Controller) -> list[tuple[int, str, int, int]]:
 
 
 def test_grows_to_the_largest_bucket_that_fits():
-    controller = make_controller()
+    controller = make_controller(batch_rule="memory")
     controller.run(12)
     # peak(b) = 1000 + 100 b under 85% of 20000 -> b <= 160 -> bucket 128 (256 would be 26600).
     assert controller.batch_size == 128
@@ -59,7 +60,7 @@ def test_shrinks_when_memory_is_taken_away():
     probe = FakeMemoryProbe(
         lambda n: 20_000 if n < 10 else 8_000, peak_bytes=lambda b: 1_000 + 100 * b
     )
-    controller = make_controller(probe=probe)
+    controller = make_controller(probe=probe, batch_rule="memory")
     controller.run(20)
     kinds = [c[1] for c in changes(controller)]
     assert "grow" in kinds and kinds[-1] == "shrink"
@@ -77,7 +78,7 @@ def test_shrinks_when_memory_is_taken_away():
 )
 def test_noisy_readings_change_the_bucket_at_most_twice_in_100_checks(limit, start):
     probe = linear_probe(limit=limit, noise=0.05, seed=3)
-    controller = make_controller(probe=probe, batch_size=start, max_batch=256)
+    controller = make_controller(probe=probe, batch_size=start, max_batch=256, batch_rule="memory")
     controller.run(101)  # a check before every step but the first
     assert probe.readings == 100
     assert len([c for c in changes(controller) if c[1] in ("grow", "shrink")]) <= 2
@@ -86,12 +87,18 @@ def test_noisy_readings_change_the_bucket_at_most_twice_in_100_checks(limit, sta
 def test_cpu_budget_keeps_the_chosen_bucket_under_the_budget():
     # Budget between the compiled peaks of two buckets: the controller must settle on the
     # largest bucket whose compiled peak is within the budget, and never run a larger one.
-    probe_controller = make_controller(probe=FakeMemoryProbe(BIG), max_batch=256)
+    # The memory rule in both: it compiles the plain step (goodput's splits a step in halves).
+    probe_controller = make_controller(
+        probe=FakeMemoryProbe(BIG), max_batch=256, batch_rule="memory"
+    )
     peaks = probe_controller.precompile()
     budget = int(peaks[64] / 0.85) + 1  # 64 fits under the target, 128 does not
     assert peaks[128] > 0.95 * budget
     controller = make_controller(
-        probe=triaccel_jax.BudgetMemoryProbe(budget), max_batch=256, patience=1
+        probe=triaccel_jax.BudgetMemoryProbe(budget),
+        max_batch=256,
+        patience=1,
+        batch_rule="memory",
     )
     infos = controller.run(10)
     assert controller.batch_size == 64
@@ -100,7 +107,7 @@ def test_cpu_budget_keeps_the_chosen_bucket_under_the_budget():
 
 
 def test_decisions_are_logged_with_their_figures():
-    controller = make_controller()
+    controller = make_controller(batch_rule="memory")
     controller.run(6)
     grow = next(e for e in controller.events if e.kind == "grow")
     assert grow.figures["limit_bytes"] == 20_000 and grow.figures["peak_bytes"] > 0
@@ -115,7 +122,7 @@ def test_decisions_are_logged_with_their_figures():
 
 def test_out_of_memory_loses_no_sample_and_training_continues():
     faults = {3: 1, 40: 2, 90: 1}  # at step 40 the retry runs out of memory too
-    controller = make_controller(FaultyController, faults=faults, patience=1)
+    controller = make_controller(FaultyController, faults=faults, patience=1, batch_rule="memory")
     infos = controller.run(120)
     assert all(np.isfinite(i.loss) for i in infos)
     seen = np.concatenate(controller.seen)
@@ -218,7 +225,7 @@ def test_learning_rate_scaling_goes_through_inject_hyperparams_without_recompili
     count_compiles,
 ):
     tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-2)
-    controller = make_controller(tx=tx, lr_scaling="sqrt", reference_batch=8)
+    controller = make_controller(tx=tx, lr_scaling="sqrt", reference_batch=8, batch_rule="memory")
     with count_compiles():
         infos = controller.run(8)
     assert controller.batch_size == 128
@@ -367,7 +374,9 @@ def test_learning_rate_scaling_without_injection_scales_the_update():
 def test_a_scheduled_learning_rate_is_left_to_its_schedule_and_the_update_scaled():
     schedule = optax.linear_schedule(1e-2, 1e-3, 100)
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
-    controller = make_controller(tx=tx, reference_batch=8, lr_scaling="linear", patience=1)
+    controller = make_controller(
+        tx=tx, reference_batch=8, lr_scaling="linear", patience=1, batch_rule="memory"
+    )
     before = controller.params
     indices = controller.sampler.order(0)
     controller.run(2)  # step 0 at batch 8; the check before step 1 grows the bucket
@@ -378,7 +387,10 @@ def test_a_scheduled_learning_rate_is_left_to_its_schedule_and_the_update_scaled
     del before
     # Replay: the params after step 0, then one SGD step at schedule(1) * factor.
     replay = make_controller(
-        tx=optax.sgd(schedule(0)), probe=FakeMemoryProbe(BIG), lr_scaling="none"
+        tx=optax.sgd(schedule(0)),
+        probe=FakeMemoryProbe(BIG),
+        lr_scaling="none",
+        batch_rule="memory",
     )
     replay.run(1)
     grads = jax.grad(lambda p: loss_fn(p, batch, policy=None, rng=None))(replay.params)
@@ -424,7 +436,13 @@ def test_replanning_converts_the_state_and_passes_the_policy_to_the_loss():
     assert signals["w1"]["state_dtype"] == "bfloat16"
 
 
-def test_model_state_flows_through_micro_batches_and_aux_metrics_are_averaged():
+@pytest.mark.parametrize(
+    ("batch_rule", "calls"),
+    # The default (goodput) runs a step of one even micro-batch as two halves, accumulated like
+    # micro-batches, to measure the noise scale: the model state flows through both.
+    [("memory", [1, 1, 2]), ("goodput", [2, 2, 2])],
+)
+def test_model_state_flows_through_micro_batches_and_aux_metrics_are_averaged(batch_rule, calls):
     def counting_loss(params, batch, *, policy, rng, model_state):
         loss = loss_fn(params, batch, policy=policy, rng=rng)
         return loss, {
@@ -441,10 +459,17 @@ def test_model_state_flows_through_micro_batches_and_aux_metrics_are_averaged():
         batch_size=32,
         probe=FakeMemoryProbe(BIG),
         check_every=100,
+        batch_rule=batch_rule,
     )
-    infos = controller.run(3)
-    # Steps 0 and 1: one micro-batch each; step 2 retried as 2 x 16 after the fault.
-    assert int(controller.model_state) == 4
+    states = [int(controller.model_state)]
+    infos = []
+    for _ in range(3):
+        infos.append(controller.step())
+        states.append(int(controller.model_state))
+    # Steps 0 and 1: one micro-batch each (two halves under goodput); step 2 retried as 2 x 16
+    # after the fault.
+    assert [b - a for a, b in itertools.pairwise(states)] == calls
+    assert infos[2].micro_batch == 16
     ids = controller.sampler.order(0)[64:96]
     assert infos[2].metrics["mean_id"] == pytest.approx(ids.mean(), rel=1e-6)
 
@@ -499,7 +524,13 @@ def test_state_round_trip_gives_the_same_next_decisions_and_losses():
             lambda n: 20_000 if n < 12 else 9_000, peak_bytes=lambda b: 1_000 + 100 * b
         )
 
-    kwargs = dict(replan_every=4, planner=PlannerConfig(budget=float("inf"), min_size=0))
+    # The memory rule: goodput's decisions follow measured step times, which a resumed run
+    # measures again (throughput is not saved), so only memory's are repeated step for step.
+    kwargs = dict(
+        replan_every=4,
+        planner=PlannerConfig(budget=float("inf"), min_size=0),
+        batch_rule="memory",
+    )
     reference = make_controller(probe=probe(), **kwargs)
     reference.run(8)
     saved = json.loads(json.dumps(reference.state_dict()))
@@ -625,7 +656,9 @@ def test_resuming_with_opt_state_and_load_state_dict_does_not_compound_the_rate(
     # The documented recipe: a new controller given the step's params and opt_state= (which
     # holds the batch-scaled rate), then load_state_dict. The tuned rate comes from the record.
     tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-2)
-    options = dict(lr_scaling="sqrt", reference_batch=8, probe=FakeMemoryProbe(BIG))
+    options = dict(
+        lr_scaling="sqrt", reference_batch=8, probe=FakeMemoryProbe(BIG), batch_rule="memory"
+    )
     reference = make_controller(tx=tx, **options)
     reference.run(4)
     assert reference.batch_size > 8  # the rate is scaled

@@ -36,7 +36,14 @@ def gate(monkeypatch):
     return released
 
 
-SETTINGS = {"min_batch": 8, "max_batch": 16, "check_every": 1, "probe": linear_probe()}
+# The memory rule: the probe's room for 16 decides the grow (goodput would time the buckets).
+SETTINGS = {
+    "min_batch": 8,
+    "max_batch": 16,
+    "check_every": 1,
+    "probe": linear_probe(),
+    "batch_rule": "memory",
+}
 
 
 def run_until_grown(controller, gate, max_steps=200):

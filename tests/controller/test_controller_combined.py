@@ -49,6 +49,7 @@ def test_a_step_delivered_after_a_switch_reports_the_micro_batch_it_ran_at():
         max_batch=16,
         check_every=1,
         probe=linear_probe(),
+        batch_rule="memory",
         compile_in_background=True,
         callback=callback,
     )
@@ -143,7 +144,11 @@ def test_set_policy_while_a_replan_compiles_in_the_background_is_not_undone_by_i
 def test_every_event_reaches_a_step_info_also_a_switch_made_at_the_first_dispatch_of_a_run():
     for window in (0, 1):
         controller = make_controller(
-            compile_in_background=True, max_batch=16, batch_size=8, steps_in_flight=window
+            compile_in_background=True,
+            max_batch=16,
+            batch_size=8,
+            steps_in_flight=window,
+            batch_rule="memory",
         )
         infos = []
         for _ in range(3):
@@ -160,7 +165,9 @@ def test_every_event_reaches_a_step_info_also_a_switch_made_at_the_first_dispatc
 
 
 def test_a_background_grow_to_a_bucket_already_compiled_does_not_compile_it_again():
-    controller = make_controller(compile_in_background=True, max_batch=16, batch_size=8)
+    controller = make_controller(
+        compile_in_background=True, max_batch=16, batch_size=8, batch_rule="memory"
+    )
     controller.precompile()
     controller.run(3)
     controller.wait_for_compile()

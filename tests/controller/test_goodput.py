@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from controller_harness import linear_probe
+from controller_harness import loss_fn
+from controller_harness import make_controller
 
 import triaccel_jax
 from triaccel_jax import training
@@ -187,7 +191,7 @@ def test_a_split_step_updates_as_the_whole_batch_and_measures_its_halves():
         )
 
 
-def test_measure_noise_scale_splits_single_micro_batch_steps_and_refuses_odd_buckets():
+def test_measure_noise_scale_splits_even_micro_batches_and_runs_odd_ones_whole():
     rng = np.random.default_rng(4)
     x = rng.normal(size=(256, 3)).astype(np.float32)
     y = (x @ np.array([1.0, 2.0, -1.0], np.float32) + rng.normal(size=256)).astype(np.float32)
@@ -207,16 +211,32 @@ def test_measure_noise_scale_splits_single_micro_batch_steps_and_refuses_odd_buc
             **settings,
         )
 
-    plain = make(min_batch=32, max_batch=32)
-    measured = make(min_batch=32, max_batch=32, measure_noise_scale=True)
+    # The memory rule measures nothing from a step of one micro-batch unless asked to.
+    plain = make(min_batch=32, max_batch=32, batch_rule="memory")
+    measured = make(min_batch=32, max_batch=32, batch_rule="memory", measure_noise_scale=True)
+    default = make(min_batch=32, max_batch=32)  # goodput measures the noise scale every step
     plain_infos, measured_infos = plain.run(20), measured.run(20)
+    default_infos = default.run(20)
     assert all(i.noise_scale is None for i in plain_infos)
     assert all(i.noise_scale is not None for i in measured_infos)
+    assert [i.noise_scale for i in default_infos] == [i.noise_scale for i in measured_infos]
     assert measured.noise_scale is not None and measured.noise_scale > 0
     # The same updates: the halves' mean is the batch mean.
     np.testing.assert_allclose(measured.params, plain.params, rtol=1e-5)
-    with pytest.raises(ValueError, match=r"every bucket must be even; buckets \[1\]"):
-        make(min_batch=1, max_batch=4, measure_noise_scale=True)
+    np.testing.assert_allclose(default.params, plain.params, rtol=1e-5)
+    # An odd micro-batch cannot be halved: it is not refused, it runs whole, without an
+    # estimate, and trains as the memory rule's plain step does; an even one splits.
+    for settings in (dict(measure_noise_scale=True, batch_rule="memory"), dict()):
+        odd = make(min_batch=1, max_batch=4, batch_size=1, **settings)
+        odd_plain = make(min_batch=1, max_batch=4, batch_size=1, batch_rule="memory")
+        assert odd.buckets == (1, 2, 4)
+        odd_infos = odd.run(10)
+        odd_plain.run(10)
+        assert [i.micro_batch for i in odd_infos] == [1] * 10
+        assert all(i.noise_scale is None for i in odd_infos) and odd.noise_scale is None
+        np.testing.assert_allclose(odd.params, odd_plain.params, rtol=1e-6)
+        even = make(min_batch=1, max_batch=4, batch_size=2, **settings)
+        assert all(i.noise_scale is not None for i in even.run(10))
 
 
 BUCKETS = (16, 32, 64, 128, 256)
@@ -316,8 +336,56 @@ def test_goodput_grows_with_the_noise_scale_within_the_critical_batch_and_under_
     assert max(i.micro_batch for i in capped_infos) == capped.batch_size == 64
 
 
-def test_goodput_with_a_fixed_global_batch_is_refused():
-    with pytest.raises(ValueError, match="keep_global_batch=True fixes it"):
-        triaccel_jax.controller.ControllerConfig(
-            batch_rule="goodput", keep_global_batch=True, min_batch=8, max_batch=64
-        )
+def test_with_a_fixed_global_batch_the_default_rule_moves_only_the_micro_batch_by_memory():
+    config = triaccel_jax.controller.ControllerConfig(
+        keep_global_batch=True, min_batch=8, max_batch=64
+    )
+    assert config.batch_rule == "goodput"  # the default, not refused
+    assert not config.moves_by_goodput and not config.splits_steps
+    # 1000 + 100 b under 85% of 20000: micro-batches up to 160 fit, so 128 of the batch of 256.
+    controller = make_controller(keep_global_batch=True, global_batch=256, batch_size=8)
+    assert controller.config.batch_rule == "goodput"
+    infos = controller.run(8)
+    assert {i.batch_size for i in infos} == {256}  # the batch is fixed
+    assert infos[0].micro_batch == 8 and controller.micro_batch == infos[-1].micro_batch == 128
+    grows = [e for e in controller.events if e.kind == "grow"]
+    assert grows and all("goodput" not in e.figures and "predicted" in e.reason for e in grows)
+    # Steps of several micro-batches measure the noise scale without a split.
+    assert all(i.noise_scale is not None for i in infos)
+    # Memory stays the cap: 1000 + 100 b under 85% of 8000 fits b <= 58, so 32.
+    capped = make_controller(
+        keep_global_batch=True, global_batch=256, batch_size=8, probe=linear_probe(limit=8_000)
+    )
+    capped_infos = capped.run(8)
+    assert {i.batch_size for i in capped_infos} == {256} and capped.micro_batch == 32
+
+
+def slower_per_sample_as_the_batch_grows(params, batch, *, policy, rng):
+    """The harness's loss, with a sleep in the step growing as the square of the (micro-)batch:
+    samples per second fall with the batch, as measured on this CPU, but by a wide margin."""
+    size = batch["x"].shape[0]  # known when the step is traced: the sleep is compiled in
+    jax.debug.callback(lambda: time.sleep(3e-4 * size * size))
+    return loss_fn(params, batch, policy=policy, rng=rng)
+
+
+def test_by_default_a_batch_measured_slower_is_left_where_the_memory_rule_grows():
+    assert triaccel_jax.controller.ControllerConfig().batch_rule == "goodput"
+    # Buckets 8, 16, 32, all within memory (1000 + 100 b under 85% of 20000).
+    default = make_controller(loss_fn=slower_per_sample_as_the_batch_grows, max_batch=32)
+    assert default.config.batch_rule == "goodput"
+    infos = default.run(20)
+    # Goodput tries the next bucket once (an unmeasured bucket is hoped as fast per sample),
+    # measures it slower and goes back; the one beyond it is never tried.
+    assert default.batch_size == infos[-1].micro_batch == 8
+    assert max(i.micro_batch for i in infos) == 16
+    moves = [(e.kind, e.old, e.new) for e in default.events if e.kind in ("grow", "shrink")]
+    assert moves == [("grow", 8, 16), ("shrink", 16, 8)]
+    back = next(e for e in default.events if e.kind == "shrink").figures["goodput"]
+    assert back[16]["throughput_from"] == "measured"
+    assert back[16]["samples_per_second"] < back[8]["samples_per_second"]
+    # The memory rule grows to the largest bucket memory allows, however slow it runs.
+    memory = make_controller(
+        loss_fn=slower_per_sample_as_the_batch_grows, max_batch=32, batch_rule="memory"
+    )
+    memory.run(6)
+    assert memory.batch_size == 32

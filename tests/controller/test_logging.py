@@ -34,9 +34,9 @@ def replanning_loss(params, batch, *, policy, rng):
 
 RUNS = {
     # start, compiles, grows to the largest bucket that fits, learning-rate changes
-    "grow": dict(),
+    "grow": dict(batch_rule="memory"),
     # the same, the bigger bucket compiled on a worker thread (grow_decided, then grow)
-    "background-compile": dict(compile_in_background=True),
+    "background-compile": dict(batch_rule="memory", compile_in_background=True),
     # a policy change every few steps
     "replan": dict(
         loss_fn=replanning_loss,
@@ -46,9 +46,10 @@ RUNS = {
     ),
     # memory taken away after 10 readings: grows, then shrinks
     "shrink": dict(
+        batch_rule="memory",
         probe=FakeMemoryProbe(
             lambda n: 20_000 if n < 10 else 8_000, peak_bytes=lambda b: 1_000 + 100 * b
-        )
+        ),
     ),
 }
 
@@ -81,7 +82,8 @@ def test_every_event_is_logged_once_in_order(caplog, run):
 
 def test_an_out_of_memory_retry_is_a_warning_with_its_figures(caplog):
     caplog.set_level(logging.INFO, logger="triaccel_jax")
-    controller = make_controller(FaultyController, faults={3: 1}, patience=1)
+    # Grown by memory before step 3, whose out-of-memory error then shrinks the bucket.
+    controller = make_controller(FaultyController, faults={3: 1}, patience=1, batch_rule="memory")
     controller.run(6)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert [r.event.kind for r in warnings] == ["oom"]

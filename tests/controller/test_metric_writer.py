@@ -58,7 +58,8 @@ def test_every_step_and_every_decision_is_written(make_controller):
     callback = MetricWriterCallback(writer)
     # An injected rate, so that the rate itself is known and written beside its factor.
     tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-2)
-    controller = make_controller(callback=callback, tx=tx)
+    # The memory rule, so that the batch grows (and the rate with it) within the 8 steps.
+    controller = make_controller(callback=callback, tx=tx, batch_rule="memory")
     callback.write_events(controller.events)
     infos = controller.run(8)
     callback.close()
