@@ -18,7 +18,7 @@ from triaccel_jax.controller import _buckets as buckets_lib
 from triaccel_jax.precision import PlannerConfig
 from triaccel_jax.transforms import LossScaling
 
-LR_SCALINGS = ("sqrt", "linear", "none")
+LR_SCALINGS = ("sqrt", "linear", "adascale", "none")
 BATCH_RULES = ("memory", "goodput")
 PRECISION_RULES = ("speed", "memory")
 THROUGHPUT_MODELS = ("measured", "linear")
@@ -56,7 +56,32 @@ class ControllerConfig:
       batch_size: the bucket to start at (default ``min_batch``).
       reference_batch: the batch size the learning rate was tuned for (default the starting
         batch size).
-      lr_scaling: ``"sqrt"`` (lr x sqrt(batch / reference)), ``"linear"`` or ``"none"``.
+      lr_scaling: how the learning rate follows the batch (docs/design.md §5):
+
+        * ``"sqrt"`` (the default, for Adam-like optimizers): lr x sqrt(batch / reference), the
+          square-root scaling rule (Malladi et al., 2022, "On the SDEs and Scaling Rules for
+          Adaptive Gradient Algorithms", arXiv 2205.10287; Granziol et al., 2022, "Learning
+          Rates as a Function of Batch Size");
+        * ``"linear"``: lr x (batch / reference) (Goyal et al., 2017, for SGD);
+        * ``"adascale"`` (for SGD-like optimizers): lr x r, AdaScale's gain r = (tr(Sigma) +
+          |G|^2) / (tr(Sigma) / S + |G|^2) with S = batch / reference, from the smoothed
+          gradient-noise estimates (Johnson et al., 2020, "AdaScale SGD", ICML); r = 1 before
+          the noise is measured, r in [1, S]. A step's gain comes from the estimates after the
+          step ``steps_in_flight + 1`` before it (always read by then, so the gain does not
+          depend on how a run is cut into calls), rounded to within 0.5%: the rate is rewritten
+          when the gain moves by about 1%, not every step. It measures the noise every step
+          (as ``measure_noise_scale``). With
+          ``keep_global_batch``, S = global_batch / reference_batch is fixed (1 by default: set
+          a smaller ``reference_batch`` for a gain);
+        * ``"none"``: the rate is left alone.
+
+        A schedule given as the injected rate (``optax.inject_hyperparams(opt)(learning_rate=
+        schedule)``) is taken as tuned at the reference batch, in reference-batch steps: it
+        advances by training progress, ``samples / reference_batch`` per step (or ``r`` per step
+        with ``"adascale"``), not by steps
+        (:attr:`triaccel_jax.Controller.schedule_progress`), and the rule's factor multiplies
+        the update. A schedule given to the optimizer itself (``optax.adam(schedule)``) counts
+        optax's own steps: the controller cannot move it.
       lr_hyperparam: name of the ``optax.inject_hyperparams`` hyperparameter holding the learning
         rate. When the optimizer state holds it as a constant, the scaled rate is written there
         (no re-jit). Otherwise (no injected rate, a rate driven by a schedule, or None) the
@@ -214,8 +239,8 @@ class ControllerConfig:
     @property
     def splits_steps(self) -> bool:
         """Whether a step of one (even) micro-batch runs as two halves, to measure the noise
-        scale."""
-        return self.measure_noise_scale or self.moves_by_goodput
+        scale (``measure_noise_scale``, goodput batch moves or AdaScale's gain need it)."""
+        return self.measure_noise_scale or self.moves_by_goodput or self.lr_scaling == "adascale"
 
     def replan_due(self, step: int) -> bool:
         """Whether a re-plan is due before ``step`` (steps done so far).

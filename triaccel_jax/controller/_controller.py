@@ -11,6 +11,7 @@ pure decision functions and small state-owning parts for each decision (:mod:`._
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -223,6 +224,14 @@ class Controller:
         self.step_count = 0
         self._last_loss: float | None = None
         self._noise = goodput.NoiseScale()
+        # The noise estimates after each of the last steps read: AdaScale's gain of a step comes
+        # from those of the step steps_in_flight + 1 before it (learning_rate.noise_before).
+        self._recent_noise: collections.deque[tuple[int, goodput.NoiseScale]] = collections.deque(
+            maxlen=config.steps_in_flight + 1
+        )
+        # Training progress in reference-batch steps, that a learning-rate schedule is evaluated
+        # at (schedule_progress); part of the training record and the saved state.
+        self._progress = 0.0
         # Samples per second of the steps run at each (micro-batch, micro-batches, policy
         # signature), smoothed; steps that compiled or ran out of memory are not counted.
         self._throughput: dict[tuple[int, int, str], float] = {}
@@ -384,6 +393,20 @@ class Controller:
         return self._noise.simple
 
     @property
+    def schedule_progress(self) -> float:
+        """Training progress in reference-batch steps, after the last step dispatched.
+
+        Each step adds its samples over ``reference_batch`` (``lr_scaling`` ``"sqrt"``,
+        ``"linear"`` or ``"none"``), or AdaScale's gain with ``"adascale"`` (its scale-invariant
+        iterations). A learning-rate schedule given as the injected rate
+        (``optax.inject_hyperparams(opt)(learning_rate=schedule)``) is evaluated at
+        ``floor(schedule_progress)`` before each step, so that a schedule tuned at the reference
+        batch keeps its meaning in samples when the batch changes. A rolled-back step's
+        progress is undone with it; :meth:`state_dict` saves it.
+        """
+        return self._progress
+
+    @property
     def throughput(self) -> dict[tuple[int, int, str], float]:
         """Measured samples per second by ``(micro-batch, micro-batches, policy signature)``:
         a moving average over the steps run there, compiles and out-of-memory retries excluded.
@@ -502,8 +525,9 @@ class Controller:
         """The controller's own state as JSON-ready data, to save beside params and optimizer state.
 
         It holds the bucket, ceiling, hysteresis counters, memory figures, policy and the
-        planner's pending streaks, the tuned learning rate and factor, loss scale, step counter
-        and the sampler's cursor; the per-step ``rng`` is derived from ``seed`` and the step, so
+        planner's pending streaks, the tuned learning rate and factor, the schedule progress and
+        the recent noise estimates AdaScale's gain comes from, loss scale, step counter and the
+        sampler's cursor; the per-step ``rng`` is derived from ``seed`` and the step, so
         it is not saved. A controller restored with :meth:`load_state_dict` (and the params and
         optimizer state of the same step) takes the same decisions.
         """
@@ -521,6 +545,8 @@ class Controller:
             sampler=self.sampler.state_dict(),
             tuned_learning_rate=self._lr.base_lr,
             noise_scale=(self._noise.grad_sq, self._noise.trace, self._noise.weight),
+            schedule_progress=self._progress,
+            recent_noise=tuple((step, *noise) for step, noise in self._recent_noise),
         )
         return state_record.to_state_dict(record, self._identity())
 
@@ -545,6 +571,11 @@ class Controller:
         self._call_off_background()
         self.step_count, self._last_loss = record.step, record.last_loss
         self._noise = goodput.NoiseScale(*record.noise_scale)
+        self._recent_noise.clear()
+        self._recent_noise.extend(
+            (step, goodput.NoiseScale(*noise)) for step, *noise in record.recent_noise
+        )
+        self._progress = record.schedule_progress
         self._lr.restore_tuned(record.tuned_learning_rate)
         self._bucket.restore(record)
         self._compiler.load_peaks_record(record.compiled_peaks)
@@ -619,6 +650,7 @@ class Controller:
             leaf.copy_to_host_async()  # the read a step later then finds the figures on the host
         self._take_outputs(out)
         self.step_count += 1
+        self._progress += self._lr.progress_increment(len(indices))
         self._in_flight.pending.append(pending._replace(metrics=out.metrics))
 
     def _finish_oldest(self) -> None:
@@ -681,6 +713,7 @@ class Controller:
             break
         self._take_outputs(out)
         self.step_count += 1
+        self._progress += self._lr.progress_increment(len(step.indices))
         if last:
             self._set_learning_rate(self.batch_size)
         self._deliver(attempt, metrics)
@@ -748,6 +781,7 @@ class Controller:
             micro=self._measured_micro(step),
             decay=decay,
         )
+        self._recent_noise.append((step.step, self._noise))
         if seconds > 0 and not any(e.kind in ("compile", "oom") for e in events):
             signature = self._signature_of(step.before.plan)
             key = (step.micro, step.num_micro, signature)
@@ -788,6 +822,7 @@ class Controller:
             self.loss_scale,
             self.plan,
             self._bucket.micro,
+            self._progress,
         )
 
     def _restore(self, record: records.TrainingRecord) -> None:
@@ -798,6 +833,7 @@ class Controller:
             self._bucket.measured = {}  # measured peaks were for the policy undone
         self.plan = record.plan
         self._bucket.micro = record.micro
+        self._progress = record.progress
         self._lr.invalidate()  # the restored state holds the record's rate, not the current one
 
     def _take_outputs(self, out: training.StepOutput) -> None:
@@ -1089,41 +1125,64 @@ class Controller:
 
     def _set_learning_rate(self, samples: int) -> None:
         """Scales the rate for a step of ``samples`` (each step asks for its own samples' rate;
-        the state is rewritten only when the rate changes)."""
-        if self._lr.is_current(samples):
-            return
-        change = self._lr.follow(self.opt_state, samples)
-        if change.new != change.old:
-            figures = {
-                "factor": change.new,
-                "batch": samples,
-                "reference_batch": self._lr.reference,
-            }
-            old_rate, new_rate = self._lr.rate(change.old), self._lr.rate(change.new)
-            if old_rate is not None and new_rate is not None:
-                # The rate itself, so that a log reader sees what the optimizer really uses.
-                self._log(
-                    "learning_rate",
-                    old_rate,
-                    new_rate,
-                    f"{self.config.lr_scaling} rule for batch {samples}: "
-                    f"{self._lr.base_lr:.4g} (tuned at reference batch {self._lr.reference}) "
-                    f"x {change.new:.4g}",
-                    tuned_learning_rate=self._lr.base_lr,
-                    **figures,
-                )
-            else:
-                self._log(
-                    "update_scale",
-                    change.old,
-                    change.new,
-                    f"{self.config.lr_scaling} rule for batch {samples} against reference "
-                    f"batch {self._lr.reference}; the rate is not an injected constant, so the "
-                    "update is multiplied instead",
-                    **figures,
-                )
-        if self._lr.base_lr is not None:
-            self.opt_state = self._place(change.opt_state)
+        the state is rewritten only when the rate changes) and sets a learning-rate schedule's
+        count from the training progress.
+
+        With ``lr_scaling="adascale"`` the factor is the gain from the noise estimates of the
+        step ``steps_in_flight + 1`` before this one, rounded (it changes when the gain moves by
+        about 1%). A rate change is logged only when the batch changes with it, not for each
+        move of AdaScale's gain: :class:`StepInfo` carries each step's rate or factor.
+        """
+        noise = learning_rate.noise_before(
+            self._recent_noise, self.step_count, self.config.steps_in_flight
+        )
+        if not self._lr.is_current(samples, noise):
+            change = self._lr.follow(self.opt_state, samples, noise)
+            if change.new != change.old and samples != change.old_batch:
+                self._log_learning_rate(change, samples, noise)
+            if self._lr.base_lr is not None:
+                self.opt_state = self._place(change.opt_state)
+        if self._lr.moves_schedule:
+            self.opt_state = self._place(self._lr.at_progress(self.opt_state, self._progress))
+
+    def _log_learning_rate(
+        self,
+        change: learning_rate.LearningRateChange,
+        samples: int,
+        noise: goodput.NoiseScale | None,
+    ) -> None:
+        """Logs a batch's change of the rate (``"learning_rate"``, the rate itself, where the
+        state holds it) or of the update's factor (``"update_scale"``)."""
+        rule = f"{self.config.lr_scaling} rule"
+        figures: dict[str, Any] = {
+            "factor": change.new,
+            "batch": samples,
+            "reference_batch": self._lr.reference,
+        }
+        if self.config.lr_scaling == "adascale":
+            rule = f"AdaScale gain (S = {samples / self._lr.reference:.4g})"
+            figures["noise_scale"] = None if noise is None else noise.simple
+        old_rate, new_rate = self._lr.rate(change.old), self._lr.rate(change.new)
+        if old_rate is not None and new_rate is not None:
+            # The rate itself, so that a log reader sees what the optimizer really uses.
+            self._log(
+                "learning_rate",
+                old_rate,
+                new_rate,
+                f"{rule} for batch {samples}: {self._lr.base_lr:.4g} (tuned at reference batch "
+                f"{self._lr.reference}) x {change.new:.4g}",
+                tuned_learning_rate=self._lr.base_lr,
+                **figures,
+            )
+        else:
+            self._log(
+                "update_scale",
+                change.old,
+                change.new,
+                f"{rule} for batch {samples} against reference batch {self._lr.reference}; the "
+                "rate is not an injected constant, so the update is multiplied instead",
+                **figures,
+            )
 
     # -- compiling --------------------------------------------------------------------------------
 

@@ -21,9 +21,10 @@ class Event(NamedTuple):
       kind: what changed: ``"start"``, ``"grow"``, ``"shrink"``, ``"oom"``, ``"reject"``,
         ``"replan"``, ``"precision_trial"`` (a lower precision's timed trial judged: old is
         the trial policy's signature, new the one kept), ``"learning_rate"`` (old and new are
-        the rates themselves),
-        ``"update_scale"`` (the batch's factor on the update, where the rate is a schedule or
-        not injected), ``"compile"``, ``"restore"``, or, with
+        the rates themselves), ``"update_scale"`` (the batch's factor on the update, where the
+        rate is a schedule or not injected; both logged when a change of batch changes the
+        rate, not for each move of AdaScale's gain: :class:`StepInfo` has every step's),
+        ``"compile"``, ``"restore"``, or, with
         ``compile_in_background``, ``"grow_decided"`` and ``"replan_decided"`` (the step the
         change needs is compiling). Each is also logged (``triaccel_jax.controller`` logger:
         ``"oom"`` at WARNING, the others at INFO).

@@ -1,16 +1,46 @@
-"""Learning-rate scaling with the batch size, and the injected rate it is written to.
+"""Learning-rate scaling with the batch size, the injected rate it is written to, and schedules
+that advance by samples.
 
-When the batch bucket changes, the learning rate follows it (``"sqrt"``: lr x sqrt(batch /
-reference), ``"linear"`` or ``"none"``). The controller scales the rate by writing it into the
-state of ``optax.inject_hyperparams``, which changes an array, not the compiled program
-(docs/design.md §5). That only works for a *constant* hyperparameter: one that a schedule drives
-is recomputed from the schedule at every update, so writing it would be silently undone;
-:func:`find_hyperparam` reports that case, and the step then multiplies the update instead.
+When the batch changes, the learning rate follows it against the ``reference`` batch it was
+tuned at (``lr_scaling``):
+
+* ``"sqrt"`` (the default; for Adam-like optimizers): lr x sqrt(batch / reference). The square-root
+  rule keeps an adaptive method's SDE approximation when the batch grows by ``kappa``: the rate
+  grows by sqrt(kappa) (and ``1 - beta`` by ``kappa``, which the controller leaves alone) (Malladi
+  et al., 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms", NeurIPS,
+  arXiv 2205.10287; Granziol et al., 2022, "Learning Rates as a Function of Batch Size", JMLR).
+* ``"linear"``: lr x (batch / reference), Goyal et al.'s rule for SGD, sound while the batch
+  is under the critical batch.
+* ``"adascale"`` (for SGD-like optimizers): AdaScale's gain (Johnson et al., 2020, "AdaScale
+  SGD", ICML): with ``S = batch / reference``,
+
+      r = (tr(Sigma) + |G|^2) / (tr(Sigma) / S + |G|^2)
+
+  from the controller's smoothed gradient-noise estimates (:mod:`._goodput`), bias-corrected. It
+  is ``S`` (linear scaling) where the gradient is all noise and 1 where there is none; it is 1
+  before the noise is measured and lies in [1, S] (in [S, 1] for a batch under the reference).
+* ``"none"``: the rate is left as it is.
+
+The controller scales the rate by writing it into the state of ``optax.inject_hyperparams``,
+which changes an array, not the compiled program (docs/design.md §5). That only works for a
+*constant* hyperparameter: one that a schedule drives is recomputed from the schedule at every
+update, so writing it would be silently undone; :func:`find_hyperparam` reports that case, and
+the step then multiplies the update instead.
+
+A schedule inside ``optax.inject_hyperparams`` is taken as tuned at the reference batch and
+counted in reference-batch steps. The controller keeps the training *progress* in those units
+(each step adds ``samples / reference``, or AdaScale's gain ``r``: its scale-invariant
+iterations) and before each step writes ``floor(progress)`` into the count the schedule is
+evaluated at (:func:`set_schedule_count`), so a change of batch does not change the schedule's
+meaning. A schedule passed to the optimizer directly (``optax.adam(schedule)``) lives in optax's
+own ``scale_by_schedule`` count, which advances one per step: the controller cannot move it
+(it still scales the update by the batch rule).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 from typing import NamedTuple
 
@@ -18,18 +48,33 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from triaccel_jax.controller import _goodput as goodput
+
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+# AdaScale's gain is rounded to the nearest power of (1 + ADASCALE_RESOLUTION), i.e. to within
+# half a percent: the rate (or the update's factor) is rewritten only when the gain moves by
+# about 1%, not at every wobble of the smoothed estimates, and the rounded gain is a function of
+# the estimates alone, so a rolled-back or resumed run writes the same rate.
+ADASCALE_RESOLUTION = 0.01
 
 
 def _is_injected(node: Any) -> bool:
     return isinstance(node, _INJECTED)
 
 
+def _is_plain_schedule_state(state: Any) -> bool:
+    """Whether ``state`` is the state optax keeps for a plain schedule given to
+    ``inject_hyperparams`` (a ``WrappedScheduleState``: its step count alone)."""
+    return getattr(state, "_fields", None) == ("count",)
+
+
 class FoundHyperparam(NamedTuple):
-    """Where a hyperparameter lives: its value, and whether a schedule recomputes it."""
+    """Where a hyperparameter lives: its value, whether a schedule recomputes it, and whether
+    that schedule is a plain one whose count the controller can set (:func:`set_schedule_count`)."""
 
     value: float
     scheduled: bool
+    movable: bool = False
 
 
 def find_hyperparam(opt_state: Any, name: str) -> FoundHyperparam | None:
@@ -42,7 +87,9 @@ def find_hyperparam(opt_state: Any, name: str) -> FoundHyperparam | None:
     for node in jax.tree.leaves(opt_state, is_leaf=_is_injected):
         if _is_injected(node) and name in node.hyperparams:
             states = getattr(node, "hyperparams_states", {}) or {}
-            found.append(FoundHyperparam(float(node.hyperparams[name]), name in states))
+            scheduled = name in states
+            movable = scheduled and _is_plain_schedule_state(states[name])
+            found.append(FoundHyperparam(float(node.hyperparams[name]), scheduled, movable))
     if len(found) > 1:
         raise ValueError(
             f"{len(found)} injected optimizer states hold a hyperparameter {name!r}; the "
@@ -65,8 +112,45 @@ def set_hyperparam(opt_state: Any, name: str, value: float) -> Any:
     return jax.tree.map(replace, opt_state, is_leaf=_is_injected)
 
 
+def set_schedule_count(opt_state: Any, name: str, count: int) -> Any:
+    """``opt_state`` whose next update evaluates the injected schedule of ``name`` at ``count``.
+
+    ``optax.inject_hyperparams`` (optax >= 0.1.9) keeps a plain schedule's own step count in
+    ``hyperparams_states[name].count`` (a ``WrappedScheduleState``); each update evaluates the
+    schedule at that count, uses the value (and stores it in ``hyperparams[name]``), then adds
+    one. Setting the count before an update therefore sets the point of the schedule that update
+    uses. The state's own ``count`` (the step counter beside it, which older optax evaluated
+    schedules at) is set too, so that the state reads as one count. Other hyperparameters'
+    schedules keep counting steps; a stateful schedule (not a plain one) is left alone.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from triaccel_jax.controller._learning_rate import set_schedule_count
+      >>> schedule = optax.linear_schedule(1.0, 0.0, 10)
+      >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
+      >>> state = set_schedule_count(tx.init(jnp.zeros(1)), "learning_rate", 4)
+      >>> _, state = tx.update(jnp.ones(1), state)
+      >>> round(float(state.hyperparams["learning_rate"]), 6), int(state.count)
+      (0.6, 5)
+    """
+
+    def replace(node: Any) -> Any:
+        if not (_is_injected(node) and name in node.hyperparams):
+            return node
+        node = node._replace(count=jnp.asarray(count, dtype=jnp.result_type(node.count)))
+        states = getattr(node, "hyperparams_states", None) or {}
+        state = states.get(name)
+        if state is None or not _is_plain_schedule_state(state):
+            return node
+        moved = state._replace(count=jnp.asarray(count, dtype=jnp.result_type(state.count)))
+        return node._replace(hyperparams_states={**states, name: moved})
+
+    return jax.tree.map(replace, opt_state, is_leaf=_is_injected)
+
+
 def lr_factor(batch: int, reference: int, scaling: str) -> float:
-    """The learning-rate multiplier for ``batch`` against the ``reference`` batch.
+    """The learning-rate multiplier for ``batch`` against the ``reference`` batch, for the
+    rules that depend on the batch alone (``"adascale"`` needs the noise: :func:`adascale_gain`).
 
     Example:
       >>> from triaccel_jax.controller._learning_rate import lr_factor
@@ -74,30 +158,130 @@ def lr_factor(batch: int, reference: int, scaling: str) -> float:
       (2.0, 4.0, 1.0)
     """
     ratio = batch / reference
-    return {"sqrt": math.sqrt(ratio), "linear": ratio, "none": 1.0}[scaling]
+    rules = {"sqrt": math.sqrt(ratio), "linear": ratio, "none": 1.0}
+    if scaling not in rules:
+        raise ValueError(
+            f"lr_factor takes a rule of {tuple(rules)}, got {scaling!r} (AdaScale's gain "
+            "depends on the gradient noise: adascale_gain)"
+        )
+    return rules[scaling]
+
+
+def adascale_gain(scale: float, noise: goodput.NoiseScale | None) -> float:
+    """AdaScale's gain for a batch ``scale`` times the reference, from smoothed noise estimates.
+
+    ``r = (tr(Sigma) + |G|^2) / (tr(Sigma) / S + |G|^2)`` with ``S = scale`` and the estimates
+    bias-corrected (divided by ``noise.weight``); equivalently ``(B + 1) / (B / S + 1)`` with
+    ``B = tr(Sigma) / |G|^2`` the simple noise scale. A negative ``tr(Sigma)`` estimate counts
+    as 0; a non-positive ``|G|^2`` with some variance as all noise (``r = S``). The gain is 1
+    before any estimate and is clipped to [1, S] ([S, 1] for a batch under the reference).
+
+    Args:
+      scale: ``S``, the batch over the reference batch.
+      noise: the smoothed estimates (:class:`triaccel_jax.controller._goodput.NoiseScale`), or
+        None before any.
+
+    Example:
+      >>> from triaccel_jax.controller._goodput import NoiseScale
+      >>> from triaccel_jax.controller._learning_rate import adascale_gain
+      >>> adascale_gain(4.0, None), adascale_gain(4.0, NoiseScale(1.0, 0.0, 1.0))
+      (1.0, 1.0)
+      >>> adascale_gain(4.0, NoiseScale(0.0, 1.0, 1.0))  # all noise: linear scaling
+      4.0
+      >>> adascale_gain(4.0, NoiseScale(0.5, 1.0, 0.5))  # |G|^2 = 1, tr(Sigma) = 2: 3 / 1.5
+      2.0
+
+    References:
+      Johnson, Agrawal, Gu and Guestrin, 2020, "AdaScale SGD: A User-Friendly Algorithm for
+      Distributed Training", ICML, eq. 5.
+    """
+    if noise is None or noise.weight == 0.0:
+        return 1.0
+    grad_sq = noise.grad_sq / noise.weight
+    trace = max(noise.trace / noise.weight, 0.0)
+    if grad_sq <= 0.0:
+        gain = scale if trace > 0.0 else 1.0
+    else:
+        gain = (trace + grad_sq) / (trace / scale + grad_sq)
+    return min(max(gain, min(1.0, scale)), max(1.0, scale))
+
+
+def round_gain(gain: float, scale: float) -> float:
+    """``gain`` rounded to the nearest power of ``1 + ADASCALE_RESOLUTION`` (within half a
+    percent), kept in [1, ``scale``]; a gain at a bound stays exactly there.
+
+    Example:
+      >>> from triaccel_jax.controller._learning_rate import round_gain
+      >>> round_gain(1.0, 4.0), round(round_gain(2.003, 4.0), 4), round_gain(4.0, 4.0)
+      (1.0, 2.0068, 4.0)
+    """
+    low, high = min(1.0, scale), max(1.0, scale)
+    if gain <= low or gain >= high:
+        return low if gain <= low else high
+    step = math.log1p(ADASCALE_RESOLUTION)
+    rounded = math.exp(round(math.log(gain) / step) * step)
+    return min(max(rounded, low), high)
+
+
+def noise_before(
+    recent: Iterable[tuple[int, goodput.NoiseScale]], step: int, lag: int
+) -> goodput.NoiseScale | None:
+    """The noise estimates AdaScale's gain for ``step`` is taken from: those after the latest
+    step read at or before ``step - 1 - lag`` (None if none is).
+
+    With ``lag`` the steps in flight, that step has always been read when ``step`` is
+    dispatched, however the run is cut into calls: the gain is the same in every run of the
+    same steps (a flush that reads more steps early does not change it).
+
+    Args:
+      recent: ``(step, estimates after it)`` for the last steps read, in step order.
+      step: the step about to run.
+      lag: the steps in flight (``ControllerConfig.steps_in_flight``).
+
+    Example:
+      >>> from triaccel_jax.controller._goodput import NoiseScale
+      >>> from triaccel_jax.controller._learning_rate import noise_before
+      >>> recent = [(3, NoiseScale(1.0, 1.0, 0.1)), (4, NoiseScale(2.0, 2.0, 0.2))]
+      >>> noise_before(recent, 6, 1).weight, noise_before(recent, 5, 1).weight
+      (0.2, 0.1)
+      >>> noise_before(recent, 4, 1) is None
+      True
+    """
+    chosen = None
+    for done, noise in recent:
+        if done <= step - 1 - lag:
+            chosen = noise
+    return chosen
 
 
 class LearningRateChange(NamedTuple):
-    """A change of the learning-rate factor: before, after, and the state carrying the rate."""
+    """A change of the learning-rate factor: before, after, the state carrying the rate, and
+    the batch the factor before was for (None at the start)."""
 
     old: float
     new: float
     opt_state: Any
+    old_batch: int | None = None
 
 
 class LearningRateScaling:
-    """Keeps the learning rate proportional to a function of the batch size.
+    """Keeps the learning rate a function of the batch size, and a schedule advancing by samples.
 
     Args:
       opt_state: the optimizer state, searched for the injected rate ``hyperparam``.
-      hyperparam: the name of the injected learning rate, or None (scale the update).
-      scaling: ``"sqrt"``, ``"linear"`` or ``"none"``.
-      reference: the batch size the rate was tuned for.
+      hyperparam: the name of the injected learning rate, or None (scale the update, and leave
+        any schedule to count steps).
+      scaling: ``"sqrt"``, ``"linear"``, ``"adascale"`` or ``"none"`` (the module's docstring
+        gives each rule and its reference).
+      reference: the batch size the rate (or schedule) was tuned for.
 
     Attributes:
       base_lr: the tuned rate, when the state holds it as a constant (else None: the step
         multiplies the update by :attr:`factor`).
       factor: the factor in force.
+      batch: the batch the factor in force is for (None before the first).
+      moves_schedule: whether the rate is a plain schedule inside ``optax.inject_hyperparams``
+        whose count the controller sets from the training progress (:meth:`at_progress`).
 
     Example:
       >>> import optax
@@ -113,15 +297,25 @@ class LearningRateScaling:
     def __init__(self, opt_state: Any, hyperparam: str | None, scaling: str, reference: int):
         self.hyperparam, self.scaling, self.reference = hyperparam, scaling, reference
         found = None
-        if hyperparam is not None and scaling != "none":
-            found = find_hyperparam(opt_state, hyperparam)
-        self.base_lr = found.value if found is not None and not found.scheduled else None
+        if hyperparam is not None:
+            try:
+                found = find_hyperparam(opt_state, hyperparam)
+            except ValueError:
+                if scaling != "none":
+                    raise
+                # Nothing to scale; an ambiguous rate's schedule is left to count steps.
+        self._found = found
+        constant = found is not None and not found.scheduled and scaling != "none"
+        self.base_lr = found.value if found is not None and constant else None
+        self.moves_schedule = found is not None and found.movable
         self.factor = 1.0
+        self.batch: int | None = None
         # Whether the state may hold a rate other than base_lr * factor (after restore_tuned).
         self._stale = False
 
     def rule(self) -> str:
-        """The rule in words: what follows the batch, by which formula, from which reference.
+        """The rule in words: what follows the batch, by which formula, from which reference,
+        and how a schedule advances.
 
         Example:
           >>> import optax
@@ -129,21 +323,58 @@ class LearningRateScaling:
           >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.01)
           >>> LearningRateScaling(tx.init({"w": 0.0}), "learning_rate", "sqrt", 32).rule()
           'learning rate 0.01, tuned at the reference batch 32, scaled by the sqrt rule: 0.01 x sqrt(batch / 32)'
+          >>> schedule = optax.linear_schedule(0.1, 0.0, 100)
+          >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
+          >>> print(LearningRateScaling(tx.init({"w": 0.0}), "learning_rate", "none", 32).rule())
+          learning rate not scaled with the batch (lr_scaling='none'); the injected learning-rate schedule, tuned at the reference batch 32, advances by samples: each step it is evaluated at floor(progress), the progress growing by samples / 32 per step
         """
-        formula = {"sqrt": "sqrt(batch / {r})", "linear": "(batch / {r})"}.get(self.scaling)
+        formula = {
+            "sqrt": "sqrt(batch / {r})",
+            "linear": "(batch / {r})",
+            "adascale": "r, AdaScale's gain (tr(Sigma) + |G|^2) / (tr(Sigma) / S + |G|^2) with "
+            "S = batch / {r}, r = 1 until the gradient noise is measured",
+        }.get(self.scaling)
         if formula is None:
-            return "learning rate not scaled with the batch (lr_scaling='none')"
-        formula = formula.format(r=self.reference)
-        if self.base_lr is not None:
+            text = "learning rate not scaled with the batch (lr_scaling='none')"
+        else:
+            formula = formula.format(r=self.reference)
+            if self.base_lr is not None:
+                text = (
+                    f"learning rate {self.base_lr:.4g}, tuned at the reference batch "
+                    f"{self.reference}, scaled by the {self.scaling} rule: {self.base_lr:.4g} x "
+                    f"{formula}"
+                )
+            else:
+                text = (
+                    f"the update is multiplied by {formula} ({self.scaling} rule, reference "
+                    f"batch {self.reference}): the optimizer holds no injected constant learning "
+                    "rate (a schedule, or no optax.inject_hyperparams) to write the scaled rate "
+                    "into"
+                )
+        return text + self._schedule_rule()
+
+    def _schedule_rule(self) -> str:
+        """How a learning-rate schedule advances, in words ('' for an injected constant)."""
+        found = self._found
+        if self.moves_schedule:
+            per_step = "the gain r" if self.scaling == "adascale" else f"samples / {self.reference}"
             return (
-                f"learning rate {self.base_lr:.4g}, tuned at the reference batch {self.reference}, "
-                f"scaled by the {self.scaling} rule: {self.base_lr:.4g} x {formula}"
+                f"; the injected learning-rate schedule, tuned at the reference batch "
+                f"{self.reference}, advances by samples: each step it is evaluated at "
+                f"floor(progress), the progress growing by {per_step} per step"
             )
-        return (
-            f"the update is multiplied by {formula} ({self.scaling} rule, reference batch "
-            f"{self.reference}): the optimizer holds no injected constant learning rate "
-            "(a schedule, or no optax.inject_hyperparams) to write the scaled rate into"
-        )
+        if found is not None and found.scheduled:
+            return (
+                "; the injected learning-rate schedule keeps a state of its own, which the "
+                "controller cannot move: it advances by steps, not samples"
+            )
+        if found is None:
+            return (
+                "; a schedule given to the optimizer itself (e.g. optax.adam(schedule), outside "
+                "optax.inject_hyperparams) counts steps, not samples: the controller cannot "
+                "move it (wrap the optimizer in optax.inject_hyperparams for that)"
+            )
+        return ""
 
     def rate(self, factor: float | None = None) -> float | None:
         """The learning rate at ``factor`` (default: the factor in force), or None when the rate
@@ -152,25 +383,53 @@ class LearningRateScaling:
             return None
         return self.base_lr * (self.factor if factor is None else factor)
 
-    def factor_for(self, batch: int) -> float:
-        """The factor for ``batch``."""
+    def factor_for(self, batch: int, noise: goodput.NoiseScale | None = None) -> float:
+        """The factor for ``batch``; with ``"adascale"``, the gain from ``noise`` (the smoothed
+        estimates, None before any), rounded (:func:`round_gain`)."""
+        if self.scaling == "adascale":
+            scale = batch / self.reference
+            return round_gain(adascale_gain(scale, noise), scale)
         return lr_factor(batch, self.reference, self.scaling)
 
     def update_multiplier(self) -> float:
         """What the compiled step multiplies the update by: 1 when the rate is written instead."""
         return 1.0 if self.base_lr is not None else self.factor
 
-    def is_current(self, batch: int) -> bool:
+    def is_current(self, batch: int, noise: goodput.NoiseScale | None = None) -> bool:
         """Whether the state already holds the rate for ``batch`` (nothing to write)."""
-        return not self._stale and self.factor_for(batch) == self.factor
+        return (
+            not self._stale and batch == self.batch and self.factor_for(batch, noise) == self.factor
+        )
 
-    def follow(self, opt_state: Any, batch: int) -> LearningRateChange:
-        """Sets the factor for ``batch``; returns it with ``opt_state`` holding the scaled rate."""
-        old, self.factor, self._stale = self.factor, self.factor_for(batch), False
+    def follow(
+        self, opt_state: Any, batch: int, noise: goodput.NoiseScale | None = None
+    ) -> LearningRateChange:
+        """Sets the factor for ``batch`` (and ``noise``, with ``"adascale"``); returns it with
+        ``opt_state`` holding the scaled rate."""
+        old, old_batch = self.factor, self.batch
+        self.factor, self.batch, self._stale = self.factor_for(batch, noise), batch, False
         if self.base_lr is not None:
             assert self.hyperparam is not None  # base_lr is only found under a named hyperparam
             opt_state = set_hyperparam(opt_state, self.hyperparam, self.base_lr * self.factor)
-        return LearningRateChange(old, self.factor, opt_state)
+        return LearningRateChange(old, self.factor, opt_state, old_batch)
+
+    def progress_increment(self, samples: int) -> float:
+        """What a step of ``samples`` adds to the training progress, in reference-batch steps:
+        ``samples / reference``, or with ``"adascale"`` the gain in force (AdaScale's
+        scale-invariant iterations). Call after :meth:`follow` for the step."""
+        if self.scaling == "adascale":
+            return self.factor
+        return samples / self.reference
+
+    def at_progress(self, opt_state: Any, progress: float) -> Any:
+        """``opt_state`` whose next update evaluates the learning-rate schedule at
+        ``floor(progress)`` (:func:`set_schedule_count`); ``opt_state`` itself when the rate is
+        not a schedule the controller moves. A part in 10^9 absorbs the rounding of a sum of
+        fractions (three steps of a third of the reference count as one reference step)."""
+        if not self.moves_schedule:
+            return opt_state
+        assert self.hyperparam is not None  # a schedule is only found under a named hyperparam
+        return set_schedule_count(opt_state, self.hyperparam, math.floor(progress + 1e-9))
 
     def invalidate(self) -> None:
         """Marks the state's rate as unknown (a rollback restored an older state), so that the

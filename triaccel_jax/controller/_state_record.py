@@ -1,14 +1,16 @@
 """The controller's state record: what :meth:`Controller.state_dict` saves, as JSON-ready data.
 
 A record holds the controller's own decisions and memory (bucket, ceiling, hysteresis streaks,
-peaks, policy and the planner's pending streaks, loss scale, sampler cursor); params and
-optimizer state are saved beside it. Reading one checks that it was written by a controller
-configured the same way, so a resumed run takes the same decisions (docs/design.md §5).
+peaks, policy and the planner's pending streaks, loss scale, sampler cursor, the learning-rate
+schedule's progress); params and optimizer state are saved beside it. Reading one checks that
+it was written by a controller configured the same way, so a resumed run takes the same
+decisions (docs/design.md §5).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
@@ -47,6 +49,11 @@ class ControllerRecord(NamedTuple):
       sampler: the sampler's own state.
       noise_scale: the gradient noise scale's smoothed estimates ``(|G|^2, tr(Sigma),
         weight)`` (:class:`triaccel_jax.controller._goodput.NoiseScale`).
+      schedule_progress: the training progress in reference-batch steps, that a learning-rate
+        schedule is evaluated at (:attr:`triaccel_jax.Controller.schedule_progress`), >= 0.
+      recent_noise: ``(step, |G|^2, tr(Sigma), weight)``: the smoothed estimates after each of
+        the last steps read, in step order, that AdaScale's gain of the next steps comes from
+        (:func:`triaccel_jax.controller._learning_rate.noise_before`).
     """
 
     step: int
@@ -65,6 +72,8 @@ class ControllerRecord(NamedTuple):
     sampler: Mapping[str, Any]
     tuned_learning_rate: float | None
     noise_scale: tuple[float, float, float]
+    schedule_progress: float = 0.0
+    recent_noise: tuple[tuple[int, float, float, float], ...] = ()
 
 
 def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict[str, Any]:
@@ -100,6 +109,8 @@ def to_state_dict(record: ControllerRecord, identity: Mapping[str, Any]) -> dict
     data["pending"] = {p: list(v) for p, v in record.pending.items()}
     data["sampler"] = dict(record.sampler)
     data["noise_scale"] = list(record.noise_scale)
+    data["schedule_progress"] = float(record.schedule_progress)
+    data["recent_noise"] = [list(entry) for entry in record.recent_noise]
     data["loss_scale"] = {k: np.asarray(v).item() for k, v in record.loss_scale._asdict().items()}
     return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity, **data}
 
@@ -153,7 +164,11 @@ def from_state_dict(state: Any, identity: Mapping[str, Any]) -> ControllerRecord
                 state["tuned_learning_rate"], float, "tuned_learning_rate"
             ),
             noise_scale=_three_floats(state["noise_scale"], "noise_scale"),
+            schedule_progress=_progress(state["schedule_progress"]),
+            recent_noise=_recent_noise(state["recent_noise"]),
         )
+    except KeyError as error:
+        raise ValueError(f"not a controller state: it has no {error.args[0]!r}") from None
     except (TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"not a controller state: {error}") from None
 
@@ -174,6 +189,38 @@ def _three_floats(value: Any, name: str) -> tuple[float, float, float]:
     if not isinstance(value, list | tuple) or len(value) != 3:
         raise ValueError(f"controller state: `{name}` must hold 3 numbers, got {value!r}")
     return float(value[0]), float(value[1]), float(value[2])
+
+
+def _progress(value: Any) -> float:
+    """A saved schedule progress: a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"controller state: `schedule_progress` must be a number, got {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(
+            f"controller state: `schedule_progress` must be finite and >= 0, got {value!r}"
+        )
+    return float(value)
+
+
+def _recent_noise(value: Any) -> tuple[tuple[int, float, float, float], ...]:
+    """Saved recent noise estimates: ``[step, |G|^2, tr(Sigma), weight]`` entries, the steps
+    increasing."""
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"controller state: `recent_noise` must be a list, got {value!r}")
+    entries: list[tuple[int, float, float, float]] = []
+    for entry in value:
+        if not isinstance(entry, list | tuple) or len(entry) != 4 or isinstance(entry[0], bool):
+            raise ValueError(
+                "controller state: each `recent_noise` entry must be [step, |G|^2, tr(Sigma), "
+                f"weight], got {entry!r}"
+            )
+        step, grad_sq, trace, weight = int(entry[0]), *map(float, entry[1:])
+        if step != entry[0] or (entries and step <= entries[-1][0]):
+            raise ValueError(
+                f"controller state: `recent_noise` steps must be increasing integers, got {value!r}"
+            )
+        entries.append((step, grad_sq, trace, weight))
+    return tuple(entries)
 
 
 def _loss_scale(record: Mapping[str, Any]) -> LossScaleState:

@@ -33,6 +33,8 @@ class TrainingRecord(NamedTuple):
       loss_scale: the dynamic loss scale's state.
       plan: the :class:`triaccel_jax.policy.PrecisionPlan` in force, or None.
       micro: the batch bucket in force.
+      progress: the training progress before the step, in reference-batch steps (what a
+        learning-rate schedule is evaluated at: :attr:`triaccel_jax.Controller.schedule_progress`).
     """
 
     params: Any
@@ -41,6 +43,7 @@ class TrainingRecord(NamedTuple):
     loss_scale: Any
     plan: Any
     micro: int
+    progress: float
 
 
 class PendingStep(NamedTuple):
