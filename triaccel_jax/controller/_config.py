@@ -20,6 +20,7 @@ from triaccel_jax.transforms import LossScaling
 
 LR_SCALINGS = ("sqrt", "linear", "adascale", "none")
 BATCH_RULES = ("memory", "goodput")
+NOISE_ESTIMATORS = ("simple", "hessian")
 PRECISION_RULES = ("speed", "memory")
 THROUGHPUT_MODELS = ("measured", "linear")
 
@@ -146,6 +147,11 @@ class ControllerConfig:
       throughput_model: how goodput rates a bucket not measured yet: ``"measured"`` (explore
         one bucket at a time along the measured trend) or ``"linear"`` (samples per second in
         proportion to the batch: statistical efficiency alone decides).
+      noise_estimator: the gradient noise scale goodput and ``StepInfo.noise_scale`` use:
+        ``"simple"`` (the default), ``B_simple = tr(Sigma) / |G|^2``; ``"hessian"``, ``B_noise =
+        tr(H Sigma) / (G^T H G)`` with each leaf's norms weighted by its mean curvature from the
+        optimizer's store (McCandlish et al., 2018, eq. 2.8; it needs an optimizer that holds
+        curvature, such as :func:`triaccel_jax.triaccel`).
 
     Example:
       >>> from triaccel_jax.controller import ControllerConfig
@@ -191,6 +197,7 @@ class ControllerConfig:
     min_efficiency: float = 0.5
     throughput_model: str = "measured"
     precision_rule: str = "speed"
+    noise_estimator: str = "simple"
 
     def __post_init__(self) -> None:
         validation.check_in_range(
@@ -210,6 +217,13 @@ class ControllerConfig:
         validation.check_choice("batch_rule", self.batch_rule, BATCH_RULES)
         validation.check_choice("throughput_model", self.throughput_model, THROUGHPUT_MODELS)
         validation.check_choice("precision_rule", self.precision_rule, PRECISION_RULES)
+        validation.check_choice("noise_estimator", self.noise_estimator, NOISE_ESTIMATORS)
+        if self.noise_estimator == "hessian" and self.lr_scaling == "adascale":
+            raise ValueError(
+                "lr_scaling='adascale' takes its gain from the plain gradient variance, and "
+                "noise_estimator='hessian' measures a curvature-weighted one: use "
+                "noise_estimator='simple' with AdaScale"
+            )
         validation.check_in_range("goodput_margin", self.goodput_margin, 0.0, float("inf"))
         validation.check_in_range(
             "min_efficiency", self.min_efficiency, 0.0, 1.0, low_inclusive=False

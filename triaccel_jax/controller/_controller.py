@@ -49,6 +49,7 @@ from triaccel_jax.policy import carried_itemsize
 from triaccel_jax.policy import check_policy
 from triaccel_jax.transforms import LossScaling
 from triaccel_jax.transforms import convert_state
+from triaccel_jax.transforms import mean_curvatures
 from triaccel_jax.transforms import signals
 from triaccel_jax.transforms import unfused_reason
 from triaccel_jax.transforms import uses_triton
@@ -147,6 +148,7 @@ class Controller:
       ...     max_batch=64,
       ...     probe=triaccel_jax.BudgetMemoryProbe(2**30),
       ...     check_every=5,
+      ...     batch_rule="memory",  # grow wherever memory allows (the default weighs goodput)
       ... )
       >>> infos = controller.run(60)
       >>> controller.batch_size, infos[-1].loss < 0.1
@@ -205,6 +207,9 @@ class Controller:
         self.model_state = self._place(model_state)
         # An optimizer that fused_update=True cannot fuse is refused here, not at the first step.
         self._fused(self.opt_state)
+        if config.noise_estimator == "hessian":
+            # Raises, naming the problem, when the optimizer holds no curvature to weight by.
+            mean_curvatures(self.opt_state, self.params)
         self.loss_scale = self._place(config.loss_scaling.init())
         self._loss = training.normalize_loss_fn(
             loss_fn, has_aux=config.has_aux, has_model_state=model_state is not None
@@ -773,14 +778,18 @@ class Controller:
         events = tuple(self.events[begin:end])
         seconds = start - flight.last_finish
         decay = self.config.statistics_decay
-        self._noise = goodput.update_noise_scale(
-            self._noise,
-            grad_sq_norm=metrics["grad_sq_norm"],
-            micro_grad_sq_norm=metrics["micro_grad_sq_norm"],
-            batch=len(step.indices),
-            micro=self._measured_micro(step),
-            decay=decay,
-        )
+        # With noise_estimator="hessian" the norms are curvature-weighted (B_noise); they are 0
+        # until the optimizer's first curvature estimate, which carries no estimate.
+        prefix = "curvature_" if self.config.noise_estimator == "hessian" else ""
+        if metrics.get(f"{prefix}micro_grad_sq_norm", 0.0) > 0.0:
+            self._noise = goodput.update_noise_scale(
+                self._noise,
+                grad_sq_norm=metrics[f"{prefix}grad_sq_norm"],
+                micro_grad_sq_norm=metrics[f"{prefix}micro_grad_sq_norm"],
+                batch=len(step.indices),
+                micro=self._measured_micro(step),
+                decay=decay,
+            )
         self._recent_noise.append((step.step, self._noise))
         if seconds > 0 and not any(e.kind in ("compile", "oom") for e in events):
             signature = self._signature_of(step.before.plan)
@@ -1054,6 +1063,10 @@ class Controller:
         if not moved:
             key = (trial.micro, trial.num_micro, trial.previous_signature)
             incumbent = self._throughput.get(key)
+        # Every host keeps or leaves the trial alike: each rate is the slowest process's.
+        trial_rate, incumbent = agreement.agree_on_rates([trial.rate, incumbent])
+        if trial_rate is not None and trial.rate is not None:
+            trial = trial._replace(seconds=trial.samples / trial_rate)
         verdict = precision_speed.judge_trial(trial, incumbent, self.config.goodput_margin)
         self._trial = None
         new = trial.signature if verdict.keep else trial.previous_signature
@@ -1209,6 +1222,7 @@ class Controller:
             loss_scaling=training.loss_scaling_for(policy, self.config.loss_scaling, opt_state),
             fused=self._fused(opt_state),
             split=self._splits(micro, num_micro),
+            noise_weights="curvature" if self.config.noise_estimator == "hessian" else None,
         )
         args = training.abstract_step_arguments(
             (self.params, opt_state, self.model_state),
