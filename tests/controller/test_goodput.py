@@ -389,3 +389,18 @@ def test_by_default_a_batch_measured_slower_is_left_where_the_memory_rule_grows(
     )
     memory.run(6)
     assert memory.batch_size == 32
+
+
+@pytest.mark.parametrize("patience", [1, 3])
+def test_a_goodput_move_memory_did_not_gate_waits_for_patience_checks(patience):
+    # Buckets 8 and 16; 16 is measured slower. Going back from 16 to 8 is goodput's own move
+    # (memory allows 16): it is taken only once chosen at `patience` checks in a row.
+    controller = make_controller(
+        loss_fn=slower_per_sample_as_the_batch_grows, max_batch=16, patience=patience
+    )
+    controller.run(16)
+    grow = next(e for e in controller.events if e.kind == "grow")
+    back = next(e for e in controller.events if e.kind == "shrink")
+    # The step after the grow compiles (not timed); one timed step at 16 measures it; then
+    # `patience` checks choose 8.
+    assert back.step - grow.step == 1 + patience

@@ -54,13 +54,18 @@ def _settings(**overrides):
         replan_every=20,
         first_replan=5,
         planner=EVERYTHING,
+        speed_trials=True,  # on a CPU trials are off by default
     )
     settings.update(overrides)
     return settings
 
 
-def test_the_default_rule_is_speed():
+def test_the_default_rule_is_speed_and_a_cpu_makes_no_speed_trials(make_controller):
     assert ControllerConfig().precision_rule == "speed"
+    controller = make_controller(loss_fn=_slow_when(lowered=False), **_settings(speed_trials=None))
+    controller.run(30)
+    assert not [e for e in controller.events if e.kind in ("precision_trial", "replan")]
+    assert not _lowered(controller.policy)
     with pytest.raises(ValueError, match="precision_rule"):
         ControllerConfig(precision_rule="fastest")
 

@@ -142,6 +142,10 @@ class ControllerConfig:
         where a trial of the planner's policy measured its steps faster than the policy before
         it; otherwise they keep float32 (on a CPU, where bf16 is emulated, that is float32
         unless memory is short). ``"memory"``: every leaf the accuracy budget allows goes lower.
+      speed_trials: whether ``precision_rule="speed"`` puts the budget's lower-precision plan on
+        a timed trial. None (the default): on accelerators, not on a CPU, where XLA converts
+        bf16 through float32 (the small CNN's bf16 step measured 2x slower there, and its
+        compile took 3-4x longer, so a trial only costs time); True or False forces it.
       min_efficiency: the lowest statistical efficiency a goodput bucket may have, in (0, 1]
         (0.5: at most the critical batch).
       throughput_model: how goodput rates a bucket not measured yet: ``"measured"`` (explore
@@ -197,6 +201,7 @@ class ControllerConfig:
     min_efficiency: float = 0.5
     throughput_model: str = "measured"
     precision_rule: str = "speed"
+    speed_trials: bool | None = None
     noise_estimator: str = "simple"
 
     def __post_init__(self) -> None:
@@ -231,6 +236,10 @@ class ControllerConfig:
         validation.check_in_range(
             "statistics_decay", self.statistics_decay, 0.0, 1.0, high_inclusive=False
         )
+        if self.speed_trials not in (None, True, False):
+            raise ValueError(
+                f"`speed_trials` must be None, True or False, got {self.speed_trials!r}"
+            )
         if self.fused_update not in (None, True, False):
             raise ValueError(
                 f"`fused_update` must be None, True or False, got {self.fused_update!r}"

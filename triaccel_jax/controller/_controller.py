@@ -244,6 +244,15 @@ class Controller:
         # a lower precision measured slower this run (then it is only taken where memory needs).
         self._trial: precision_speed.PolicyTrial | None = None
         self._lower_is_slower = False
+        # XLA:CPU converts bf16 through float32 (the small CNN's bf16 step ran 2x slower, and
+        # compiled 3-4x longer): no speed trial there unless asked for.
+        self._speed_trials = (
+            config.speed_trials
+            if config.speed_trials is not None
+            else jax.default_backend() != "cpu"
+        )
+        # The bucket goodput last chose to move to and at how many checks in a row.
+        self._goodput_streak: tuple[int | None, int] = (None, 0)
         self.events: list[events_lib.Event] = []
         self._train_state: tuple[Any, int] | None = None
         self.timings = {"step": 0.0, "compile": 0.0, "data": 0.0, "control": 0.0}
@@ -871,10 +880,10 @@ class Controller:
             fixed_bytes=self._bucket.fixed_bytes(state, self.params),
         )
         chosen: dict[str, Any] = {}
+        if self._trial is not None and decision.kind != "shrink":
+            return  # a precision trial is timed at its own batch: the bucket holds until judged
         if self.config.moves_by_goodput and decision.kind != "shrink":
             decision, chosen = self._goodput_decision(decision)
-        if decision.kind == "grow" and self._trial is not None:
-            return  # a precision trial is timed at its own batch: the bucket holds until judged
         if decision.kind == "keep" or (decision.kind == "grow" and self._compiler.busy):
             return
         if decision.kind == "shrink" and self._lower_precision_for_memory():
@@ -935,6 +944,16 @@ class Controller:
         )
         kind = "keep" if choice.bucket == micro else "grow" if choice.bucket > micro else "shrink"
         figures = {"noise_scale": self._noise.simple, "goodput": choice.figures}
+        # Hysteresis, as for memory's moves: a move must be chosen at `patience` checks in a row
+        # (measured throughput wobbles, and every move may cost a compile). A grow into what
+        # memory has just allowed already waited for memory's own streak.
+        moving = kind != "keep" and not (kind == "grow" and memory.kind == "grow")
+        wanted, streak = self._goodput_streak
+        streak = streak + 1 if moving and wanted == choice.bucket else int(moving)
+        self._goodput_streak = (choice.bucket, streak) if moving else (None, 0)
+        if moving and streak < self.config.patience:
+            return memory._replace(kind="keep", bucket=micro), figures
+        self._goodput_streak = (None, 0)
         return memory._replace(kind=kind, bucket=choice.bucket, reason=choice.reason), figures
 
     def _refuse_grow(self, bucket: int) -> bool:
@@ -990,7 +1009,7 @@ class Controller:
                 limit_bytes=self._bucket.limit,
                 target=self.config.target,
             )
-            if for_memory or self._lower_is_slower:
+            if for_memory or self._lower_is_slower or not self._speed_trials:
                 savings = needed
             num_micro = self._num_micro(micro)
             figures.update(
