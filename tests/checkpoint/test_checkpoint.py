@@ -67,7 +67,13 @@ def test_train_state_round_trip_with_policy_and_batch_stats(tmp_path):
 
 
 def test_a_resumed_controller_repeats_the_uninterrupted_losses(tmp_path):
-    kwargs = dict(replan_every=4, planner=PlannerConfig(budget=float("inf"), min_size=0))
+    # The memory rule: goodput's decisions follow measured step times, which a resumed run
+    # measures again (throughput is not saved), so only memory's are repeated step for step.
+    kwargs = dict(
+        replan_every=4,
+        planner=PlannerConfig(budget=float("inf"), min_size=0),
+        batch_rule="memory",
+    )
     reference = make_controller(**kwargs)
     reference.run(6)
     with Checkpointer(tmp_path) as checkpointer:
