@@ -16,7 +16,7 @@ trained through ``triaccel_jax.Controller``. Rows:
 * ``goodput_linear``: ``throughput_model="linear"`` (samples per second taken as rising in
   proportion to the batch, as on an under-used accelerator: statistical efficiency alone);
 * ``goodput_hessian``: as ``goodput`` with ``noise_estimator="hessian"`` (the Hessian-weighted
-  noise scale), run only when ``ControllerConfig`` has that field; otherwise skipped with a note.
+  noise scale).
 
 The elastic rows read a fixed memory budget (``BudgetMemoryProbe``, 2 GiB), not the free RAM of a
 shared machine, so their memory decisions repeat; memory never binds the small CNN under it.
@@ -25,8 +25,8 @@ Tuning: every row's learning rate is chosen from the same grid (``--lr-grid``, d
 1.41e-3, 4e-3: log-spaced) by the mean final validation accuracy over the tuning seeds
 (``--tuning-seeds``, default 0; ties to the smaller rate); the test set is never read to choose.
 A tuning run is a full run, so its run at the chosen rate is also that seed's final run; the
-other seeds (default 1 2 3 4) then train at the chosen rate. The default full study is 6 rows x 3
-rates + 6 rows x 4 seeds = 42 runs of one epoch (49 with the Hessian row): about 30 minutes (33)
+other seeds (default 1 2 3 4) then train at the chosen rate. The default full study is 7 rows x 3
+rates + 7 rows x 4 seeds = 49 runs of one epoch: about 33 minutes
 on 2 quiet CPU cores, where a run is 20-45 s of training and ~12 s of evaluations, and about
 twice that beside other jobs; see benchmarks/README.md.
 
@@ -85,7 +85,6 @@ from accuracy.tuning import log_grid
 import triaccel_jax
 from triaccel_jax.cli import _compilation_cache as compilation_cache
 from triaccel_jax.cli import _task as task
-from triaccel_jax.controller import ControllerConfig
 
 VALIDATION = 6_000
 WEIGHT_DECAY = 1e-4
@@ -132,11 +131,6 @@ def make_rows(static_batches: Sequence[int]) -> list[Row]:
         ),
     ]
     return rows
-
-
-def hessian_available() -> bool:
-    """Whether the controller has the Hessian-weighted noise scale (``noise_estimator``)."""
-    return "noise_estimator" in {f.name for f in dataclasses.fields(ControllerConfig)}
 
 
 # -- data and runs ------------------------------------------------------------------------------
@@ -450,9 +444,6 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for row in report["rows"]:
         name = row["name"]
-        if name in report["skipped"]:
-            lines.append(f"| {row['label']} | skipped: {report['skipped'][name]} |" + " |" * 9)
-            continue
         s = summary["rows"][name]
         t = s["target"]
         if name == best:
@@ -482,8 +473,6 @@ def markdown(report: dict[str, Any]) -> str:
     for target in summary["targets"]:
         value = "n/a" if target["value"] is None else f"{target['value']:.2f}"
         lines.append(f"- {target['what']}: {value}: **{'met' if target['met'] else 'missed'}**")
-    for name, why in report["skipped"].items():
-        lines.append(f"- {name}: skipped ({why})")
     lines += ["", "Tuning (validation accuracy %, mean over the tuning seeds):", ""]
     grid = report["protocol"]["grid"]
     lines.append("| row | " + " | ".join(f"lr {lr:.3g}" for lr in grid) + " | chosen |")
@@ -546,16 +535,11 @@ def run_study(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str,
     model = triaccel_jax.models.SmallCNN(num_classes=10)
     loss_fn = task.make_loss(model, False, None)  # one loss: the evaluation compiles once
     rows = [r for r in make_rows(args.static_batches) if r.name in args.rows or not r.elastic]
-    skipped: dict[str, str] = {}
-    if not hessian_available() and any(r.noise_estimator for r in rows):
-        skipped["goodput_hessian"] = "ControllerConfig has no `noise_estimator` field yet"
-        log("note: goodput_hessian skipped: ControllerConfig has no `noise_estimator` field yet")
-    active = [r for r in rows if r.name not in skipped]
     log(
         f"{len(splits.train['label'])} train / {len(splits.validation['label'])} validation / "
         f"{len(splits.test['label'])} test images; {args.epochs} epoch(s); grid "
         f"{[f'{x:.3g}' for x in args.lr_grid]} tuned on seed(s) {args.tuning_seeds}; seeds "
-        f"{args.seeds}; rows {[r.name for r in active]}"
+        f"{args.seeds}; rows {[r.name for r in rows]}"
     )
 
     def one(row: Row, lr: float, seed: int) -> dict[str, Any]:
@@ -568,10 +552,10 @@ def run_study(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str,
         )
         return result
 
-    trials: dict[str, dict[tuple[float, int], dict[str, Any]]] = {r.name: {} for r in active}
+    trials: dict[str, dict[tuple[float, int], dict[str, Any]]] = {r.name: {} for r in rows}
     tuning: dict[str, dict[str, float]] = {}
     chosen: dict[str, float] = {}
-    for row in active:
+    for row in rows:
         scores = []
         for lr in args.lr_grid:
             for seed in args.tuning_seeds:
@@ -584,9 +568,9 @@ def run_study(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str,
         tuning[row.name] = {str(lr): score for lr, score in zip(args.lr_grid, scores, strict=True)}
         chosen[row.name] = args.lr_grid[max(range(len(scores)), key=lambda i: (scores[i], -i))]
         log(f"  {row.name}: chosen lr {chosen[row.name]:.3g}")
-    runs: dict[str, list[dict[str, Any]]] = {r.name: [] for r in active}
+    runs: dict[str, list[dict[str, Any]]] = {r.name: [] for r in rows}
     for seed in args.seeds:
-        for row in active:
+        for row in rows:
             lr = chosen[row.name]
             done = trials[row.name].get((lr, seed))
             runs[row.name].append(done if done is not None else one(row, lr, seed))
@@ -597,7 +581,6 @@ def run_study(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str,
                 result["history"] = None
     return {
         "rows": [dataclasses.asdict(r) for r in rows],
-        "skipped": skipped,
         "protocol": {
             "train_images": len(splits.train["label"]),
             "validation_images": len(splits.validation["label"]),
