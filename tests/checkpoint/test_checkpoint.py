@@ -71,6 +71,7 @@ def test_a_resumed_controller_repeats_the_uninterrupted_losses(tmp_path):
     # measures again (throughput is not saved), so only memory's are repeated step for step.
     kwargs = dict(
         replan_every=4,
+        precision_rule="memory",  # every leaf the budget allows: the plan moves
         planner=PlannerConfig(budget=float("inf"), min_size=0),
         batch_rule="memory",
     )

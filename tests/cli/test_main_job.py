@@ -298,8 +298,10 @@ def test_the_default_main_job_without_fashion_mnist_shows_every_adaptation(
     else:
         assert f"the batch stayed at {batches[0]}: no other bucket's goodput" in out
     kinds = [e["kind"] for e in elastic["events"]]
-    assert "replan" in kinds, "precision was never re-planned"
-    assert len(elastic["policies"]) >= 2  # the precision map has more than one column
+    # Memory is plentiful and bf16 is emulated on a CPU: precision stays float32, and says why.
+    assert "replan" not in kinds
+    assert set(elastic["policies"][-1]["leaves"].values()) == {"fp32"}
+    assert "precision stayed float32: memory never needed a lower one" in out
     scales = elastic["step_scales"][-1]["scales"]
     assert len(set(round(v, 3) for v in scales.values())) > 1  # per-layer scales differ
     noise = [h["noise_scale"] for h in elastic["history"]]

@@ -206,6 +206,7 @@ def test_one_compile_per_distinct_bucket_and_policy(count_compiles):
             FaultyController,
             faults=faults,
             replan_every=5,
+            precision_rule="memory",  # every leaf the budget allows: the plan moves
             planner=PlannerConfig(budget=float("inf"), min_size=0),
             patience=1,
         )
@@ -426,6 +427,7 @@ def test_replanning_converts_the_state_and_passes_the_policy_to_the_loss():
     controller = make_controller(
         loss_fn=recording_loss,
         replan_every=3,
+        precision_rule="memory",  # every leaf the budget allows: the plan moves
         planner=PlannerConfig(budget=float("inf"), min_size=0),
         probe=FakeMemoryProbe(BIG),
     )
@@ -528,6 +530,7 @@ def test_state_round_trip_gives_the_same_next_decisions_and_losses():
     # measures again (throughput is not saved), so only memory's are repeated step for step.
     kwargs = dict(
         replan_every=4,
+        precision_rule="memory",  # every leaf the budget allows: the plan moves
         planner=PlannerConfig(budget=float("inf"), min_size=0),
         batch_rule="memory",
     )
@@ -626,7 +629,11 @@ def test_bad_data_is_rejected():
 
 
 def test_the_first_replan_moves_leaves_at_once_and_first_replan_sets_when():
-    options = {"planner": PlannerConfig(budget=float("inf"), min_size=0), "max_batch": 8}
+    options = {
+        "planner": PlannerConfig(budget=float("inf"), min_size=0),
+        "max_batch": 8,
+        "precision_rule": "memory",  # every leaf the budget allows: the plan moves
+    }
     default = make_controller(replan_every=5, **options)
     default.run(12)
     # The first plan is made without hysteresis (there is no earlier plan to flip back to):

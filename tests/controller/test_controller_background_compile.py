@@ -91,6 +91,7 @@ REPLAN_SETTINGS = {
     "max_batch": 8,
     "replan_every": 5,
     "planner": PlannerConfig(budget=float("inf"), min_size=0),
+    "precision_rule": "memory",  # every leaf the budget allows: the plan moves
 }
 
 
@@ -151,6 +152,7 @@ def test_a_replan_due_while_a_grow_compiles_runs_when_the_compile_is_done(gate):
     controller = make_controller(
         **SETTINGS,
         replan_every=3,
+        precision_rule="memory",  # every leaf the budget allows: the plan moves
         planner=PlannerConfig(budget=float("inf"), min_size=0),
         compile_in_background=True,
     )

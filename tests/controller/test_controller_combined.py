@@ -104,6 +104,7 @@ def test_a_rollback_past_a_policy_switch_restores_the_policy_with_the_moments():
         batch_size=8,
         check_every=1000,
         replan_every=4,
+        precision_rule="memory",  # every leaf the budget allows: the plan moves
         planner=PlannerConfig(budget=float("inf"), min_size=0, state="bf16"),
         compile_in_background=True,
         probe=FakeMemoryProbe(BIG),
@@ -128,6 +129,7 @@ def test_set_policy_while_a_replan_compiles_in_the_background_is_not_undone_by_i
         compile_in_background=True,
         max_batch=8,
         replan_every=1000,
+        precision_rule="memory",  # every leaf the budget allows: the plan moves
         first_replan=2,
         planner=PlannerConfig(min_size=1, budget=1.0),
     )

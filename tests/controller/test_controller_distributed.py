@@ -112,7 +112,7 @@ TWO_PROCESSES = (
     controller = triaccel_jax.Controller(
         loss_fn, params, triaccel_jax.triaccel(1e-2, curvature_every=2), data, min_batch=8,
         max_batch=128, probe=probe, check_every=2, replan_every=10,
-        planner=PlannerConfig(budget=0.5), mesh=mesh, seed=0, batch_rule="memory")
+        planner=PlannerConfig(budget=0.5), mesh=mesh, seed=0, batch_rule="memory", precision_rule="memory")
     infos = controller.run(50)
     result = summary(controller, infos)
     result["policies"] = [e.new for e in controller.events if e.kind == "replan"]

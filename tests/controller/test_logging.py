@@ -41,6 +41,7 @@ RUNS = {
     "replan": dict(
         loss_fn=replanning_loss,
         replan_every=3,
+        precision_rule="memory",  # every leaf the budget allows: the plan moves
         planner=PlannerConfig(budget=float("inf"), min_size=0),
         probe=FakeMemoryProbe(BIG),
     ),

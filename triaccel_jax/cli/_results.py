@@ -181,8 +181,17 @@ def reading_notes(
             precision = f"precision: {'; '.join(parts)}; it ended at {mix}"
         elif kinds.count("replan"):
             precision = f"precision was re-planned {kinds.count('replan')} time(s), ending at {mix}"
+        elif platform == "cpu":
+            precision = (
+                "precision stayed float32: memory never needed a lower one, and on a CPU, where "
+                "bf16 is emulated, a lower precision is not tried for speed (precision_rule="
+                "'speed')"
+            )
         else:
-            precision = "precision stayed at its start (no plan changed the policy)"
+            precision = (
+                "precision stayed float32: memory never needed a lower one and no plan lowered "
+                "a leaf"
+            )
         scales = elastic.step_scales[-1]["scales"] if elastic.step_scales else {}
         spread = (
             f"per-layer step scales ended between {min(scales.values()):.2f} and "
