@@ -131,6 +131,27 @@ def test_a_memory_cap_is_met_by_lowering_precision_before_the_batch_shrinks(make
     assert {info.batch_size for info in infos} == {64}
 
 
+def test_a_scheduled_replan_lowers_only_what_memory_needs_and_says_so(make_controller):
+    holder = {}
+
+    def peak(batch):
+        lowered = _lowered(holder["controller"].policy)
+        return 2_000 + (60 if lowered else 100) * batch
+
+    # fp32 at 64: 8_400 B, over the target (85% of 9_000) but under the high-water mark, so no
+    # shrink is indicated; the scheduled re-plan (no speed trial on a CPU) lowers for memory.
+    probe = FakeMemoryProbe(9_000, peak_bytes=peak)
+    controller = make_controller(
+        **_settings(min_batch=64, max_batch=64, batch_size=64, probe=probe, speed_trials=None)
+    )
+    holder["controller"] = controller
+    controller.run(10)
+    (replan,) = [e for e in controller.events if e.kind == "replan"]
+    assert replan.step == 5 and replan.reason.startswith("memory needs")
+    assert replan.figures["savings_needed_bytes"] == 8_400 - int(0.85 * 9_000)
+    assert _lowered(controller.policy)
+
+
 def test_without_a_way_to_lower_precision_the_batch_shrinks(make_controller):
     probe = FakeMemoryProbe(10_000, peak_bytes=lambda batch: 2_000 + 130 * batch)
     controller = make_controller(

@@ -1038,7 +1038,7 @@ class Controller:
             return False
         figures.update(leaves_by_dtype=result.leaves_by_dtype, loss=self._last_loss)
         reason = "the planner chose another policy"
-        if for_memory:
+        if for_memory or (savings is not None and savings > 0):
             reason = (
                 f"memory needs {figures['savings_needed_bytes']} B saved at micro-batch {micro}"
             )
