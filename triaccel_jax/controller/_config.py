@@ -64,8 +64,8 @@ class ControllerConfig:
           Adaptive Gradient Algorithms", arXiv 2205.10287; Granziol et al., 2022, "Learning
           Rates as a Function of Batch Size");
         * ``"linear"``: lr x (batch / reference) (Goyal et al., 2017, for SGD);
-        * ``"adascale"`` (for SGD-like optimizers): lr x r, AdaScale's gain r = (tr(Sigma) +
-          |G|^2) / (tr(Sigma) / S + |G|^2) with S = batch / reference, from the smoothed
+        * ``"adascale"`` (for SGD-like optimizers): lr x r, AdaScale's gain ``r = (tr(Sigma) +
+          |G|^2) / (tr(Sigma) / S + |G|^2)`` with ``S = batch / reference``, from the smoothed
           gradient-noise estimates (Johnson et al., 2020, "AdaScale SGD", ICML); r = 1 before
           the noise is measured, r in [1, S]. A step's gain comes from the estimates after the
           step ``steps_in_flight + 1`` before it (always read by then, so the gain does not
