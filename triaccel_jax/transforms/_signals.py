@@ -53,34 +53,17 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
       >>> triaccel_jax.signals(state)["dense/kernel"]["state_dtype"]
       'float32'
     """
-    states = triaccel_state.find_triaccel_states(opt_state)
-    if not states:
-        raise ValueError(
-            "no triaccel state found in `opt_state`: pass the state of an optimizer built with "
-            "triaccel_jax.triaccel or triaccel_jax.scale_by_triaccel"
-        )
     result: dict[str, dict[str, Any]] = {}
-    for state in states:
-
-        def is_signals(node):
-            # nnx.Optimizer stores the state through nnx.Variables and gives the NamedTuple
-            # back as a dict of its fields after an update.
-            return isinstance(node, triaccel_state.LeafSignals) or (
-                isinstance(node, Mapping) and set(node) == set(SIGNAL_NAMES)
-            )
+    for state in _states(opt_state, ""):
 
         def is_store(node):
             return isinstance(node, compression.CompressedDiagonal) or (
                 isinstance(node, Mapping) and set(node) == set(STORE_FIELDS)
             )
 
-        with_paths, _ = jax.tree_util.tree_flatten_with_path(state.leaf_signals, is_leaf=is_signals)
+        entries = _leaf_signals(state)
         dtypes = jax.tree.leaves(state.mu)
-        entries = [(p, s) for p, s in with_paths if is_signals(s)]
-        values = [
-            s if isinstance(s, triaccel_state.LeafSignals) else triaccel_state.LeafSignals(**s)
-            for _, s in entries
-        ]
+        values = [leaf for _, leaf in entries]
         stores = [
             s
             if isinstance(s, compression.CompressedDiagonal)
@@ -93,10 +76,9 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
             values, stores = jax.device_get((values, stores))
             # Python numbers: floats for the float32 figures, ints for the int32 counters.
             values = jax.tree.map(lambda x: np.asarray(x).item(), values)
-        for (path, _), leaf_values, moment, store in zip(
+        for (key, _), leaf_values, moment, store in zip(
             entries, values, dtypes, stores, strict=True
         ):
-            key = tree_lib.path_string(path)
             if key in result:
                 raise ValueError(f"two triaccel states hold signals for leaf {key!r}")
             record: dict[str, Any] = dict(zip(SIGNAL_NAMES, leaf_values, strict=True))
@@ -174,29 +156,12 @@ def mean_curvatures(opt_state: Any, params: Any) -> Any:
     References:
       Tri-Accel (arXiv 2508.16905) and ``docs/design.md`` §3 for the curvature EMA.
     """
-    states = triaccel_state.find_triaccel_states(opt_state)
-    if not states:
-        raise ValueError(
-            "no triaccel state found in `opt_state`, so it holds no curvature: pass the state of "
-            "an optimizer built with triaccel_jax.triaccel or triaccel_jax.scale_by_triaccel"
-        )
     by_path: dict[str, jax.Array] = {}
-    for state in states:
-        with_paths, _ = jax.tree_util.tree_flatten_with_path(
-            state.leaf_signals, is_leaf=_is_leaf_signals
-        )
-        for path, node in with_paths:
-            if not _is_leaf_signals(node):
-                continue
-            key = tree_lib.path_string(path)
+    for state in _states(opt_state, ", so it holds no curvature"):
+        for key, leaf in _leaf_signals(state):
             if key in by_path:
                 raise ValueError(f"two triaccel states hold curvature for leaf {key!r}")
-            value = (
-                node.mean_curvature
-                if isinstance(node, triaccel_state.LeafSignals)
-                else node["mean_curvature"]
-            )
-            by_path[key] = jnp.asarray(value, jnp.float32)
+            by_path[key] = jnp.asarray(leaf.mean_curvature, jnp.float32)
     treedef: Any  # a jaxlib PyTreeDef, which has no stubs mypy can see
     param_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     keys = [tree_lib.path_string(path) for path, _ in param_paths]
@@ -207,6 +172,34 @@ def mean_curvatures(opt_state: Any, params: Any) -> Any:
             "have: pass the params (or gradients) the optimizer state was initialised with"
         )
     return treedef.unflatten([by_path.get(key) for key in keys])
+
+
+def _states(opt_state: Any, consequence: str) -> list[Any]:
+    """The triaccel states inside ``opt_state``, or a ValueError saying none is there."""
+    states = triaccel_state.find_triaccel_states(opt_state)
+    if not states:
+        raise ValueError(
+            f"no triaccel state found in `opt_state`{consequence}: pass the state of an optimizer "
+            "built with triaccel_jax.triaccel or triaccel_jax.scale_by_triaccel"
+        )
+    return states
+
+
+def _leaf_signals(state: Any) -> list[tuple[str, triaccel_state.LeafSignals]]:
+    """A triaccel state's per-leaf signals with their ``"a/b/kernel"`` paths, in leaf order."""
+    with_paths, _ = jax.tree_util.tree_flatten_with_path(
+        state.leaf_signals, is_leaf=_is_leaf_signals
+    )
+    return [
+        (
+            tree_lib.path_string(path),
+            node
+            if isinstance(node, triaccel_state.LeafSignals)
+            else triaccel_state.LeafSignals(**node),
+        )
+        for path, node in with_paths
+        if _is_leaf_signals(node)
+    ]
 
 
 def _is_leaf_signals(node: Any) -> bool:
