@@ -290,10 +290,10 @@ def test_goodput_shrinks_when_the_noise_scale_falls_below_the_batch():
     assert choice.bucket == 16  # equal throughput: the most efficient batch wins
 
 
-def goodput_controller(probe, **settings):
+def goodput_controller(probe, *, target_noise=0.5, **settings):
     rng = np.random.default_rng(5)
     x = rng.normal(size=(4096, 8)).astype(np.float32)
-    y = (x @ rng.normal(size=8) + 0.5 * rng.normal(size=4096)).astype(np.float32)
+    y = (x @ rng.normal(size=8) + target_noise * rng.normal(size=4096)).astype(np.float32)
 
     def loss(params, batch):
         inputs, targets = batch
@@ -404,3 +404,16 @@ def test_a_goodput_move_memory_did_not_gate_waits_for_patience_checks(patience):
     # The step after the grow compiles (not timed); one timed step at 16 measures it; then
     # `patience` checks choose 8.
     assert back.step - grow.step == 1 + patience
+
+
+def test_noiseless_targets_keep_the_batch_small_and_noisy_targets_grow_it():
+    # Noiseless targets: per-sample gradients shrink with the true one as the fit improves, so
+    # the noise scale stays near the dimension and no large batch is worth its samples. Noisy
+    # targets: near the optimum the gradient is mostly noise, the noise scale rises, and
+    # goodput (statistical efficiency alone, throughput_model="linear") grows the batch.
+    noiseless = goodput_controller(triaccel_jax.FakeMemoryProbe(10**12), target_noise=0.0)
+    noisy = goodput_controller(triaccel_jax.FakeMemoryProbe(10**12), target_noise=0.5)
+    quiet_infos, noisy_infos = noiseless.run(150), noisy.run(150)
+    assert max(i.micro_batch for i in quiet_infos) <= 32
+    assert noisy.batch_size >= 128
+    assert noisy_infos[-1].noise_scale > 10 * quiet_infos[-1].noise_scale
