@@ -47,7 +47,7 @@ from triaccel_jax.controller import _compiling as compiling
 from triaccel_jax.controller import simulated_out_of_memory
 from triaccel_jax.precision import PlannerConfig
 from triaccel_jax.transforms import LossScaling
-from triaccel_jax.transforms import find_triaccel_states
+from triaccel_jax.transforms import find_signal_states
 
 NUM_EXAMPLES = 96
 MIN_STEPS = 200
@@ -243,7 +243,7 @@ class Run:
 
     def check_moments(self):
         policy = self.controller.policy
-        (state,) = find_triaccel_states(self.controller.opt_state)
+        (state,) = find_signal_states(self.controller.opt_state)
         for moments in (state.mu, state.nu):
             for path, leaf in moments.items():
                 assert leaf.dtype == DTYPES[policy.state(path)], (path, leaf.dtype, policy)

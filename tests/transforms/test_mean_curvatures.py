@@ -73,5 +73,5 @@ def test_a_state_without_curvature_or_of_other_params_is_refused():
     with pytest.raises(ValueError, match="does not have"):
         mean_curvatures(state, {"other": jnp.ones(3)})
     doubled = optax.chain(scale_by_triaccel(), scale_by_triaccel())
-    with pytest.raises(ValueError, match="two triaccel states"):
+    with pytest.raises(ValueError, match="two states hold"):
         mean_curvatures(doubled.init(params), params)

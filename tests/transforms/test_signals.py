@@ -77,5 +77,5 @@ def test_signals_without_triaccel_state_is_an_error():
 
 def test_signals_of_two_states_for_one_leaf_is_an_error():
     tx = optax.chain(triaccel_jax.scale_by_triaccel(), triaccel_jax.scale_by_triaccel())
-    with pytest.raises(ValueError, match="two triaccel states"):
+    with pytest.raises(ValueError, match="two states hold"):
         triaccel_jax.signals(tx.init(PARAMS))

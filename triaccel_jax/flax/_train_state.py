@@ -310,7 +310,7 @@ def _compute_copy(params: Any, policy: policy_lib.PrecisionPolicy | None) -> Any
 
 
 def _convert_if_triaccel(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
-    if transforms.find_triaccel_states(opt_state):
+    if transforms.find_signal_states(opt_state):
         return transforms.convert_state(opt_state, policy)
     return opt_state
 

@@ -19,7 +19,6 @@ The per-leaf scalars are kept in the state for :func:`triaccel_jax.signals`.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,14 +28,12 @@ import optax
 from jax import lax
 
 from triaccel_jax import kernels
-from triaccel_jax import policy as policy_lib
-from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
 from triaccel_jax.kernels import cast as cast_kernel
 from triaccel_jax.transforms import _block_scale as block_scale
 from triaccel_jax.transforms import _compression as compression
-from triaccel_jax.transforms import _curvature as curvature_lib
 from triaccel_jax.transforms import _curvature_refresh as refresh_lib
+from triaccel_jax.transforms import _curvature_signals as signals_lib
 from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._config import resolve_config
 from triaccel_jax.transforms._triaccel_state import LeafSignals
@@ -46,28 +43,6 @@ from triaccel_jax.transforms._triaccel_step import CurvatureStep
 from triaccel_jax.transforms._triaccel_step import StepInputs
 from triaccel_jax.transforms._triaccel_step import TriAccelParts
 from triaccel_jax.transforms._triaccel_step import next_state
-
-
-def _state_dtype(path: str, param_dtype: Any, state_dtype: Any) -> jnp.dtype:
-    if state_dtype is None:
-        # Never below float32 by default: half-precision params keep float32 moments.
-        return jnp.promote_types(param_dtype, jnp.float32)
-    if isinstance(state_dtype, policy_lib.PrecisionPolicy):
-        if path not in state_dtype:
-            raise ValueError(f"the precision policy has no entry for leaf {path!r}")
-        return policy_lib.float_format(state_dtype.state(path)).dtype
-    return jnp.dtype(state_dtype)
-
-
-# The curvature store's outlier indices are int32 flat indices into a leaf (and XLA's top_k
-# over a flattened leaf counts in int32).
-MAX_LEAF_SIZE = 2**31 - 1
-
-
-def _make_estimator(estimator: str, num_samples: int, seed: int):
-    if estimator == "hutchinson":
-        return curvature_lib.hutchinson_diagonal(num_samples, seed=seed)
-    return curvature_lib.fisher_diagonal()
 
 
 def _write(value: jax.Array, dtype: jnp.dtype, key: jax.Array, impl: str) -> jax.Array:
@@ -152,56 +127,18 @@ def scale_by_triaccel(
     validation.check_in_range("min_scale", min_scale, 0.0, float("inf"), low_inclusive=False)
     validation.check_in_range("max_scale", max_scale, 0.0, float("inf"), low_inclusive=False)
     validation.check_not_above("min_scale", min_scale, "max_scale", max_scale)
-    estimator = config.estimator
-    state_dtype = config.state_dtype
     impl = config.impl
-    estimator_tx = _make_estimator(estimator, config.num_samples, seed)
+    estimator_tx = signals_lib.make_estimator(config, seed)
 
     def init_fn(params: Any) -> ScaleByTriAccelState:
-        def zeros_or_skip(path, leaf):
-            if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-                raise ValueError(
-                    f"leaf {tree_lib.path_string(path)!r} is {leaf.dtype}: triaccel trains real "
-                    "floating-point leaves only (keep the real and imaginary parts as two leaves)"
-                )
-            if not tree_lib.is_trainable(leaf):
-                return optax.MaskedNode()
-            if math.prod(leaf.shape) > MAX_LEAF_SIZE:
-                raise ValueError(
-                    f"leaf {tree_lib.path_string(path)!r} has {math.prod(leaf.shape):,} elements; "
-                    f"triaccel holds at most {MAX_LEAF_SIZE:,} (2**31 - 1) per leaf, because its "
-                    "curvature store indexes a leaf's elements with int32: split the leaf in two"
-                )
-            dtype = _state_dtype(tree_lib.path_string(path), leaf.dtype, state_dtype)
-            return _placed(jnp.zeros(leaf.shape, dtype), leaf, same_shape=True)
-
-        def store_or_skip(leaf):
-            if not tree_lib.is_trainable(leaf):
-                return optax.MaskedNode()
-            store = compression.empty_store(
-                leaf.shape, block_size=config.block_size, rho=config.rho
-            )
-            return jax.tree.map(lambda x: _placed(x, leaf, same_shape=False), store)
-
-        def signals_or_skip(leaf):
-            if not tree_lib.is_trainable(leaf):
-                return optax.MaskedNode()
-            # Distinct arrays, never one shared buffer: callers donate the state to `jit`.
-            zeros = [jnp.zeros((), jnp.float32) for _ in range(4)]
-            # mypy cannot tell that `zeros` fills exactly the four fields before step_scale.
-            return LeafSignals(  # type: ignore[misc]
-                *zeros,
-                step_scale=jnp.ones((), jnp.float32),
-                dropped_estimates=jnp.zeros((), jnp.int32),
-            )
-
+        curvature, leaf_signals = signals_lib.init_curvature(params, config)
         return ScaleByTriAccelState(
             count=jnp.zeros([], jnp.int32),
             curvature_count=jnp.zeros([], jnp.int32),
-            mu=jax.tree_util.tree_map_with_path(zeros_or_skip, params),
-            nu=jax.tree_util.tree_map_with_path(zeros_or_skip, params),
-            curvature=jax.tree.map(store_or_skip, params),
-            leaf_signals=jax.tree.map(signals_or_skip, params),
+            mu=signals_lib.init_moments(params, config),
+            nu=signals_lib.init_moments(params, config),
+            curvature=curvature,
+            leaf_signals=leaf_signals,
             estimator_state=estimator_tx.init(params),
             rounding_key=jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1)),
         )
@@ -215,23 +152,21 @@ def scale_by_triaccel(
         value_fn: Callable[..., Any] | None,
     ) -> StepInputs:
         """Checks and flattens one update's inputs (shared with the fused update)."""
-        if estimator == "hutchinson":
-            # Checked here, outside lax.cond, so that a missing loss is reported on every step.
-            loss_fn = curvature_lib.resolve_loss_fn(loss_fn, obj_fn=obj_fn, value_fn=value_fn)
-            if loss_fn is None:
-                raise ValueError(curvature_lib._LOSS_FN_HELP)
+        loss_fn = signals_lib.require_loss_fn(
+            config, loss_fn=loss_fn, obj_fn=obj_fn, value_fn=value_fn
+        )
         # Checked on every trace, also for float32 moments (which no kernel writes), so that
         # impl="triton" where Triton cannot run is refused wherever it is asked for.
         kernels.resolve(impl, "moment write")
         treedef: Any  # a jaxlib PyTreeDef, which has no stubs mypy can see
         grads, treedef = jax.tree.flatten(updates)
-        mu = _flatten_like_updates(treedef, state.mu)
+        mu = signals_lib.flatten_like_updates(treedef, state.mu)
         count = optax.safe_increment(state.count)
         return StepInputs(
             loss_fn=loss_fn,
             grads=grads,
             treedef=treedef,
-            active=_trained_leaves(updates, grads, mu),
+            active=signals_lib.trained_leaves(updates, grads, mu),
             mu=mu,
             nu=treedef.flatten_up_to(state.nu),
             new_count=count,
@@ -276,6 +211,7 @@ def scale_by_triaccel(
             alpha=alpha,
             min_scale=min_scale,
             max_scale=max_scale,
+            bound=config.bound,
         )
         due = state.count % jnp.asarray(curvature_every, jnp.int32) == 0
         operand = (stores, state.estimator_state, state.curvature_count, old_signals)
@@ -292,6 +228,7 @@ def scale_by_triaccel(
                 alpha=alpha,
                 min_scale=min_scale,
                 max_scale=max_scale,
+                bound=config.bound,
             )
         return CurvatureStep(stores, estimator_state, curvature_count, new_signals, scales)
 
@@ -338,52 +275,3 @@ def scale_by_triaccel(
     )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _flatten_like_updates(treedef: Any, tree: Any) -> list[Any]:
-    """``tree``'s nodes at the leaves of the updates' ``treedef``; a clear error if it differs."""
-    try:
-        return treedef.flatten_up_to(tree)
-    except (ValueError, TypeError) as error:
-        raise ValueError(
-            "the updates do not have the tree structure of the params the optimizer state "
-            f"was initialised with: {error}"
-        ) from None
-
-
-def _trained_leaves(updates: Any, grads: list[Any], mu: list[Any]) -> list[int]:
-    """Indices of the leaves the optimizer trains, each checked against its shape at init.
-
-    The state decides which leaves are trained (init saw the params): a float gradient for an
-    integer parameter, say, passes through like the parameter's other updates.
-    """
-    active = [
-        i
-        for i, (g, m) in enumerate(zip(grads, mu, strict=True))
-        if not isinstance(m, optax.MaskedNode) and tree_lib.is_trainable(g)
-    ]
-    for i in active:
-        if grads[i].shape != mu[i].shape:
-            path = jax.tree_util.tree_flatten_with_path(updates)[0][i][0]
-            raise ValueError(
-                f"the update of leaf {tree_lib.path_string(path)!r} has shape "
-                f"{grads[i].shape}, its parameter had shape {mu[i].shape} at init"
-            )
-    return active
-
-
-def _placed(state_leaf: jax.Array, param: Any, *, same_shape: bool) -> jax.Array:
-    """``state_leaf`` on the devices of a concrete, sharded ``param``.
-
-    Moments take the param's own sharding, so the state of a sharded model is sharded the same
-    way instead of landing on one device; the compressed curvature store (other shapes, about
-    ``1 / block_size`` of the leaf) is replicated over the param's mesh. Under ``jit`` (tracers)
-    and for ``jax.ShapeDtypeStruct`` leaves without a sharding nothing is placed: the caller's
-    ``out_shardings`` decide there.
-    """
-    sharding = getattr(param, "sharding", None)
-    if isinstance(param, jax.core.Tracer) or not isinstance(sharding, jax.sharding.NamedSharding):
-        return state_leaf
-    if not same_shape:
-        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return jax.device_put(state_leaf, sharding)

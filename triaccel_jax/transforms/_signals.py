@@ -1,4 +1,8 @@
-"""``signals``: the per-leaf scalars of every triaccel state inside an optimizer state."""
+"""``signals``: the per-leaf scalars of every state keeping curvature signals in an optimizer state.
+
+Those states are :func:`triaccel_jax.scale_by_triaccel`'s and the observer
+:func:`triaccel_jax.curvature_signals`'s, found anywhere inside an optimizer state.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import numpy as np
 
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.transforms import _compression as compression
+from triaccel_jax.transforms import _curvature_signals as observer
 from triaccel_jax.transforms import _triaccel_state as triaccel_state
 
 SIGNAL_NAMES = triaccel_state.LeafSignals._fields
@@ -19,27 +24,29 @@ SIGNAL_NAMES = triaccel_state.LeafSignals._fields
 def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
     """Per-leaf curvature, noise and step-size figures read from an optimizer state.
 
-    The triaccel state is found anywhere inside ``opt_state``: in an ``optax.chain``, under
+    The signals are kept by :func:`triaccel_jax.scale_by_triaccel` (inside
+    :func:`triaccel_jax.triaccel`) or by the observer :func:`triaccel_jax.curvature_signals`
+    beside any other optimizer, and found anywhere inside ``opt_state``: in an ``optax.chain``, under
     ``optax.inject_hyperparams``, ``optax.MultiSteps``, ``optax.masked`` or
     ``optax.multi_transform``, in a Flax train state's ``opt_state``, or in an
     ``nnx.Optimizer``'s ``opt_state`` (whose paths end in ``/value``, as nnx's own do).
 
     Args:
       opt_state: an optimizer state holding one or more :func:`triaccel_jax.scale_by_triaccel`
-        states whose leaves do not overlap.
+        or :func:`triaccel_jax.curvature_signals` states whose leaves do not overlap.
 
     Returns:
       ``{leaf_path: {"mean_curvature", "max_curvature", "trace", "noise_to_signal",
       "step_scale": float, ..., "state_dtype": str, "curvature_store": CompressedDiagonal}}``
       keyed by ``"a/b/kernel"``-style paths of the params, for the leaves the optimizer acts
       on: every field of the state's per-leaf signals (Python floats, and ints for counters
-      such as ``dropped_estimates``; traced scalars when called inside ``jit``), the moments'
-      dtype, and the leaf's bias-corrected curvature EMA as a
+      such as ``dropped_estimates``; traced scalars when called inside ``jit``), the dtype of
+      the state's moments (the gradient EMA for ``curvature_signals``), and the leaf's bias-corrected curvature EMA as a
       :class:`triaccel_jax.transforms.CompressedDiagonal` (NumPy arrays; traced inside ``jit``), which
       :func:`triaccel_jax.plan_precision` uses to weigh each weight by its own curvature.
 
     Raises:
-      ValueError: no triaccel state is found, or two of them hold the same leaf.
+      ValueError: no state keeping signals is found, or two of them hold the same leaf.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -80,7 +87,7 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
             entries, values, dtypes, stores, strict=True
         ):
             if key in result:
-                raise ValueError(f"two triaccel states hold signals for leaf {key!r}")
+                raise ValueError(f"two states hold signals for leaf {key!r}")
             record: dict[str, Any] = dict(zip(SIGNAL_NAMES, leaf_values, strict=True))
             record["state_dtype"] = moment.dtype.name
             record["curvature_store"] = _bias_corrected(store, leaf_values, traced=traced)
@@ -127,7 +134,7 @@ def mean_curvatures(opt_state: Any, params: Any) -> Any:
 
     Args:
       opt_state: an optimizer state holding one or more :func:`triaccel_jax.scale_by_triaccel`
-        states whose leaves do not overlap.
+        or :func:`triaccel_jax.curvature_signals` states whose leaves do not overlap.
       params: the params the optimizer was initialised with, or any tree of their structure (the
         gradients): it sets the result's structure and names the leaves.
 
@@ -137,7 +144,7 @@ def mean_curvatures(opt_state: Any, params: Any) -> Any:
       (integer or empty leaves, and leaves left to another optimizer).
 
     Raises:
-      ValueError: no triaccel state is found, two of them hold the same leaf, or one holds a
+      ValueError: no state keeping signals is found, two of them hold the same leaf, or one holds a
         leaf ``params`` does not have (the state is not one of these params).
 
     Example:
@@ -160,7 +167,7 @@ def mean_curvatures(opt_state: Any, params: Any) -> Any:
     for state in _states(opt_state, ", so it holds no curvature"):
         for key, leaf in _leaf_signals(state):
             if key in by_path:
-                raise ValueError(f"two triaccel states hold curvature for leaf {key!r}")
+                raise ValueError(f"two states hold curvature for leaf {key!r}")
             by_path[key] = jnp.asarray(leaf.mean_curvature, jnp.float32)
     treedef: Any  # a jaxlib PyTreeDef, which has no stubs mypy can see
     param_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -175,12 +182,14 @@ def mean_curvatures(opt_state: Any, params: Any) -> Any:
 
 
 def _states(opt_state: Any, consequence: str) -> list[Any]:
-    """The triaccel states inside ``opt_state``, or a ValueError saying none is there."""
-    states = triaccel_state.find_triaccel_states(opt_state)
+    """The states keeping signals inside ``opt_state``, or a ValueError saying none is there."""
+    states = observer.find_signal_states(opt_state)
     if not states:
         raise ValueError(
             f"no triaccel state found in `opt_state`{consequence}: pass the state of an optimizer "
-            "built with triaccel_jax.triaccel or triaccel_jax.scale_by_triaccel"
+            "built with triaccel_jax.triaccel or triaccel_jax.scale_by_triaccel, or of a chain "
+            "holding the observer triaccel_jax.curvature_signals (e.g. "
+            "optax.chain(triaccel_jax.curvature_signals(), optax.adamw(1e-3)))"
         )
     return states
 

@@ -1,8 +1,9 @@
 """``convert_state``: an optimizer state recast to a new precision policy's state dtypes.
 
 When the controller (or a Flax train state) switches policy mid-run, the moments of every
-triaccel state inside the optimizer state take the new policy's state dtype of their leaf
-(docs/design.md §3.7); everything else in the state is kept.
+triaccel state and the gradient EMA of every ``curvature_signals`` state inside the optimizer
+state take the new policy's state dtype of their leaf (docs/design.md §3.7); everything else
+in the state is kept (another optimizer's own moments keep their dtype).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 
 from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
+from triaccel_jax.transforms import _curvature_signals as observer
 from triaccel_jax.transforms import _triaccel_state as triaccel_state
 
 
@@ -20,8 +22,9 @@ def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
     """Converts an optimizer state to a new policy's state dtypes; nothing else changes.
 
     Every :func:`triaccel_jax.scale_by_triaccel` state inside ``opt_state`` has its moments
-    re-cast (round to nearest) to the policy's state dtype of each leaf; counters, curvature,
-    signals and keys are kept as they are. Use it when the controller switches policy mid-run.
+    re-cast (round to nearest) to the policy's state dtype of each leaf, as has every
+    :func:`triaccel_jax.curvature_signals` state its gradient EMA; counters, curvature, signals
+    and keys are kept as they are, and so are the states of other transforms. Use it when the controller switches policy mid-run.
 
     Args:
       opt_state: the optimizer state (any optax wrapping).
@@ -49,6 +52,8 @@ def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
         return moment.astype(policy_lib.float_format(policy.state(name)).dtype)
 
     def convert(node):
+        if isinstance(node, observer.CurvatureSignalsState):
+            return node._replace(mu=jax.tree_util.tree_map_with_path(recast, node.mu))
         if not triaccel_state.is_triaccel_state(node):
             return node
         return node._replace(
@@ -56,4 +61,4 @@ def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
             nu=jax.tree_util.tree_map_with_path(recast, node.nu),
         )
 
-    return jax.tree.map(convert, opt_state, is_leaf=triaccel_state.is_triaccel_state)
+    return jax.tree.map(convert, opt_state, is_leaf=observer.is_signal_state)

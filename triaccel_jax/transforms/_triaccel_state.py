@@ -1,9 +1,8 @@
 """The state of ``scale_by_triaccel``, and how to find it inside any optimizer state.
 
 :class:`ScaleByTriAccelState` holds the moments, the compressed curvature EMA and the per-leaf
-:class:`LeafSignals`; :func:`find_triaccel_states` is the one place that looks for it in a chain,
-under optax wrappers or in a train state (used by ``signals``, ``convert_state`` and the Flax
-train state).
+:class:`LeafSignals` (``_curvature_signals.find_signal_states`` finds it, and the observer's
+state, inside any optimizer state).
 """
 
 from __future__ import annotations
@@ -81,25 +80,3 @@ def as_named_tuple(cls: type[Any], node: Any) -> Any:
 def is_triaccel_state(node: Any) -> bool:
     """Whether ``node`` is a :class:`ScaleByTriAccelState` (an ``is_leaf`` for tree functions)."""
     return isinstance(node, ScaleByTriAccelState)
-
-
-def find_triaccel_states(opt_state: Any) -> list[ScaleByTriAccelState]:
-    """Every :class:`ScaleByTriAccelState` inside ``opt_state``, in tree order.
-
-    Args:
-      opt_state: any pytree: an optax state (chain, ``inject_hyperparams``, ``MultiSteps``,
-        ``masked``, ``multi_transform``), a train state, or a state holding none.
-
-    Returns:
-      The triaccel states found (an empty list when there is none).
-
-    Example:
-      >>> import jax.numpy as jnp, optax
-      >>> from triaccel_jax.transforms import scale_by_triaccel
-      >>> from triaccel_jax.transforms._triaccel_state import find_triaccel_states
-      >>> tx = optax.chain(optax.clip(1.0), scale_by_triaccel())
-      >>> len(find_triaccel_states(tx.init({"w": jnp.ones(2)})))
-      1
-    """
-    nodes = jax.tree.leaves(opt_state, is_leaf=is_triaccel_state)
-    return [node for node in nodes if is_triaccel_state(node)]
