@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from triaccel_jax.transforms import _compression as compression
+from triaccel_jax.transforms import _curvature_refresh as refresh_lib
 from triaccel_jax.transforms._triaccel_state import LeafSignals
 
 _TINY = float(jnp.finfo(jnp.float32).tiny)
@@ -43,6 +44,7 @@ def block_step_scales(
     alpha: Any,
     min_scale: Any,
     max_scale: Any,
+    bound: str = "clip",
 ) -> dict[int, jax.Array]:
     """Each trained leaf's step scale per block of its curvature store, broadcast to its shape.
 
@@ -55,6 +57,8 @@ def block_step_scales(
       alpha: exponent of the scale, >= 0 (0 gives exactly 1 everywhere).
       min_scale: lower clip, > 0.
       max_scale: upper clip, >= ``min_scale``.
+      bound: how the bounds hold the scale, ``"clip"`` or ``"smooth"``
+        (:func:`triaccel_jax.transforms._curvature_refresh.bounded_scale`).
 
     Returns:
       ``{i: float32 array of shapes[i]}``: the element-wise scale of leaf ``i``, constant over
@@ -85,7 +89,6 @@ def block_step_scales(
     # The reference of the per-leaf scale (_curvature_refresh.refreshed_signals): the median of
     # the finite leaf means, so one leaf cannot poison the others.
     kappa_ref = jnp.nanmedian(jnp.where(jnp.isfinite(kappa), kappa, jnp.nan))
-    exponent = jnp.asarray(alpha, jnp.float32)
     scales = {}
     for position, i in enumerate(active):
         if math.prod(shapes[i]) == 0:
@@ -100,10 +103,14 @@ def block_step_scales(
         positive = raw_mean > 0
         factor = jnp.where(positive, kappa[position] / jnp.where(positive, raw_mean, 1.0), 1.0)
         kappa_b = jnp.maximum(store.block_means * factor, 0.0)
-        per_block = jnp.clip(
-            ((kappa_ref + _TINY) / (kappa_b + _TINY)) ** exponent, min_scale, max_scale
+        per_block = refresh_lib.bounded_scale(
+            kappa_ref,
+            kappa_b,
+            alpha=alpha,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            bound=bound,
         )
-        per_block = jnp.where(jnp.isnan(per_block), 1.0, per_block).astype(jnp.float32)
         scales[i] = _broadcast_blocks(per_block, shapes[i])
     return scales
 

@@ -20,6 +20,7 @@ from triaccel_jax._src import validation
 ESTIMATORS = ("fisher", "hutchinson")
 STATE_DTYPES = ("float32", "bfloat16")
 SCALES = ("leaf", "block")
+BOUNDS = ("clip", "smooth")
 
 
 def normalized_state_dtype(state_dtype: Any) -> Any:
@@ -76,6 +77,11 @@ class TriAccelConfig:
         already holds, against the same median reference; see
         :mod:`triaccel_jax.transforms._block_scale`). The signals' ``step_scale`` stays the
         per-leaf scale either way.
+      bound: how ``min_scale`` and ``max_scale`` hold the step scale: ``"clip"`` (default,
+        Tri-Accel's hard clip, where a leaf far from the median curvature sits at a bound) or
+        ``"smooth"`` (``log s = L tanh(alpha log(kappa_ref / kappa) / L)``, ``L`` the log of
+        the bound on that side: the clip's slope at the median, strictly inside the bounds, and
+        moving with the curvature everywhere).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -97,10 +103,12 @@ class TriAccelConfig:
     state_dtype: Any = None
     impl: str = "auto"
     scale: str = "leaf"
+    bound: str = "clip"
 
     def __post_init__(self) -> None:
         validation.check_choice("estimator", self.estimator, ESTIMATORS)
         validation.check_choice("scale", self.scale, SCALES)
+        validation.check_choice("bound", self.bound, BOUNDS)
         validation.check_choice("impl", self.impl, kernels.IMPLS)
         validation.check_integer("block_size", self.block_size, 1)
         validation.check_in_range("rho", self.rho, 0.0, 1.0, low_inclusive=False)

@@ -86,6 +86,7 @@ def refreshed_signals(
     alpha: Any,
     min_scale: Any,
     max_scale: Any,
+    bound: str = "clip",
 ) -> list[LeafSignals]:
     """Each trained leaf's new :class:`LeafSignals`, its step scale against the median curvature.
 
@@ -93,15 +94,15 @@ def refreshed_signals(
     rest; with no finite curvature anywhere (or a NaN one here) a leaf's step stays unscaled.
     """
     signals = list(signals)
-    kappa = {i: jnp.maximum(folded.summaries[i].mean, 0.0) for i in active}
-    kappa_ref = _finite_median([kappa[i] for i in active]) if active else None
-    exponent = jnp.asarray(alpha, jnp.float32)
+    scales = step_scales(
+        {i: folded.summaries[i].mean for i in active},
+        alpha=alpha,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        bound=bound,
+    )
     for i in active:
-        assert kappa_ref is not None  # set whenever a leaf is active
-        scale = jnp.clip(
-            ((kappa_ref + _TINY) / (kappa[i] + _TINY)) ** exponent, min_scale, max_scale
-        )
-        scale = jnp.where(jnp.isnan(scale), 1.0, scale)
+        scale = scales[i]
         signal = jnp.mean(jnp.square(m_hat[i]))
         noise = jnp.maximum(jnp.mean(v_hat[i]) - signal, 0.0)
         summary = folded.summaries[i]
@@ -117,6 +118,64 @@ def refreshed_signals(
     return signals
 
 
+def step_scales(
+    mean_curvatures: dict[int, jax.Array],
+    *,
+    alpha: Any,
+    min_scale: Any,
+    max_scale: Any,
+    bound: str = "clip",
+) -> dict[int, jax.Array]:
+    """Each leaf's step scale ``(kappa_ref / kappa_l) ** alpha`` within its bounds.
+
+    The bounds ``[min_scale, max_scale]`` are applied as :func:`bounded_scale`'s ``bound`` says.
+
+    ``kappa_l`` is the leaf's mean curvature clipped at 0 (Hutchinson's can be negative), and
+    ``kappa_ref`` the median of the finite ones, so one leaf cannot poison the rest; with no
+    finite curvature anywhere (or a NaN one here) a leaf's scale is 1 (float32 scalars).
+    """
+    if not mean_curvatures:
+        return {}
+    kappa = {i: jnp.maximum(k, 0.0) for i, k in mean_curvatures.items()}
+    kappa_ref = _finite_median(list(kappa.values()))
+    return {
+        i: bounded_scale(
+            kappa_ref, k, alpha=alpha, min_scale=min_scale, max_scale=max_scale, bound=bound
+        )
+        for i, k in kappa.items()
+    }
+
+
+def bounded_scale(
+    kappa_ref: jax.Array,
+    kappa: jax.Array,
+    *,
+    alpha: Any,
+    min_scale: Any,
+    max_scale: Any,
+    bound: str,
+) -> jax.Array:
+    """``(kappa_ref / kappa) ** alpha`` held within ``[min_scale, max_scale]`` (float32).
+
+    ``bound="clip"`` is Tri-Accel's hard clip: past the bounds the scale is constant, so a leaf
+    whose curvature is far from the median sits at a bound whatever it does. ``"smooth"`` bounds
+    the log of the scale with a tanh instead, ``log s = L tanh(x / L)`` with
+    ``x = alpha * log(kappa_ref / kappa)`` and ``L`` the log of the bound on that side: the same
+    slope as the clip at the median, always strictly inside the bounds and always moving with the
+    curvature (a soft clip, as in soft-capping of logits). NaN (no finite curvature) gives 1.
+    """
+    exponent = jnp.asarray(alpha, jnp.float32)
+    if bound == "clip":
+        scale = jnp.clip(((kappa_ref + _TINY) / (kappa + _TINY)) ** exponent, min_scale, max_scale)
+    else:
+        x = exponent * (jnp.log(kappa_ref + _TINY) - jnp.log(kappa + _TINY))
+        high = jnp.maximum(jnp.log(jnp.asarray(max_scale, jnp.float32)), _TINY)
+        low = jnp.maximum(-jnp.log(jnp.asarray(min_scale, jnp.float32)), _TINY)
+        side = jnp.where(x >= 0, high, low)
+        scale = jnp.clip(jnp.exp(side * jnp.tanh(x / side)), min_scale, max_scale)
+    return jnp.where(jnp.isnan(scale), 1.0, scale).astype(jnp.float32)
+
+
 def refresh_curvature(
     operand: tuple[list[Any], Any, jax.Array, list[LeafSignals]],
     *,
@@ -130,6 +189,7 @@ def refresh_curvature(
     alpha: Any,
     min_scale: Any,
     max_scale: Any,
+    bound: str = "clip",
 ) -> tuple[list[Any], Any, jax.Array, list[LeafSignals]]:
     """One curvature step (the true branch of ``lax.cond``): estimate, fold, refresh signals.
 
@@ -166,6 +226,7 @@ def refresh_curvature(
         alpha=alpha,
         min_scale=min_scale,
         max_scale=max_scale,
+        bound=bound,
     )
     return folded.stores, estimator_state, curvature_count, signals
 
