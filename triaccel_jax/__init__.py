@@ -39,6 +39,8 @@ from triaccel_jax.precision import MemoryReport
 from triaccel_jax.precision import memory_report
 from triaccel_jax.precision import plan_precision
 from triaccel_jax.transforms import TriAccelConfig
+from triaccel_jax.transforms import curvature_signals
+from triaccel_jax.transforms import scale_by_curvature
 from triaccel_jax.transforms import scale_by_triaccel
 from triaccel_jax.transforms import signals
 from triaccel_jax.transforms import triaccel
@@ -64,9 +66,11 @@ __all__ = (
     "StepInfo",
     "TriAccelConfig",
     "cast_params",
+    "curvature_signals",
     "master_params",
     "memory_report",
     "plan_precision",
+    "scale_by_curvature",
     "scale_by_triaccel",
     "signals",
     "stochastic_apply_updates",

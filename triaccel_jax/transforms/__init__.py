@@ -10,10 +10,16 @@ model):
 * the compressed curvature store (:class:`CompressedDiagonal`, :func:`compress_diagonal`,
   :func:`expand_diagonal`, with :func:`block_counts` and :func:`uses_channel_pairs` for its
   layout), updated without gathering sharded leaves;
+* :func:`curvature_signals` (state :class:`CurvatureSignalsState`), an observer that keeps the
+  same curvature and noise signals beside any optax optimizer, leaving its updates untouched,
+  and :func:`scale_by_curvature` (state :class:`ScaleByCurvatureState`), Tri-Accel's per-leaf
+  step scale over any direction (SGD, Muon, a whole optax optimizer), with
+  :func:`muon_dimension_numbers`, which has ``optax.contrib.muon`` train every kernel (conv
+  kernels folded into matrices) and leave the rest to Adam;
 * :func:`signals`, the per-leaf curvature, noise and step-size figures of any state holding a
-  triaccel state, :func:`mean_curvatures`, each leaf's mean curvature as a tree usable inside
-  ``jit``, :func:`convert_state`, which recasts the moments for a precision policy, and
-  :func:`find_triaccel_states`, which finds the triaccel states inside any optimizer state;
+  triaccel or observer state, :func:`mean_curvatures`, each leaf's mean curvature as a tree
+  usable inside ``jit``, :func:`convert_state`, which recasts the moments for a precision policy,
+  and :func:`find_signal_states`, which finds those states inside any optimizer state;
 * dynamic loss scaling (:class:`LossScaling`, :func:`dynamic_loss_scale`, and
   :func:`select_tree`, which skips an overflowing step), with the pieces a train step uses:
   :func:`needs_loss_scaling`, :func:`holds_loss_scale`, :func:`unscale`, :func:`leaf_finite`
@@ -36,6 +42,9 @@ from triaccel_jax.transforms._curvature import HutchinsonDiagonalState
 from triaccel_jax.transforms._curvature import fisher_diagonal
 from triaccel_jax.transforms._curvature import hutchinson_diagonal
 from triaccel_jax.transforms._curvature import unmask
+from triaccel_jax.transforms._curvature_signals import CurvatureSignalsState
+from triaccel_jax.transforms._curvature_signals import curvature_signals
+from triaccel_jax.transforms._curvature_signals import find_signal_states
 from triaccel_jax.transforms._fused_apply import FusedApply
 from triaccel_jax.transforms._fused_apply import fused_apply
 from triaccel_jax.transforms._fused_apply import unfused_reason
@@ -51,31 +60,36 @@ from triaccel_jax.transforms._loss_scaling import loss_scale
 from triaccel_jax.transforms._loss_scaling import needs_loss_scaling
 from triaccel_jax.transforms._loss_scaling import select_tree
 from triaccel_jax.transforms._loss_scaling import unscale
+from triaccel_jax.transforms._muon import muon_dimension_numbers
+from triaccel_jax.transforms._scale_by_curvature import ScaleByCurvatureState
+from triaccel_jax.transforms._scale_by_curvature import scale_by_curvature
 from triaccel_jax.transforms._scale_by_triaccel import scale_by_triaccel
 from triaccel_jax.transforms._signals import mean_curvatures
 from triaccel_jax.transforms._signals import signals
 from triaccel_jax.transforms._state_conversion import convert_state
 from triaccel_jax.transforms._triaccel_state import LeafSignals
 from triaccel_jax.transforms._triaccel_state import ScaleByTriAccelState
-from triaccel_jax.transforms._triaccel_state import find_triaccel_states
 
 __all__ = (
     "CompressedDiagonal",
+    "CurvatureSignalsState",
     "DynamicLossScaleState",
     "FusedApply",
     "HutchinsonDiagonalState",
     "LeafSignals",
     "LossScaleState",
     "LossScaling",
+    "ScaleByCurvatureState",
     "ScaleByTriAccelState",
     "TriAccelConfig",
     "all_finite",
     "block_counts",
     "compress_diagonal",
     "convert_state",
+    "curvature_signals",
     "dynamic_loss_scale",
     "expand_diagonal",
-    "find_triaccel_states",
+    "find_signal_states",
     "fisher_diagonal",
     "fused_apply",
     "holds_loss_scale",
@@ -83,7 +97,9 @@ __all__ = (
     "leaf_finite",
     "loss_scale",
     "mean_curvatures",
+    "muon_dimension_numbers",
     "needs_loss_scaling",
+    "scale_by_curvature",
     "scale_by_triaccel",
     "select_tree",
     "signals",
