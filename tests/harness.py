@@ -1,5 +1,8 @@
 """The shared optimizer harness: every triaccel variant joins ``VARIANTS`` with one line.
 
+The variants are ``triaccel`` itself under its options, and optax optimizers with the observer
+``curvature_signals`` chained before them (whose signals the checks read the same way).
+
 A variant is a name, a factory ``learning_rate -> GradientTransformationExtraArgs``, whether it
 needs the loss as an extra argument, and under which of optax's names for it (``loss_fn``,
 ``obj_fn``, ``value_fn``) the harness passes it. ``tests/transforms/test_harness.py`` runs every
@@ -10,12 +13,16 @@ variant named as in ``NAMED_VARIANTS``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 import triaccel_jax
 
@@ -26,6 +33,24 @@ class Variant:
     make: Callable[..., optax.GradientTransformationExtraArgs]
     needs_loss: bool = False
     loss_name: str = "loss_fn"
+    # Why the variant needs JAX's standard dtype promotion (optax's own optimizers promote
+    # inside, e.g. adam's bias correction raises a float to the int32 count), or None: strict.
+    standard_promotion: str | None = None
+
+    @contextlib.contextmanager
+    def promotion(self) -> Iterator[None]:
+        """The variant's dtype promotion, for tests that cannot take a per-variant marker."""
+        with jax.numpy_dtype_promotion("standard" if self.standard_promotion else "strict"):
+            yield
+
+    def param(self) -> Any:
+        """The variant as a ``pytest.param``, marked ``standard_promotion`` where it needs it."""
+        marks = (
+            [pytest.mark.standard_promotion(self.standard_promotion)]
+            if self.standard_promotion
+            else []
+        )
+        return pytest.param(self, marks=marks, id=self.name)
 
     def extra_args(self, loss_fn: Callable[[Any], Any]) -> dict[str, Any]:
         """The extra arguments of ``update`` for a loss of the params the transform sees."""
@@ -42,6 +67,8 @@ class Variant:
     def __str__(self) -> str:
         return self.name
 
+
+_OPTAX_PROMOTES = "optax's own optimizer promotes inside (a float to the power of an int32 count)"
 
 VARIANTS = (
     Variant("fisher-fp32", lambda lr, **kw: triaccel_jax.triaccel(lr, **kw)),
@@ -74,6 +101,12 @@ VARIANTS = (
         ),
     ),
     Variant(
+        "smooth-bound",
+        lambda lr, **kw: triaccel_jax.triaccel(
+            lr, config=triaccel_jax.TriAccelConfig(bound="smooth"), **kw
+        ),
+    ),
+    Variant(
         "hutchinson-value_fn",
         lambda lr, **kw: triaccel_jax.triaccel(
             lr, config=triaccel_jax.TriAccelConfig(estimator="hutchinson", num_samples=2), **kw
@@ -88,6 +121,38 @@ VARIANTS = (
         lambda lr, **kw: optax.inject_hyperparams(
             triaccel_jax.triaccel, hyperparam_dtype=jnp.float32
         )(lr, config=triaccel_jax.TriAccelConfig(block_size=16, rho=0.1), **kw),
+    ),
+    # The observer beside other optimizers: the same signals, the optimizer's own steps.
+    Variant(
+        "observer-adamw",
+        lambda lr, **kw: optax.chain(triaccel_jax.curvature_signals(), optax.adamw(lr, **kw)),
+        standard_promotion=_OPTAX_PROMOTES,
+    ),
+    Variant(
+        "observer-hutchinson-bf16-adamw",
+        lambda lr, **kw: optax.chain(
+            triaccel_jax.curvature_signals(
+                config=triaccel_jax.TriAccelConfig(estimator="hutchinson", state_dtype="bfloat16")
+            ),
+            optax.adamw(lr, **kw),
+        ),
+        needs_loss=True,
+        loss_name="obj_fn",
+        standard_promotion=_OPTAX_PROMOTES,
+    ),
+    # Tri-Accel's step scale over another optimizer's whole step.
+    Variant(
+        "curvature-scaled-adamw",
+        lambda lr, **kw: triaccel_jax.scale_by_curvature(optax.adamw(lr, **kw)),
+        standard_promotion=_OPTAX_PROMOTES,
+    ),
+    Variant(
+        "observer-muon",
+        # Muon on the 2-D kernels, Adam (optax's own fallback) on the conv kernel and the biases.
+        lambda lr, **kw: optax.chain(
+            triaccel_jax.curvature_signals(curvature_every=1), optax.contrib.muon(lr, **kw)
+        ),
+        standard_promotion=_OPTAX_PROMOTES,
     ),
 )
 
