@@ -95,11 +95,14 @@ def test_every_public_name_has_a_docstring_with_an_example():
 @pytest.mark.standard_promotion(
     "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
 )
+@pytest.mark.standard_promotion("optax's adamw and muon in the README promote inside")
 def test_readme_python_blocks_run():
+    # In order, in one namespace, as a reader pasting them into a notebook runs them.
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert blocks, "README.md has no python example"
+    assert len(blocks) >= 2, "README.md has no python example, or no example over another optimizer"
+    namespace: dict = {}
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), {})
+        exec(compile(block, "README.md", "exec"), namespace)
 
 
 @pytest.mark.standard_promotion("optax promotes inside its own transforms")
