@@ -1,4 +1,5 @@
-"""benchmarks/accuracy.py: its statistics on hand-made numbers, and its --quick mode end to end."""
+"""benchmarks/accuracy.py: its statistics on hand-made numbers, its rows' optimizers, and its
+--quick mode end to end."""
 
 from __future__ import annotations
 
@@ -16,15 +17,18 @@ import optax
 import pytest
 
 import triaccel_jax
+from triaccel_jax.controller import _learning_rate as learning_rate
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # The study's parts are the package benchmarks/accuracy/ (benchmarks/ is not a package).
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from accuracy import report  # noqa: E402
 from accuracy import runs  # noqa: E402
 from accuracy import stats  # noqa: E402
 from accuracy import tuning  # noqa: E402
+from accuracy import workloads  # noqa: E402
 
 
 def test_paired_interval_on_hand_made_numbers():
@@ -64,30 +68,148 @@ def test_first_reaching_reads_the_first_evaluation_at_the_target():
     assert stats.first_reaching(evals, 0.95) is None
 
 
-def test_both_optimizers_get_the_same_number_of_tuning_trials():
-    for trials in (2, 3, 4, 6, 9):
-        adamw, learning_rates, variants = tuning.tuning_trials(trials, (1e-3, 1e-2))
-        assert len(adamw) == learning_rates + variants == trials
+def _run(seed, points):
+    """A run whose evaluations are ``points`` of (step, seconds, accuracy)."""
+    evals = [{"step": s, "seconds": t, "accuracy": a} for s, t, a in points]
+    return {"seed": seed, "accuracy": evals[-1]["accuracy"], "evals": evals}
+
+
+def test_figures_to_the_reference_are_paired_by_seed():
+    # AdamW reaches its final accuracy (0.8, 0.9, 0.85) at steps 100, 80 and 100: seed 1 first
+    # reaches it before its end, and the ratio is taken to that step.
+    reference = [
+        _run(0, [(50, 5.0, 0.7), (100, 10.0, 0.8)]),
+        _run(1, [(40, 4.0, 0.85), (80, 8.0, 0.9), (100, 10.0, 0.9)]),
+        _run(2, [(50, 5.0, 0.8), (100, 10.0, 0.85)]),
+    ]
+    row = [
+        _run(2, [(30, 6.0, 0.85), (60, 12.0, 0.86)]),  # reaches 0.85 at step 30: ratio 0.3
+        _run(0, [(50, 2.0, 0.81), (100, 4.0, 0.82)]),  # reaches 0.8 at step 50: ratio 0.5
+        _run(1, [(50, 2.0, 0.8), (100, 4.0, 0.89)]),  # never reaches 0.9: infinite ratio
+    ]
+    out = stats.to_reference(row, reference)
+    assert out["reached"] == 2 and out["n"] == 3
+    assert out["step"] == pytest.approx(40.0)  # median of 30 and 50 (the seeds reaching)
+    assert out["step_ratio"] == pytest.approx(0.5)  # median of 0.3, 0.5 and inf
+    assert out["seconds_ratio"] == pytest.approx(0.6)  # median of 6 / 10, 2 / 10 and inf
+    # A margin lowers every seed's target; most seeds not reaching make the median infinite.
+    assert stats.to_reference(row, reference, margin=0.02)["reached"] == 3
+    assert stats.to_reference(row[2:], reference)["step_ratio"] is None
+    assert stats.median_or_none([]) is None
+
+
+def test_every_optimizer_gets_the_same_number_of_tuning_trials():
+    cnn, mlp = workloads.WORKLOADS["fashion_cnn"], workloads.WORKLOADS["fashion_mlp"]
+    for trials in (2, 3, 4, 6, 9, 12):
+        adamw, learning_rates, options = tuning.tuning_trials(trials, (1e-3, 1e-2))
+        assert len(adamw) == learning_rates + options == trials
         assert adamw[0].lr == pytest.approx(1e-3) and adamw[-1].lr == pytest.approx(1e-2)
+        for workload in (cnn, mlp):
+            for base in runs.BASE_ROWS:
+                lrs, opts = tuning.plan(base, workload, trials)
+                assert len(lrs) + len(opts) == trials, (base, workload.name, trials)
+    # Six trials: AdamW six rates; the others four rates and two of their own options.
+    lrs, opts = tuning.plan("adamw", cnn, 6)
+    assert lrs == pytest.approx(tuning.log_grid(*cnn.lr_range, 6)) and opts == []
+    lrs, opts = tuning.plan("triaccel", cnn, 6)
+    assert lrs == pytest.approx(tuning.log_grid(*cnn.lr_range, 4))
+    assert opts == [{"bound": "smooth"}, {"alpha": 1.0, "min_scale": 0.25, "max_scale": 4.0}]
+    lrs, opts = tuning.plan("muon", cnn, 6)
+    assert lrs == pytest.approx(tuning.log_grid(*cnn.muon_lr_range, 4))
+    assert opts == [{"conv": "adam"}, {"adam_ratio": 0.3}]
+    # The MLP has no conv kernels: Muon's conv option is not one of its trials.
+    assert all("conv" not in o for o in tuning.row_options("muon", mlp))
     assert tuning.log_grid(1e-3, 1e-1, 3) == pytest.approx([1e-3, 1e-2, 1e-1])
 
 
-@pytest.mark.standard_promotion("optax.adamw's bias correction mixes its int32 count with floats")
-def test_the_precision_row_updates_as_adamw():
-    # The "planned precision only" row runs triaccel with alpha=0 so that the planner has
-    # curvature signals to read; its step scale is then 1 and its update AdamW's.
-    params = {"w": jnp.linspace(-1.0, 1.0, 96).reshape(8, 12), "b": jnp.zeros(12)}
-    adamw = optax.adamw(3e-3, weight_decay=1e-4)
-    flat = triaccel_jax.triaccel(3e-3, weight_decay=1e-4, alpha=0.0, curvature_every=1)
-    states = adamw.init(params), flat.init(params)
-    for step in range(5):
-        key = jax.random.fold_in(jax.random.key(0), step)
-        grads = {k: jax.random.normal(key, p.shape) * (1 + p) for k, p in params.items()}
-        expected, adamw_state = adamw.update(grads, states[0], params)
-        got, flat_state = flat.update(grads, states[1], params)
-        states = adamw_state, flat_state
-        for leaf in expected:
-            np.testing.assert_allclose(got[leaf], expected[leaf], rtol=1e-5, atol=1e-9)
+def test_rows_and_their_optimizers():
+    assert runs.ROWS[: len(runs.BASE_ROWS)] == runs.BASE_ROWS
+    assert set(runs.ROW_LABELS) == set(runs.ROWS)
+    assert [runs.base_row(r) for r in runs.ROWS] == list(runs.BASE_ROWS) * 2
+    assert runs.base_row("fp32") == "adamw" and runs.base_row("curvature") == "triaccel"
+    with pytest.raises(ValueError):
+        runs.base_row("sgd_adapt")
+    params = {
+        "Conv_0": {"kernel": jnp.ones((3, 3, 1, 4)), "bias": jnp.zeros(4)},
+        "Dense_0": {"kernel": jnp.ones((8, 3)), "bias": jnp.zeros(3)},
+    }
+    hyper = runs.Hyper(1e-2)
+    for row in runs.ROWS:
+        state = runs.optimizer(row, hyper).init(params)
+        # One injected learning rate: the one the controller scales with the batch.
+        found = learning_rate.find_hyperparam(state, "learning_rate")
+        assert found is not None and found.value == pytest.approx(1e-2), row
+        assert not found.scheduled, row
+        # The rows that plan precision (and Tri-Accel's) hold the curvature signals.
+        if runs.is_adapt(row) or "triaccel" in row:
+            assert set(triaccel_jax.signals(state)) == {
+                "Conv_0/kernel",
+                "Conv_0/bias",
+                "Dense_0/kernel",
+                "Dense_0/bias",
+            }, row
+
+
+def _grads(params, step):
+    key = jax.random.fold_in(jax.random.key(0), step)
+    return {
+        name: {
+            k: jax.random.normal(jax.random.fold_in(key, i), p.shape)
+            for i, (k, p) in enumerate(leaves.items())
+        }
+        for name, leaves in params.items()
+    }
+
+
+@pytest.mark.standard_promotion("optax's adamw and muon mix their int32 counts with floats")
+def test_the_adapt_rows_update_as_their_base_rows():
+    # The observer the adapt rows of AdamW and Muon put first leaves the updates untouched, and
+    # Tri-Accel's step scale at alpha=0 is exactly 1: the direction's own update.
+    params = {
+        "Conv_0": {"kernel": jnp.linspace(-1.0, 1.0, 36).reshape(3, 3, 1, 4), "bias": jnp.zeros(4)},
+        "Dense_0": {"kernel": jnp.linspace(-1.0, 1.0, 24).reshape(8, 3), "bias": jnp.zeros(3)},
+    }
+    pairs = (
+        ("adamw_adapt", runs.Hyper(3e-3), "adamw", runs.Hyper(3e-3)),
+        ("muon_adapt", runs.Hyper(2e-2), "muon", runs.Hyper(2e-2)),
+        ("triaccel_muon", runs.Hyper(2e-2, alpha=0.0), "muon", runs.Hyper(2e-2)),
+    )
+    for row, row_hyper, base, base_hyper in pairs:
+        txs = runs.optimizer(row, row_hyper), runs.optimizer(base, base_hyper)
+        states = [tx.init(params) for tx in txs]
+        for step in range(4):
+            grads = _grads(params, step)
+            (got, states[0]), (expected, states[1]) = (
+                tx.update(grads, state, params) for tx, state in zip(txs, states, strict=True)
+            )
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9, err_msg=row)
+
+
+@pytest.mark.standard_promotion("optax's muon mixes its int32 count with floats")
+def test_muon_trains_conv_kernels_by_muon_or_by_adam_as_tuned():
+    # conv="muon": the kernel's update is Muon's on the folded (3 * 3 * 2, 4) matrix; conv="adam":
+    # Adam's, whose first update is a multiple of -adam_lr * sign(g) (adam_lr = 0.1 * lr here).
+    params = {"Conv_0": {"kernel": jnp.zeros((3, 3, 2, 4))}}
+    grads = {"Conv_0": {"kernel": jax.random.normal(jax.random.key(1), (3, 3, 2, 4))}}
+    matrix = optax.contrib.muon(1e-2, weight_decay=runs.WEIGHT_DECAY)
+    folded = {"w": grads["Conv_0"]["kernel"].reshape(18, 4)}
+    zeros = {"w": jnp.zeros((18, 4))}
+    expected_muon, _ = matrix.update(folded, matrix.init(zeros), zeros)
+    for conv in ("muon", "adam"):
+        tx = runs.optimizer("muon", runs.Hyper(1e-2, conv=conv, adam_ratio=0.1))
+        update, _ = tx.update(grads, tx.init(params), params)
+        kernel = np.asarray(update["Conv_0"]["kernel"])
+        if conv == "adam":
+            # Adam's first step (Nesterov, as optax's muon runs it) is a fixed multiple of
+            # -adam_lr * sign(g): one magnitude for every element.
+            sign = np.sign(np.asarray(grads["Conv_0"]["kernel"]))
+            np.testing.assert_array_equal(np.sign(kernel), -sign)
+            np.testing.assert_allclose(np.abs(kernel), np.abs(kernel).flat[0], rtol=1e-5)
+            assert 1e-3 <= np.abs(kernel).flat[0] < 2e-3
+        else:
+            expected = np.asarray(expected_muon["w"]).reshape(3, 3, 2, 4)
+            np.testing.assert_allclose(kernel, expected, rtol=1e-4, atol=1e-8)
 
 
 def test_quick_mode_writes_the_table_and_the_raw_numbers(tmp_path):
@@ -98,31 +220,61 @@ def test_quick_mode_writes_the_table_and_the_raw_numbers(tmp_path):
 
     raw = json.loads((tmp_path / "accuracy.json").read_text())
     (workload,) = raw["workloads"]
-    assert workload["workload"] == "digits_mlp"
-    assert set(workload["runs"]) == set(runs.ROWS)
+    assert workload["workload"] == "fashion_mlp"
+    assert list(workload["runs"]) == list(runs.ROWS)
     for row, row_runs in workload["runs"].items():
         assert [r["seed"] for r in row_runs] == [0, 1], row
         for run in row_runs:
             assert 0.0 <= run["accuracy"] <= 1.0 and run["memory_mib"] > 0
             assert run["evals"][-1]["accuracy"] == run["accuracy"]
-    # The same number of tuning trials for both optimizers.
-    assert len(workload["tuning"]["fp32"]) == len(workload["tuning"]["triaccel"]) == 2
-    # The elastic rows grew their batch; the fixed ones did not.
-    assert {r["run_batch"] for r in workload["runs"]["fp32"]} == {workload["batch"]}
-    assert max(r["run_batch"] for r in workload["runs"]["elastic"]) > workload["batch"]
+            assert run["hyper"] == workload["chosen"][runs.base_row(row)], row
+    # The same number of tuning trials for every optimizer, all four tuned.
+    assert list(workload["tuning"]) == list(runs.BASE_ROWS)
+    assert {len(trials) for trials in workload["tuning"].values()} == {3}
+    # The adapt rows move their batch (from 32 up to 64) and re-plan; the base rows do neither.
+    for base in runs.BASE_ROWS:
+        assert {r["run_batch"] for r in workload["runs"][base]} == {workload["batch"]}
+        assert {r["plans"] for r in workload["runs"][base]} == {0}
+        adapt = workload["runs"][base + runs.ADAPT_SUFFIX]
+        assert max(r["run_batch"] for r in adapt) > workload["batch"], base
+        assert min(r["plans"] for r in adapt) >= 1, base
 
     table = (tmp_path / "accuracy.md").read_text()
-    start = table.index("| configuration | test accuracy")
+    start = table.index("| configuration | hyperparameters | test accuracy")
     lines = table[start:].split("\n\n")[0].splitlines()
-    body = lines[2:]
-    assert all(len(line.split(" | ")) == len(lines[0].split(" | ")) for line in body)
+    header, body = lines[0], lines[2:]
+    for column in (
+        "vs AdamW, points (paired 95% CI)",
+        "steps to AdamW's final (seeds reaching)",
+        "wall s to it",
+        "x AdamW",
+        "largest batch",
+        "re-plans",
+    ):
+        assert column in header
+    assert all(len(line.split(" | ")) == len(header.split(" | ")) for line in body)
+    assert [line.split(" | ")[0][2:] for line in body] == [runs.ROW_LABELS[r] for r in runs.ROWS]
     # The tuning trials are listed too, one line per trial.
-    assert table.count("| AdamW | ") == table.count("| Tri-Accel | ") == 2
-    assert [line.split(" | ")[0][2:] for line in body] == [
-        runs.ROW_LABELS[row] for row in runs.ROWS
-    ]
+    for base in runs.BASE_ROWS:
+        assert table.count(f"| {runs.ROW_LABELS[base]} | ") == 3 + 1, base  # 3 trials, 1 row
     # The table's paired difference is the one recomputed from the raw numbers.
-    fp32 = [r["accuracy"] for r in workload["runs"]["fp32"]]
+    adamw = [r["accuracy"] for r in workload["runs"]["adamw"]]
     tri = [r["accuracy"] for r in workload["runs"]["triaccel"]]
-    mean, low, high = (100 * x for x in stats.paired_interval(tri, fp32))
-    assert f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]" in body[runs.ROWS.index("triaccel")]
+    mean, low, high = (100 * x for x in stats.paired_interval(tri, adamw))
+    interval = f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]"
+    assert interval in body[runs.ROWS.index("triaccel")]
+    # The ablation: the step scale over each direction, with its interval; then the targets.
+    assert f"| triaccel − adamw | {interval} |" in table
+    muon = [r["accuracy"] for r in workload["runs"]["muon"]]
+    over_muon = [r["accuracy"] for r in workload["runs"]["triaccel_muon"]]
+    mean, low, high = (100 * x for x in stats.paired_interval(over_muon, muon))
+    assert f"| triaccel_muon − muon | {mean:+.2f} [{low:+.2f}, {high:+.2f}] |" in table
+    targets = table[table.index("Targets (issue 24):") :]
+    assert targets.count("**met**") + targets.count("**missed**") == 2
+    assert "adds over its direction alone" in targets and "0.7x its steps" in targets
+    summary = workload["summary"]
+    assert [t["met"] for t in summary["targets"]][-1] is True  # two seeds: finite intervals
+    assert not summary["targets"][0]["binding"]  # the first target binds on the small CNN
+    assert {c["row"] for c in summary["targets"][0]["candidates"]} == set(runs.ROWS) - set(
+        report.NOT_SHIPPED
+    )
