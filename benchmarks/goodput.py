@@ -80,6 +80,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from accuracy.stats import first_reaching
 from accuracy.stats import mean_std
 from accuracy.stats import paired_interval
+from accuracy.stats import to_reference
 from accuracy.tuning import log_grid
 
 import triaccel_jax
@@ -300,14 +301,6 @@ def to_target(evals: Sequence[dict[str, Any]], target: float) -> dict[str, float
     return {"steps": hit["step"], "samples": hit["samples"], "seconds": hit["seconds"]}
 
 
-def _median(values: Sequence[float]) -> float | None:
-    """The median, None when empty; an infinite median (most seeds not reached) is None."""
-    if not values:
-        return None
-    value = statistics.median(values)
-    return None if math.isinf(value) else float(value)
-
-
 def target_figures(
     runs: Sequence[dict[str, Any]], reference: Sequence[dict[str, Any]], margin: float
 ) -> dict[str, Any]:
@@ -316,36 +309,11 @@ def target_figures(
     Per seed the target is the reference run's final accuracy less ``margin``; a row's figure
     is read at its first evaluation at or above it. Returns per figure the median over seeds
     that reached it and the median of the per-seed ratios to the reference (a seed that did not
-    reach counts as an infinite ratio; None when the median is infinite), and ``reached``.
+    reach counts as an infinite ratio; None when the median is infinite), and ``reached``: the
+    accuracy study's ``to_reference``, with its ``step`` named ``steps`` as this table names it.
     """
-    by_seed = {r["seed"]: r for r in reference}
-    per_seed = []
-    for run in runs:
-        ref = by_seed[run["seed"]]
-        target = ref["accuracy"] - margin
-        per_seed.append(
-            {
-                "seed": run["seed"],
-                "target": target,
-                "row": to_target(run["evals"], target),
-                "reference": to_target(ref["evals"], target),
-            }
-        )
-    out: dict[str, Any] = {
-        "reached": sum(p["row"] is not None for p in per_seed),
-        "n": len(per_seed),
-        "per_seed": per_seed,
-    }
-    for figure in ("steps", "samples", "seconds"):
-        values = [p["row"][figure] for p in per_seed if p["row"] is not None]
-        ratios = []
-        for p in per_seed:
-            if p["row"] is None or p["reference"] is None:
-                ratios.append(math.inf)
-            else:
-                ratios.append(p["row"][figure] / max(p["reference"][figure], 1e-12))
-        out[figure] = _median(values)
-        out[f"{figure}_ratio"] = _median(ratios)
+    out = to_reference(runs, reference, margin, figures=("step", "samples", "seconds"))
+    out["steps"], out["steps_ratio"] = out.pop("step"), out.pop("step_ratio")
     return out
 
 
