@@ -21,6 +21,7 @@ from jax import lax
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _compression_sharded as compression_sharded
 from triaccel_jax.transforms._triaccel_state import LeafSignals
+from triaccel_jax.transforms._triaccel_state import as_named_tuple
 
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 _HUGE = float(jnp.finfo(jnp.float32).max)
@@ -229,6 +230,57 @@ def refresh_curvature(
         bound=bound,
     )
     return folded.stores, estimator_state, curvature_count, signals
+
+
+def refresh_when_due(
+    state: Any,
+    *,
+    estimate: Callable[[Any], tuple[Any, Any]],
+    treedef: Any,
+    active: list[int],
+    shapes: list[tuple[int, ...]],
+    moments: Callable[[], tuple[dict[int, jax.Array], dict[int, jax.Array]]],
+    curvature_every: Any,
+    axis_name: str | None,
+    curvature_decay: Any,
+    alpha: Any,
+    min_scale: Any,
+    max_scale: Any,
+    bound: str = "clip",
+) -> tuple[list[Any], Any, jax.Array, list[LeafSignals]]:
+    """:func:`refresh_curvature` on the steps it is due (every ``curvature_every``, from the
+    first, under ``lax.cond``); the stored stores and signals on the others.
+
+    ``state`` is a state keeping signals (``scale_by_triaccel``'s or ``curvature_signals``'s):
+    its ``count`` (before this step), ``curvature``, ``leaf_signals``, ``estimator_state`` and
+    ``curvature_count`` are read. Returns ``(stores, estimator_state, curvature_count,
+    signals)``, the stores and signals flattened like the updates.
+    """
+    stores = [
+        as_named_tuple(compression.CompressedDiagonal, x)
+        for x in treedef.flatten_up_to(state.curvature)
+    ]
+    signals = [as_named_tuple(LeafSignals, x) for x in treedef.flatten_up_to(state.leaf_signals)]
+
+    def refresh(operand):
+        return refresh_curvature(
+            operand,
+            estimate=estimate,
+            treedef=treedef,
+            active=active,
+            shapes=shapes,
+            moments=moments,
+            axis_name=axis_name,
+            curvature_decay=curvature_decay,
+            alpha=alpha,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            bound=bound,
+        )
+
+    due = state.count % jnp.asarray(curvature_every, jnp.int32) == 0
+    operand = (stores, state.estimator_state, state.curvature_count, signals)
+    return lax.cond(due, refresh, lambda operand: operand, operand)
 
 
 def _all_finite(tree: Any) -> jax.Array:

@@ -29,7 +29,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from triaccel_jax import kernels
 from triaccel_jax import policy as policy_lib
@@ -43,7 +42,6 @@ from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._config import resolve_config
 from triaccel_jax.transforms._triaccel_state import LeafSignals
 from triaccel_jax.transforms._triaccel_state import ScaleByTriAccelState
-from triaccel_jax.transforms._triaccel_state import as_named_tuple
 
 # The curvature store's outlier indices are int32 flat indices into a leaf (and XLA's top_k
 # over a flattened leaf counts in int32).
@@ -336,36 +334,22 @@ def curvature_signals(
             m_hat[i] = m / correction1
             v_hat[i] = new_nu[i] / correction2
 
-        stores = [
-            as_named_tuple(compression.CompressedDiagonal, x)
-            for x in treedef.flatten_up_to(state.curvature)
-        ]
-        old_signals = [
-            as_named_tuple(LeafSignals, x) for x in treedef.flatten_up_to(state.leaf_signals)
-        ]
-
-        def refresh(operand):
-            return refresh_lib.refresh_curvature(
-                operand,
-                estimate=lambda estimator_state: estimator_tx.update(
-                    updates, estimator_state, params, loss_fn=loss_fn
-                ),
-                treedef=treedef,
-                active=active,
-                shapes=[getattr(g, "shape", ()) for g in grads],
-                moments=lambda: (m_hat, v_hat),
-                axis_name=axis_name,
-                curvature_decay=curvature_decay,
-                # alpha 0 with bounds 1: the observer's step scale is 1.
-                alpha=0.0,
-                min_scale=1.0,
-                max_scale=1.0,
-            )
-
-        due = state.count % jnp.asarray(curvature_every, jnp.int32) == 0
-        operand = (stores, state.estimator_state, state.curvature_count, old_signals)
-        stores, estimator_state, curvature_count, new_signals = lax.cond(
-            due, refresh, lambda operand: operand, operand
+        stores, estimator_state, curvature_count, new_signals = refresh_lib.refresh_when_due(
+            state,
+            estimate=lambda estimator_state: estimator_tx.update(
+                updates, estimator_state, params, loss_fn=loss_fn
+            ),
+            treedef=treedef,
+            active=active,
+            shapes=[getattr(g, "shape", ()) for g in grads],
+            moments=lambda: (m_hat, v_hat),
+            curvature_every=curvature_every,
+            axis_name=axis_name,
+            curvature_decay=curvature_decay,
+            # alpha 0 with bounds 1: the observer's step scale is 1.
+            alpha=0.0,
+            min_scale=1.0,
+            max_scale=1.0,
         )
         new_state = CurvatureSignalsState(
             count=count,

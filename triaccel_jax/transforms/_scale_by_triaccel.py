@@ -18,27 +18,22 @@ The per-leaf scalars are kept in the state for :func:`triaccel_jax.signals`.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from triaccel_jax import kernels
 from triaccel_jax._src import validation
 from triaccel_jax.kernels import cast as cast_kernel
 from triaccel_jax.transforms import _block_scale as block_scale
-from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _curvature_refresh as refresh_lib
 from triaccel_jax.transforms import _curvature_signals as signals_lib
 from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._config import resolve_config
-from triaccel_jax.transforms._triaccel_state import LeafSignals
 from triaccel_jax.transforms._triaccel_state import ScaleByTriAccelState
-from triaccel_jax.transforms._triaccel_state import as_named_tuple
 from triaccel_jax.transforms._triaccel_step import CurvatureStep
 from triaccel_jax.transforms._triaccel_step import StepInputs
 from triaccel_jax.transforms._triaccel_step import TriAccelParts
@@ -189,16 +184,9 @@ def scale_by_triaccel(
         then; the other steps reuse the stored ones.
         """
         treedef, active = inputs.treedef, inputs.active
-        stores = [
-            as_named_tuple(compression.CompressedDiagonal, x)
-            for x in treedef.flatten_up_to(state.curvature)
-        ]
-        old_signals = [
-            as_named_tuple(LeafSignals, x) for x in treedef.flatten_up_to(state.leaf_signals)
-        ]
         shapes = [getattr(g, "shape", ()) for g in inputs.grads]
-        refresh = functools.partial(
-            refresh_lib.refresh_curvature,
+        stores, estimator_state, curvature_count, new_signals = refresh_lib.refresh_when_due(
+            state,
             estimate=lambda estimator_state: estimator_tx.update(
                 updates, estimator_state, params, loss_fn=inputs.loss_fn
             ),
@@ -206,17 +194,13 @@ def scale_by_triaccel(
             active=active,
             shapes=shapes,
             moments=moments,
+            curvature_every=curvature_every,
             axis_name=axis_name,
             curvature_decay=curvature_decay,
             alpha=alpha,
             min_scale=min_scale,
             max_scale=max_scale,
             bound=config.bound,
-        )
-        due = state.count % jnp.asarray(curvature_every, jnp.int32) == 0
-        operand = (stores, state.estimator_state, state.curvature_count, old_signals)
-        stores, estimator_state, curvature_count, new_signals = lax.cond(
-            due, refresh, lambda operand: operand, operand
         )
         scales: dict[int, Any] = {i: new_signals[i].step_scale for i in active}
         if config.scale == "block":
