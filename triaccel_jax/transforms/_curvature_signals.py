@@ -60,8 +60,9 @@ class CurvatureSignalsState(NamedTuple):
       mu: EMA of the gradients (decay ``b1``), in the state dtype.
       nu_mean: per-leaf float32 scalar, EMA of ``mean(g**2)`` over the leaf (decay ``b2``).
       curvature: the curvature EMA per leaf, a :class:`triaccel_jax.transforms.CompressedDiagonal`.
-      leaf_signals: :class:`triaccel_jax.transforms.LeafSignals` per leaf (``step_scale`` is 1:
-        an observer scales nothing).
+      leaf_signals: :class:`triaccel_jax.transforms.LeafSignals` per leaf (``step_scale`` is 1
+        for :func:`curvature_signals`, which scales nothing, and the scale
+        :func:`triaccel_jax.scale_by_curvature` applies inside that transform).
       estimator_state: the curvature estimator's state.
       rounding_key: uint32 PRNG key data for the stochastic rounding of ``mu``.
     """
@@ -267,6 +268,40 @@ def curvature_signals(
       Tri-Accel, arXiv 2508.16905; Kunstner et al., 2019, "Limitations of the Empirical Fisher
       Approximation"; Yao et al., 2021, "ADAHESSIAN" (Hutchinson's diagonal).
     """
+    # alpha 0 with bounds 1: the observer's step scale is 1.
+    return signals_with_scales(
+        b1,
+        b2,
+        config=config,
+        curvature_every=curvature_every,
+        curvature_decay=curvature_decay,
+        seed=seed,
+        axis_name=axis_name,
+        alpha=0.0,
+        min_scale=1.0,
+        max_scale=1.0,
+    )
+
+
+def signals_with_scales(
+    b1: Any,
+    b2: Any,
+    *,
+    config: TriAccelConfig | None,
+    curvature_every: Any,
+    curvature_decay: Any,
+    seed: Any,
+    axis_name: str | None,
+    alpha: Any,
+    min_scale: Any,
+    max_scale: Any,
+) -> optax.GradientTransformationExtraArgs:
+    """:func:`curvature_signals` whose signals also hold Tri-Accel's step scale at ``alpha``.
+
+    The scales are refreshed with the curvature (``refresh_when_due``), as
+    ``scale_by_triaccel``'s are; :func:`triaccel_jax.scale_by_curvature` applies them. The
+    updates are returned untouched.
+    """
     validation.check_in_range("b1", b1, 0.0, 1.0, high_inclusive=False)
     validation.check_in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
     config = resolve_config(config)
@@ -346,10 +381,10 @@ def curvature_signals(
             curvature_every=curvature_every,
             axis_name=axis_name,
             curvature_decay=curvature_decay,
-            # alpha 0 with bounds 1: the observer's step scale is 1.
-            alpha=0.0,
-            min_scale=1.0,
-            max_scale=1.0,
+            alpha=alpha,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            bound=config.bound,
         )
         new_state = CurvatureSignalsState(
             count=count,

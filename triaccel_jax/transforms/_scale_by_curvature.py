@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import optax
 
 from triaccel_jax._src import validation
-from triaccel_jax.transforms import _curvature_refresh as refresh_lib
 from triaccel_jax.transforms import _curvature_signals as observer
 from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._config import resolve_config
@@ -125,7 +124,7 @@ def scale_by_curvature(
     validation.check_in_range("min_scale", min_scale, 0.0, float("inf"), low_inclusive=False)
     validation.check_in_range("max_scale", max_scale, 0.0, float("inf"), low_inclusive=False)
     validation.check_not_above("min_scale", min_scale, "max_scale", max_scale)
-    signals_tx = observer.curvature_signals(
+    signals_tx = observer.signals_with_scales(
         b1,
         b2,
         config=config,
@@ -133,6 +132,9 @@ def scale_by_curvature(
         curvature_decay=curvature_decay,
         seed=seed,
         axis_name=axis_name,
+        alpha=alpha,
+        min_scale=min_scale,
+        max_scale=max_scale,
     )
     direction = optax.with_extra_args_support(direction)
 
@@ -161,20 +163,12 @@ def scale_by_curvature(
             as_named_tuple(LeafSignals, x)
             for x in observer.flatten_like_updates(treedef, signals_state.leaf_signals)
         ]
-        active = [i for i, node in enumerate(held) if isinstance(node, LeafSignals)]
-        scales = refresh_lib.step_scales(
-            {i: held[i].mean_curvature for i in active},
-            alpha=alpha,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            bound=config.bound,
-        )
-        for i in active:
-            # In float32 (or wider), then back: a bfloat16 step is scaled without a promotion.
-            wide = jnp.promote_types(leaves[i].dtype, jnp.float32)
-            leaves[i] = (scales[i].astype(wide) * leaves[i].astype(wide)).astype(leaves[i].dtype)
-            held[i] = held[i]._replace(step_scale=scales[i])
-        signals_state = signals_state._replace(leaf_signals=treedef.unflatten(held))
+        for i, node in enumerate(held):
+            if isinstance(node, LeafSignals):
+                # In float32 (or wider), then back: a bfloat16 step is scaled without promotion.
+                wide = jnp.promote_types(leaves[i].dtype, jnp.float32)
+                scaled = node.step_scale.astype(wide) * leaves[i].astype(wide)
+                leaves[i] = scaled.astype(leaves[i].dtype)
         return treedef.unflatten(leaves), ScaleByCurvatureState(signals_state, direction_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
