@@ -8,6 +8,8 @@ trained; with bfloat16 moments within their stochastic rounding.
 
 from __future__ import annotations
 
+import inspect
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -338,3 +340,31 @@ def test_the_flax_train_state_takes_the_fused_path_where_triton_runs_it(monkeypa
     chex.assert_trees_all_equal(got.params, expected.params)
     chex.assert_trees_all_equal(got.compute_params, expected.compute_params)
     chex.assert_trees_all_close(got.opt_state, expected.opt_state, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: triaccel_jax.scale_by_triaccel(),
+        lambda: triaccel_jax.curvature_signals(),
+        lambda: triaccel_jax.scale_by_curvature(optax.scale_by_adam()),
+        lambda: triaccel_jax.triaccel(1e-3),
+    ],
+    ids=["scale_by_triaccel", "curvature_signals", "scale_by_curvature", "triaccel"],
+)
+def test_no_factory_sets_attributes_on_its_functions(make):
+    # The fused path reads triaccel's hyperparameters from a declared field of its update
+    # (TriAccelUpdate.spec), never from an attribute attached to a function.
+    for function in make():
+        if inspect.isfunction(function):
+            assert not vars(function), sorted(vars(function))
+
+
+def test_the_fused_path_is_recognised_by_the_update_not_by_a_copy_of_its_functions():
+    tx = triaccel_jax.triaccel(1e-3)
+    assert unfused_reason(tx) is None
+    # The same (init, update) pair rebuilt as a transform is still triaccel's.
+    assert unfused_reason(optax.GradientTransformationExtraArgs(*tx)) is None
+    # Its update wrapped in a plain function is not: nothing is copied across.
+    wrapped = optax.GradientTransformationExtraArgs(tx.init, lambda *a, **k: tx.update(*a, **k))
+    assert unfused_reason(wrapped) is not None

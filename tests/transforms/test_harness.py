@@ -7,6 +7,8 @@ fixture, compare jit with eager themselves, or train for many steps, jitted as u
 
 from __future__ import annotations
 
+import inspect
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -66,6 +68,17 @@ def test_jit_matches_eager(variant):
     eager, _ = run(tx, variant, make_params(), 2, jit=False)
     jitted, _ = run(tx, variant, make_params(), 2, jit=True)
     chex.assert_trees_all_close(eager, jitted, rtol=1e-5, atol=1e-6)
+
+
+@variants
+def test_the_transform_is_only_its_init_and_update(variant):
+    # Nothing rides on attributes set on the functions: what a transform holds is its fields.
+    tx = variant.make(1e-2)
+    assert len(tx) == 2
+    for function in tx:
+        assert callable(function)
+        if inspect.isfunction(function):
+            assert not vars(function), f"attributes set on a function: {sorted(vars(function))}"
 
 
 @variants

@@ -87,7 +87,7 @@ def triaccel(
     validation.check_learning_rate(learning_rate)
     validation.check_in_range("weight_decay", weight_decay, 0.0, float("inf"))
     config = config_lib.resolve_config(config)
-    direction = transform.scale_by_triaccel(
+    direction, parts = transform.build_scale_by_triaccel(
         b1,
         b2,
         eps,
@@ -107,15 +107,13 @@ def triaccel(
         optax.scale_by_learning_rate(learning_rate),
     )
     tx = _in_gradient_dtype(optax.chain(direction, _masked_to_trainable(step)))
-    # What fused_apply needs to write this optimizer's step in one pass per leaf.
+    # fused_apply writes this optimizer's step in one pass per leaf from the same pieces.
     spec = fused_lib.FusedSpec(
-        direction=direction.update.triaccel_parts,
-        learning_rate=learning_rate,
-        weight_decay=weight_decay,
-        mask=mask,
+        direction=parts, learning_rate=learning_rate, weight_decay=weight_decay, mask=mask
     )
-    setattr(tx.update, fused_lib.FUSED_SPEC_ATTRIBUTE, spec)
-    return tx
+    return optax.GradientTransformationExtraArgs(
+        tx.init, fused_lib.TriAccelUpdate(spec=spec, unfused=tx.update)
+    )
 
 
 def _in_gradient_dtype(inner: optax.GradientTransformation) -> optax.GradientTransformation:

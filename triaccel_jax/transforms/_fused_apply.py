@@ -17,6 +17,8 @@ of what is computed beyond the rounding and random bits listed in :func:`fused_a
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
@@ -32,12 +34,9 @@ from triaccel_jax.transforms import _triaccel_state as triaccel_state
 from triaccel_jax.transforms._triaccel_step import TriAccelParts
 from triaccel_jax.transforms._triaccel_step import next_state
 
-# The attribute `triaccel` sets on its update function (its hyperparameters for this module).
-FUSED_SPEC_ATTRIBUTE = "triaccel_fused_spec"
-
 
 class FusedSpec(NamedTuple):
-    """What :func:`triaccel_jax.triaccel` records for the fused path.
+    """The hyperparameters :func:`triaccel_jax.triaccel`'s fused form is built from.
 
     Attributes:
       direction: the :class:`TriAccelParts` of its ``scale_by_triaccel``.
@@ -50,6 +49,31 @@ class FusedSpec(NamedTuple):
     learning_rate: Any
     weight_decay: Any
     mask: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TriAccelUpdate:
+    """The ``update`` of a transform made by :func:`triaccel_jax.triaccel`.
+
+    A callable with optax's update signature that runs ``unfused`` (the optax chain's update),
+    and declares ``spec``: the same hyperparameters, from which :func:`fused_apply` builds the
+    fused step. The transform stays a plain ``(init, update)`` pair; what the fused path needs is
+    a declared, typed field of its update rather than something attached to a function. Compared
+    and hashed by identity, as a function is (so a Flax train state can hold it as a static
+    field).
+
+    Attributes:
+      spec: the :class:`FusedSpec`.
+      unfused: ``(updates, state, params=None, **extra_args) -> (updates, state)``.
+    """
+
+    spec: FusedSpec
+    unfused: Callable[..., tuple[Any, Any]]
+
+    def __call__(
+        self, updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        return self.unfused(updates, state, params, **extra_args)
 
 
 class FusedApply(NamedTuple):
@@ -67,7 +91,8 @@ class FusedApply(NamedTuple):
 
 
 def _spec(tx: Any) -> FusedSpec | None:
-    return getattr(getattr(tx, "update", None), FUSED_SPEC_ATTRIBUTE, None)
+    update = getattr(tx, "update", None)
+    return update.spec if isinstance(update, TriAccelUpdate) else None
 
 
 def unfused_reason(tx: Any, opt_state: Any = None) -> str | None:

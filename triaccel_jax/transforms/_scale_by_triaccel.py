@@ -112,6 +112,42 @@ def scale_by_triaccel(
     References:
       Tri-Accel, arXiv 2508.16905. Kingma & Ba, 2015, "Adam". Yao et al., 2021, "ADAHESSIAN".
     """
+    transform, _ = build_scale_by_triaccel(
+        b1,
+        b2,
+        eps,
+        config=config,
+        curvature_every=curvature_every,
+        curvature_decay=curvature_decay,
+        alpha=alpha,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        seed=seed,
+        axis_name=axis_name,
+    )
+    return transform
+
+
+def build_scale_by_triaccel(
+    b1: Any,
+    b2: Any,
+    eps: Any,
+    *,
+    config: TriAccelConfig | None,
+    curvature_every: Any,
+    curvature_decay: Any,
+    alpha: Any,
+    min_scale: Any,
+    max_scale: Any,
+    seed: Any,
+    axis_name: str | None,
+) -> tuple[optax.GradientTransformationExtraArgs, TriAccelParts]:
+    """:func:`scale_by_triaccel` and the :class:`TriAccelParts` its update is made of.
+
+    :func:`triaccel_jax.triaccel` builds its direction here, so that its fused form
+    (:func:`triaccel_jax.transforms.fused_apply`) runs the same preparation and curvature step
+    as its optax update. Arguments and errors as :func:`scale_by_triaccel`'s.
+    """
     validation.check_in_range("b1", b1, 0.0, 1.0, high_inclusive=False)
     validation.check_in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
     validation.check_in_range("eps", eps, 0.0, float("inf"))
@@ -247,8 +283,7 @@ def scale_by_triaccel(
             out[i] = (curvature.scales[i] * direction[i]).astype(grads[i].dtype)
         return treedef.unflatten(out), next_state(state, inputs, curvature, new_mu, new_nu)
 
-    # What the fused update (triaccel_jax.transforms.fused_apply) needs of this transform.
-    update_fn.triaccel_parts = TriAccelParts(  # type: ignore[attr-defined]
+    parts = TriAccelParts(
         b1=b1,
         b2=b2,
         eps=eps,
@@ -257,5 +292,4 @@ def scale_by_triaccel(
         prepare=prepare,
         curvature_step=curvature_step,
     )
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn), parts

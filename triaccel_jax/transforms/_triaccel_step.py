@@ -68,7 +68,7 @@ class CurvatureStep(NamedTuple):
 
 
 class TriAccelParts(NamedTuple):
-    """What a ``scale_by_triaccel`` transform exposes to the fused update.
+    """The pieces a ``scale_by_triaccel`` update is made of, which the fused update runs too.
 
     Attributes:
       b1: decay of the first moment.
