@@ -99,6 +99,7 @@ import jax
 # The study's parts are the package benchmarks/accuracy/, imported from this folder.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+from accuracy.report import defaults_text
 from accuracy.report import section
 from accuracy.report import summarize
 from accuracy.runs import BASE_ROWS
@@ -322,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def write_markdown(report: dict[str, Any], path: pathlib.Path, log: Callable[[str], None]) -> None:
     """Writes (and logs) the markdown sections of every workload in ``report``."""
     text = "\n\n".join(section(r, report["margin"]) for r in report["workloads"])
+    text += "\n\n" + defaults_text(report["workloads"])
     if "seconds" in report:
         text += f"\n\nTotal wall time of the study: {report['seconds'] / 60:.1f} min."
     path.write_text(text + "\n")

@@ -3,6 +3,7 @@ final accuracy, the ablation of Tri-Accel's step scale and of the adaptations, a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from typing import Any
@@ -268,6 +269,100 @@ def tuning_table(result: dict[str, Any]) -> str:
                 f"| {Hyper(**trial['hyper']).describe(row, result.get('has_conv', True))} "
                 f"| {100 * trial['validation']:.2f}% | {mark} |"
             )
+    return "\n".join(lines)
+
+
+# Tri-Accel's step-scale options (TriAccelConfig.bound and the scale's alpha and bounds): the
+# library's defaults, which the validation split may replace.
+SCALE_OPTIONS = ("alpha", "min_scale", "max_scale", "bound")
+
+
+def _scale_options(hyper: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(hyper[name] for name in SCALE_OPTIONS)
+
+
+def scale_option_gains(results: list[dict[str, Any]], row: str) -> dict[tuple[Any, ...], float]:
+    """Each step-scale option's validation gain over the defaults at the same learning rate.
+
+    Every tuning trial of ``row`` whose learning rate is the one a trial at the default options
+    also ran at gives ``validation(option) - validation(defaults)`` on its workload; the gain is
+    the mean over the workloads that tried the option (the defaults' own gain is 0).
+
+    Returns:
+      ``{(alpha, min_scale, max_scale, bound): mean gain}``, in accuracy fractions.
+    """
+    default = _scale_options(dataclasses.asdict(Hyper(lr=0.0)))
+    gains: dict[tuple[Any, ...], list[float]] = {}
+    for result in results:
+        trials = result["tuning"].get(row, [])
+        at_defaults = {
+            t["hyper"]["lr"]: t["validation"]
+            for t in trials
+            if _scale_options(t["hyper"]) == default
+        }
+        for trial in trials:
+            lr = trial["hyper"]["lr"]
+            if lr in at_defaults:
+                gain = trial["validation"] - at_defaults[lr]
+                gains.setdefault(_scale_options(trial["hyper"]), []).append(gain)
+    return {option: statistics.mean(values) for option, values in gains.items()}
+
+
+def picked_scale_options(results: list[dict[str, Any]], row: str) -> tuple[Any, ...]:
+    """The step-scale options the validation split picks for ``row``: the largest mean gain
+    over the defaults (:func:`scale_option_gains`), the defaults unless an option gains."""
+    gains = scale_option_gains(results, row)
+    default = _scale_options(dataclasses.asdict(Hyper(lr=0.0)))
+    best = max(gains.items(), key=lambda item: item[1], default=(default, 0.0))
+    return best[0] if best[1] > 0 else default
+
+
+def validation_ranking(results: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """The base rows by the mean over workloads of their chosen trial's validation accuracy,
+    best first (rows tuned on every workload only)."""
+    scores: dict[str, list[float]] = {}
+    for result in results:
+        for row, trials in result["tuning"].items():
+            chosen = result["chosen"].get(row)
+            score = max((t["validation"] for t in trials if t["hyper"] == chosen), default=None)
+            if score is not None:
+                scores.setdefault(row, []).append(score)
+    complete = {row: v for row, v in scores.items() if len(v) == len(results)}
+    ranked = [(row, statistics.mean(v)) for row, v in complete.items()]
+    return sorted(ranked, key=lambda item: -item[1])
+
+
+def _describe_options(option: tuple[Any, ...]) -> str:
+    alpha, low, high, bound = option
+    return f"alpha {alpha:g}, {bound} [{low:g}, {high:g}]"
+
+
+def defaults_text(results: list[dict[str, Any]]) -> str:
+    """What the validation split picks (never the test set): the best configuration, and
+    Tri-Accel's step-scale options over each direction, over every workload in ``results``."""
+    names = ", ".join(r["workload"] for r in results)
+    lines = [f"Picked on the validation split (tuning seed; workloads {names}):", ""]
+    ranking = validation_ranking(results)
+    if ranking:
+        order = "; ".join(f"{ROW_LABELS[row]} {100 * v:.2f}%" for row, v in ranking)
+        lines.append(f"- configurations by mean validation accuracy: {order}.")
+    default = _scale_options(dataclasses.asdict(Hyper(lr=0.0)))
+    for row in ("triaccel", "triaccel_muon"):
+        gains = scale_option_gains(results, row)
+        if not gains:
+            continue
+        listed = "; ".join(
+            f"{_describe_options(option)} {100 * gain:+.2f}"
+            for option, gain in sorted(gains.items(), key=lambda item: -item[1])
+            if option != default
+        )
+        picked = picked_scale_options(results, row)
+        verdict = "the defaults" if picked == default else _describe_options(picked)
+        lines.append(
+            f"- the step-scale options of {ROW_LABELS[row]}, mean validation points against "
+            f"the defaults ({_describe_options(default)}) at the same learning rate: {listed}; "
+            f"picked: {verdict}."
+        )
     return "\n".join(lines)
 
 

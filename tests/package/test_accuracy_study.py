@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -278,3 +279,52 @@ def test_quick_mode_writes_the_table_and_the_raw_numbers(tmp_path):
     assert {c["row"] for c in summary["targets"][0]["candidates"]} == set(runs.ROWS) - set(
         report.NOT_SHIPPED
     )
+
+
+def _trial(lr, validation, **options):
+    hyper = {**dataclasses.asdict(runs.Hyper(lr=lr)), **options}
+    return {"hyper": hyper, "validation": validation}
+
+
+def _tuned(workload, trials, chosen):
+    return {"workload": workload, "tuning": trials, "chosen": chosen}
+
+
+def test_the_validation_split_picks_the_scale_options_and_the_best_configuration():
+    smooth = {"bound": "smooth"}
+    wide = {"alpha": 1.0, "min_scale": 0.25, "max_scale": 4.0}
+    a = _tuned(
+        "a",
+        {
+            "adamw": [_trial(1e-3, 0.80), _trial(3e-3, 0.85)],
+            "triaccel": [
+                _trial(1e-3, 0.84),
+                _trial(3e-3, 0.86),
+                _trial(3e-3, 0.87, **smooth),  # +1 point over the defaults at 3e-3
+                _trial(3e-3, 0.83, **wide),  # -3 points
+            ],
+        },
+        {"adamw": _trial(3e-3, 0)["hyper"], "triaccel": _trial(3e-3, 0, **smooth)["hyper"]},
+    )
+    b = _tuned(
+        "b",
+        {
+            "adamw": [_trial(1e-3, 0.86)],
+            "triaccel": [_trial(1e-3, 0.88), _trial(1e-3, 0.875, **smooth)],  # -0.5 points
+        },
+        {"adamw": _trial(1e-3, 0)["hyper"], "triaccel": _trial(1e-3, 0)["hyper"]},
+    )
+    default = (0.5, 0.5, 2.0, "clip")
+    gains = report.scale_option_gains([a, b], "triaccel")
+    assert gains[default] == 0.0
+    assert gains[(0.5, 0.5, 2.0, "smooth")] == pytest.approx((0.01 - 0.005) / 2)
+    assert gains[(1.0, 0.25, 4.0, "clip")] == pytest.approx(-0.03)
+    assert report.picked_scale_options([a, b], "triaccel") == (0.5, 0.5, 2.0, "smooth")
+    # On b alone the smooth bound loses: the defaults stay.
+    assert report.picked_scale_options([b], "triaccel") == default
+    # Chosen trials' validation, averaged over workloads: Tri-Accel (0.87 + 0.88) / 2, AdamW
+    # (0.85 + 0.86) / 2.
+    ranking = report.validation_ranking([a, b])
+    assert [row for row, _ in ranking] == ["triaccel", "adamw"]
+    assert ranking[0][1] == pytest.approx(0.875) and ranking[1][1] == pytest.approx(0.855)
+    assert "picked: alpha 0.5, smooth [0.5, 2]" in report.defaults_text([a, b])
