@@ -299,20 +299,17 @@ def goodput_controller(probe, *, target_noise=0.5, **settings):
         inputs, targets = batch
         return jnp.mean((inputs @ params - targets) ** 2)
 
-    return triaccel_jax.Controller(
-        loss,
-        jnp.zeros(8),
-        optax.sgd(0.02),
-        (x, y),
+    defaults = dict(
         min_batch=8,
         max_batch=512,
         batch_size=8,
-        probe=probe,
         check_every=5,
         patience=1,
         batch_rule="goodput",
         throughput_model="linear",
-        **settings,
+    )
+    return triaccel_jax.Controller(
+        loss, jnp.zeros(8), optax.sgd(0.02), (x, y), probe=probe, **{**defaults, **settings}
     )
 
 
@@ -417,3 +414,29 @@ def test_noiseless_targets_keep_the_batch_small_and_noisy_targets_grow_it():
     assert max(i.micro_batch for i in quiet_infos) <= 32
     assert noisy.batch_size >= 128
     assert noisy_infos[-1].noise_scale > 10 * quiet_infos[-1].noise_scale
+
+
+def test_a_run_that_starts_on_an_odd_bucket_moves_up_to_measure_the_noise_scale():
+    # Bucket 1 cannot be split in two halves, so no step there measures the noise scale; without
+    # a measurement goodput never moves. The controller goes to the next bucket to measure it,
+    # and says why.
+    controller = goodput_controller(triaccel_jax.FakeMemoryProbe(10**12), min_batch=1, batch_size=1)
+    assert controller.batch_size == 1
+    infos = controller.run(60)
+    first = next(e for e in controller.events if e.kind == "grow")
+    assert (first.old, first.new) == (1, 2)
+    assert "cannot measure the noise scale" in first.reason
+    assert any(i.noise_scale is not None for i in infos)
+    assert controller.batch_size > 1
+
+
+def test_goodput_without_a_noise_scale_leaves_an_unmeasurable_bucket_for_the_next():
+    unmeasurable = choose_by_goodput(
+        1, (1, 2, 4), noise_scale=None, throughput={1: 10.0}, reference=1, measurable=False
+    )
+    assert unmeasurable.bucket == 2 and "cannot measure the noise scale" in unmeasurable.reason
+    # The largest allowed bucket has nowhere to go; a measurable one waits for its estimate.
+    assert (
+        choose_by_goodput(1, (1,), noise_scale=None, throughput={}, reference=1, measurable=False)
+    ).bucket == 1
+    assert choose_by_goodput(2, (1, 2, 4), noise_scale=None, throughput={}, reference=1).bucket == 2

@@ -127,7 +127,8 @@ class ControllerConfig:
       measure_noise_scale: run a step of one micro-batch as two halves accumulated like
         micro-batches (the update is the same), so that every step measures the gradient noise
         scale; steps of several micro-batches always do. A step of one odd-sized micro-batch
-        runs whole and carries no estimate.
+        runs whole and carries no estimate (with ``batch_rule="goodput"`` and no estimate yet,
+        the batch then moves to the next bucket memory allows, to measure it there).
       batch_rule: how the bucket moves at a memory check. ``"goodput"`` (the default): to the
         bucket of highest goodput (measured throughput x statistical efficiency from the
         gradient noise scale, Pollux) among those memory allows, at most the critical batch; it

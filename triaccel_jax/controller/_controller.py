@@ -941,6 +941,7 @@ class Controller:
             margin=self.config.goodput_margin,
             min_efficiency=self.config.min_efficiency,
             model=self.config.throughput_model,
+            measurable=self._measures_noise(micro),
         )
         kind = "keep" if choice.bucket == micro else "grow" if choice.bucket > micro else "shrink"
         figures = {"noise_scale": self._noise.simple, "goodput": choice.figures}
@@ -1302,6 +1303,12 @@ class Controller:
         if self._splits(step.micro, step.num_micro):
             return step.micro // 2
         return step.micro
+
+    def _measures_noise(self, micro: int) -> bool:
+        """Whether a step at bucket ``micro`` measures the noise scale: one of several
+        micro-batches, or one micro-batch split in halves."""
+        num_micro = self._num_micro(micro)
+        return num_micro > 1 or self._splits(micro, num_micro)
 
     def _splits(self, micro: int, num_micro: int) -> bool:
         """Whether a step runs its one micro-batch as two halves, to measure the noise scale

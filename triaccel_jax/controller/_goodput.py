@@ -152,6 +152,7 @@ def choose_by_goodput(
     margin: float = 0.05,
     min_efficiency: float = 0.5,
     model: str = "measured",
+    measurable: bool = True,
 ) -> GoodputChoice:
     """The bucket of highest goodput (throughput x statistical efficiency) memory allows.
 
@@ -176,6 +177,10 @@ def choose_by_goodput(
       margin: relative goodput gain a move needs, >= 0.
       min_efficiency: the lowest statistical efficiency a bucket may have, in (0, 1].
       model: ``"measured"`` or ``"linear"`` (see above).
+      measurable: whether a step at ``current`` measures the noise scale (a step of one odd
+        micro-batch cannot be split in halves and does not). Without a noise scale, an
+        unmeasurable bucket gives way to the next larger allowed bucket, where it is measured;
+        a measurable one waits for its estimate.
 
     Returns:
       A :class:`GoodputChoice`.
@@ -202,6 +207,14 @@ def choose_by_goodput(
     validation.check_choice("model", model, ("measured", "linear"))
     if current not in allowed:
         raise ValueError(f"the current bucket {current} must be among the allowed {allowed}")
+    larger = [b for b in allowed if b > current]
+    if noise_scale is None and not measurable and larger:
+        return GoodputChoice(
+            larger[0],
+            f"a step of micro-batch {current} cannot measure the noise scale (it cannot be "
+            f"split in halves): to {larger[0]} to measure it",
+            {},
+        )
     if noise_scale is None or current not in throughput:
         return GoodputChoice(current, "the noise scale or throughput is not measured yet", {})
     figures: dict[int, dict[str, float | str]] = {}
