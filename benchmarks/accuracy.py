@@ -99,6 +99,7 @@ import jax
 # The study's parts are the package benchmarks/accuracy/, imported from this folder.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+from accuracy.confirm import confirm
 from accuracy.report import defaults_text
 from accuracy.report import section
 from accuracy.report import summarize
@@ -260,6 +261,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="only write the tables from these accuracy.json files (no training)",
     )
+    parser.add_argument(
+        "--confirm-from",
+        type=pathlib.Path,
+        nargs="+",
+        default=None,
+        help="no study: run the step-scale options these accuracy.json files pick against the "
+        "defaults on the validation split at more tuning seeds (confirm.json)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         # The MLP's programs compile in seconds; the CNN's adapt rows take minutes of compiles.
@@ -278,6 +287,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def log(message: str) -> None:
         print(message, flush=True)
+
+    if args.confirm_from is not None:
+        results = [
+            w for path in args.confirm_from for w in json.loads(path.read_text())["workloads"]
+        ]
+        verdicts = [confirm(results, row, log) for row in ("triaccel", "triaccel_muon")]
+        kept = [v for v in verdicts if v is not None]
+        (args.out / "confirm.json").write_text(json.dumps(kept, indent=1))
+        for verdict in kept:
+            log(
+                f"{verdict['row']}: option {verdict['option']} - defaults, validation, "
+                f"{verdict['pairs']} (workload, seed) pairs: {100 * verdict['mean']:+.2f} points "
+                f"[{100 * verdict['low']:+.2f}, {100 * verdict['high']:+.2f}]: "
+                + ("confirmed" if verdict["confirmed"] else "not confirmed: the defaults stay")
+            )
+        return 0
 
     if args.from_json is not None:
         # Re-renders the tables from raw figures already measured: nothing is trained.

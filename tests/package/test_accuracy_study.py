@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -328,3 +329,43 @@ def test_the_validation_split_picks_the_scale_options_and_the_best_configuration
     assert [row for row, _ in ranking] == ["triaccel", "adamw"]
     assert ranking[0][1] == pytest.approx(0.875) and ranking[1][1] == pytest.approx(0.855)
     assert "picked: alpha 0.5, smooth [0.5, 2]" in report.defaults_text([a, b])
+
+
+def test_a_picked_option_is_confirmed_on_validation_at_more_tuning_seeds(monkeypatch):
+    from accuracy import confirm
+
+    wide = {"alpha": 1.0, "min_scale": 0.25, "max_scale": 4.0}
+    study = _tuned(
+        "fashion_mlp",
+        {
+            "triaccel": [
+                _trial(1e-3, 0.84),
+                _trial(3e-3, 0.86),
+                _trial(3e-3, 0.87, **wide),  # the option the study picks, at 3e-3
+            ]
+        },
+        {"triaccel": _trial(3e-3, 0, **wide)["hyper"]},
+    )
+    study["epochs"] = 3
+    assert confirm.default_hyper(study, "triaccel").lr == 3e-3
+    trained = []
+
+    def fake_train(row, hyper, workload, data, evaluate_on, seed, *, epochs, evals_per_epoch):
+        trained.append((row, hyper.alpha, hyper.lr, seed, epochs))
+        # The option is ahead by 1 point at every seed, give or take 0.2.
+        return {"accuracy": 0.80 + (0.01 if hyper.alpha == 1.0 else 0.0) + 0.002 * (seed % 2)}
+
+    monkeypatch.setattr(confirm, "train", fake_train)
+    splits = workloads.Splits(train=SimpleNamespace(test=None), test=None)
+    monkeypatch.setattr(confirm, "load_splits", lambda workload, quick: splits)
+    verdict = confirm.confirm([study], "triaccel", lambda _: None, seeds=(1001, 1002))
+    # The tuning seed's pair is the study's own (not trained again); the others train both.
+    assert sorted(trained) == sorted(
+        ("triaccel", alpha, 3e-3, seed, 3) for alpha in (1.0, 0.5) for seed in (1001, 1002)
+    )
+    assert verdict["pairs"] == 3 and verdict["option"] == [1.0, 0.25, 4.0, "clip"]
+    assert verdict["mean"] == pytest.approx(0.01) and verdict["confirmed"]
+    # Differences that straddle 0 are not a confirmation; the defaults need none.
+    assert not confirm.decide([(0.9, 0.89), (0.88, 0.89), (0.9, 0.9)])["confirmed"]
+    keep = _tuned("fashion_mlp", {"triaccel": [_trial(1e-3, 0.9)]}, {})
+    assert confirm.confirm([keep], "triaccel", lambda _: None) is None
