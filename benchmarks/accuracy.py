@@ -315,10 +315,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.from_json is not None:
         # Re-renders the tables from raw figures already measured: nothing is trained.
-        report = {"workloads": []}
+        report: dict[str, Any] = {"workloads": [], "seconds": 0.0}
         for path in args.from_json:
             loaded = json.loads(path.read_text())
-            report = {**loaded, "workloads": report["workloads"] + loaded["workloads"]}
+            report = {
+                **loaded,
+                "workloads": report["workloads"] + loaded["workloads"],
+                # Studies run one after another: their wall times add up.
+                "seconds": report["seconds"] + loaded.get("seconds", 0.0),
+            }
         report["margin"] = args.margin
         write_markdown(report, args.out / "accuracy.md", log)
         return 0

@@ -280,6 +280,17 @@ def test_quick_mode_writes_the_table_and_the_raw_numbers(tmp_path):
     assert {c["row"] for c in summary["targets"][0]["candidates"]} == set(runs.ROWS) - set(
         report.NOT_SHIPPED
     )
+    assert "Picked on the validation split" in table
+    # Re-rendered from two studies' files (run one after the other), the wall times add up.
+    again = tmp_path / "again"
+    json_path = str(tmp_path / "accuracy.json")
+    command = [sys.executable, "benchmarks/accuracy.py", "--from-json", json_path, json_path]
+    done = subprocess.run(
+        [*command, "--out", str(again)], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    total = f"Total wall time of the study: {2 * raw['seconds'] / 60:.1f} min."
+    assert total in (again / "accuracy.md").read_text()
 
 
 def _trial(lr, validation, **options):
