@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from triaccel_jax._src import validation
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _compression_sharded as compression_sharded
 from triaccel_jax.transforms._triaccel_state import LeafSignals
@@ -145,6 +146,14 @@ def step_scales(
         )
         for i, k in kappa.items()
     }
+
+
+def check_step_scale(alpha: Any, min_scale: Any, max_scale: Any) -> None:
+    """Raises ``ValueError`` unless ``alpha >= 0`` and ``0 < min_scale <= max_scale``."""
+    validation.check_in_range("alpha", alpha, 0.0, float("inf"))
+    validation.check_in_range("min_scale", min_scale, 0.0, float("inf"), low_inclusive=False)
+    validation.check_in_range("max_scale", max_scale, 0.0, float("inf"), low_inclusive=False)
+    validation.check_not_above("min_scale", min_scale, "max_scale", max_scale)
 
 
 def bounded_scale(

@@ -307,6 +307,7 @@ def signals_with_scales(
     config = resolve_config(config)
     validation.check_integer("curvature_every", curvature_every, 1)
     validation.check_in_range("curvature_decay", curvature_decay, 0.0, 1.0, high_inclusive=False)
+    refresh_lib.check_step_scale(alpha, min_scale, max_scale)
     estimator_tx = make_estimator(config, seed)
 
     def init_fn(params: Any) -> CurvatureSignalsState:

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from triaccel_jax._src import validation
 from triaccel_jax.transforms import _curvature_signals as observer
 from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._config import resolve_config
@@ -120,10 +119,6 @@ def scale_by_curvature(
             "scale_by_curvature scales each leaf by one number: TriAccelConfig(scale='block') "
             "is scale_by_triaccel's (Adam's direction) only"
         )
-    validation.check_in_range("alpha", alpha, 0.0, float("inf"))
-    validation.check_in_range("min_scale", min_scale, 0.0, float("inf"), low_inclusive=False)
-    validation.check_in_range("max_scale", max_scale, 0.0, float("inf"), low_inclusive=False)
-    validation.check_not_above("min_scale", min_scale, "max_scale", max_scale)
     signals_tx = observer.signals_with_scales(
         b1,
         b2,

@@ -154,10 +154,7 @@ def build_scale_by_triaccel(
     config = resolve_config(config)
     validation.check_integer("curvature_every", curvature_every, 1)
     validation.check_in_range("curvature_decay", curvature_decay, 0.0, 1.0, high_inclusive=False)
-    validation.check_in_range("alpha", alpha, 0.0, float("inf"))
-    validation.check_in_range("min_scale", min_scale, 0.0, float("inf"), low_inclusive=False)
-    validation.check_in_range("max_scale", max_scale, 0.0, float("inf"), low_inclusive=False)
-    validation.check_not_above("min_scale", min_scale, "max_scale", max_scale)
+    refresh_lib.check_step_scale(alpha, min_scale, max_scale)
     impl = config.impl
     estimator_tx = signals_lib.make_estimator(config, seed)
 
