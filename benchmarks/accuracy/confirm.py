@@ -16,8 +16,10 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
+from .report import DEFAULT_OPTIONS
 from .report import SCALE_OPTIONS
 from .report import picked_scale_options
+from .report import scale_options
 from .runs import Hyper
 from .runs import train
 from .stats import paired_interval
@@ -32,11 +34,10 @@ CONFIRM_SEEDS = (1001, 1002, 1003, 1004)
 def default_hyper(result: dict[str, Any], row: str) -> Hyper:
     """``row``'s best tuning trial at the default step-scale options on ``result``'s workload
     (the options were tried at its learning rate)."""
-    default = Hyper(lr=0.0)
     at_defaults = [
         (t["validation"], -i, Hyper(**t["hyper"]))
         for i, t in enumerate(result["tuning"][row])
-        if all(t["hyper"][name] == getattr(default, name) for name in SCALE_OPTIONS)
+        if scale_options(t["hyper"]) == DEFAULT_OPTIONS
     ]
     if not at_defaults:
         raise ValueError(f"{result['workload']}: {row} has no tuning trial at the defaults")
@@ -71,8 +72,7 @@ def confirm(
       :func:`decide`'s verdict.
     """
     option = picked_scale_options(results, row)
-    defaults = tuple(getattr(Hyper(lr=0.0), name) for name in SCALE_OPTIONS)
-    if option == defaults:
+    if option == DEFAULT_OPTIONS:
         return None
     pairs, records = [], []
     for result in results:

@@ -277,8 +277,12 @@ def tuning_table(result: dict[str, Any]) -> str:
 SCALE_OPTIONS = ("alpha", "min_scale", "max_scale", "bound")
 
 
-def _scale_options(hyper: dict[str, Any]) -> tuple[Any, ...]:
+def scale_options(hyper: dict[str, Any]) -> tuple[Any, ...]:
+    """A trial's step-scale options, in :data:`SCALE_OPTIONS`' order."""
     return tuple(hyper[name] for name in SCALE_OPTIONS)
+
+
+DEFAULT_OPTIONS = scale_options(dataclasses.asdict(Hyper(lr=0.0)))
 
 
 def scale_option_gains(results: list[dict[str, Any]], row: str) -> dict[tuple[Any, ...], float]:
@@ -291,30 +295,31 @@ def scale_option_gains(results: list[dict[str, Any]], row: str) -> dict[tuple[An
     Returns:
       ``{(alpha, min_scale, max_scale, bound): mean gain}``, in accuracy fractions.
     """
-    default = _scale_options(dataclasses.asdict(Hyper(lr=0.0)))
     gains: dict[tuple[Any, ...], list[float]] = {}
     for result in results:
         trials = result["tuning"].get(row, [])
         at_defaults = {
             t["hyper"]["lr"]: t["validation"]
             for t in trials
-            if _scale_options(t["hyper"]) == default
+            if scale_options(t["hyper"]) == DEFAULT_OPTIONS
         }
         for trial in trials:
             lr = trial["hyper"]["lr"]
             if lr in at_defaults:
                 gain = trial["validation"] - at_defaults[lr]
-                gains.setdefault(_scale_options(trial["hyper"]), []).append(gain)
+                gains.setdefault(scale_options(trial["hyper"]), []).append(gain)
     return {option: statistics.mean(values) for option, values in gains.items()}
 
 
 def picked_scale_options(results: list[dict[str, Any]], row: str) -> tuple[Any, ...]:
     """The step-scale options the validation split picks for ``row``: the largest mean gain
     over the defaults (:func:`scale_option_gains`), the defaults unless an option gains."""
-    gains = scale_option_gains(results, row)
-    default = _scale_options(dataclasses.asdict(Hyper(lr=0.0)))
-    best = max(gains.items(), key=lambda item: item[1], default=(default, 0.0))
-    return best[0] if best[1] > 0 else default
+    return _picked(scale_option_gains(results, row))
+
+
+def _picked(gains: dict[tuple[Any, ...], float]) -> tuple[Any, ...]:
+    best = max(gains.items(), key=lambda item: item[1], default=(DEFAULT_OPTIONS, 0.0))
+    return best[0] if best[1] > 0 else DEFAULT_OPTIONS
 
 
 def validation_ranking(results: list[dict[str, Any]]) -> list[tuple[str, float]]:
@@ -346,7 +351,6 @@ def defaults_text(results: list[dict[str, Any]]) -> str:
     if ranking:
         order = "; ".join(f"{ROW_LABELS[row]} {100 * v:.2f}%" for row, v in ranking)
         lines.append(f"- configurations by mean validation accuracy: {order}.")
-    default = _scale_options(dataclasses.asdict(Hyper(lr=0.0)))
     for row in ("triaccel", "triaccel_muon"):
         gains = scale_option_gains(results, row)
         if not gains:
@@ -354,13 +358,13 @@ def defaults_text(results: list[dict[str, Any]]) -> str:
         listed = "; ".join(
             f"{_describe_options(option)} {100 * gain:+.2f}"
             for option, gain in sorted(gains.items(), key=lambda item: -item[1])
-            if option != default
+            if option != DEFAULT_OPTIONS
         )
-        picked = picked_scale_options(results, row)
-        verdict = "the defaults" if picked == default else _describe_options(picked)
+        picked = _picked(gains)
+        verdict = "the defaults" if picked == DEFAULT_OPTIONS else _describe_options(picked)
         lines.append(
             f"- the step-scale options of {ROW_LABELS[row]}, mean validation points against "
-            f"the defaults ({_describe_options(default)}) at the same learning rate: {listed}; "
+            f"the defaults ({_describe_options(DEFAULT_OPTIONS)}) at the same learning rate: {listed}; "
             f"picked: {verdict}."
         )
     return "\n".join(lines)
