@@ -145,8 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--auto-table",
         default=None,
-        help="write the auto table (triaccel_jax/kernels/auto_table.json's format) measured by "
-        "the bandwidth section to this file; pass triaccel_jax/kernels/auto_table.json to change "
+        help="write the auto table (kernels/auto_table.json's format) measured by "
+        "the bandwidth section to this file; pass kernels/auto_table.json to change "
         "what impl='auto' does",
     )
     parser.add_argument(

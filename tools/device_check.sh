@@ -69,8 +69,8 @@ for p in (\"jax\", \"jaxlib\", \"flax\", \"optax\", \"orbax-checkpoint\", \"trit
     except m.PackageNotFoundError:
         print(p, \"-\")
 "'
-# The bandwidth section writes the auto table it measured (triaccel_jax/kernels/auto_table.json's
-# format) beside the log: copy it over triaccel_jax/kernels/auto_table.json to make impl="auto"
+# The bandwidth section writes the auto table it measured (kernels/auto_table.json's
+# format) beside the log: copy it over kernels/auto_table.json to make impl="auto"
 # follow this device's figures.
 step 200 gpu_check python3 benchmarks/gpu_check.py --auto-table "$out/auto_table.json" "$@"
 if [[ "${SKIP_END_TO_END:-0}" != 1 ]]; then

@@ -228,7 +228,7 @@ def bandwidth(n: int, impl: str, iterations: int) -> list[dict[str, Any]]:
 
 
 def write_table(path: str, rows: list[dict[str, Any]], *, dry_run: bool, source: str) -> None:
-    """Writes the auto table for this device (``triaccel_jax/kernels/auto_table.json``'s format)."""
+    """Writes the auto table for this device (``kernels/auto_table.json``'s format)."""
     kind = jax.devices()[0].device_kind
     note = "DRY RUN: tiny sizes, no Triton figures; " if dry_run else ""
     table = _dispatch.write_auto_table(path, rows, device_kind=kind, source=note + source)

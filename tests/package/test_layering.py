@@ -22,6 +22,15 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "triaccel_jax"
+# Subpackages whose folder is not under triaccel_jax/: kernels/ installs as triaccel_jax.kernels
+# (pyproject.toml's [tool.setuptools.package-dir]).
+MAPPED = {"kernels": ROOT / "kernels"}
+
+
+def _folder(package: str) -> pathlib.Path:
+    """Where the subpackage ``triaccel_jax.<package>`` lies in the checkout."""
+    return MAPPED.get(package, PACKAGE / package)
+
 
 # Bottom-up. "" is the top level itself: triaccel_jax/__init__.py and __main__.py.
 LAYERS: tuple[tuple[str, ...], ...] = (
@@ -43,8 +52,14 @@ SHARED_PRIVATE = "_src"
 def _modules() -> dict[str, pathlib.Path]:
     """``{dotted module name: path}`` of every module under triaccel_jax/."""
     modules = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+    paths = [(path, path.relative_to(ROOT)) for path in sorted(PACKAGE.rglob("*.py"))]
+    for package, folder in MAPPED.items():
+        paths += [
+            (path, pathlib.Path("triaccel_jax", package, path.relative_to(folder)))
+            for path in sorted(folder.rglob("*.py"))
+        ]
+    for path, relative in paths:
+        parts = relative.with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
         modules[".".join(parts)] = path
@@ -59,14 +74,14 @@ def _package_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) < 2 or f"triaccel_jax.{parts[1]}" not in MODULES:
         return ""
-    if (PACKAGE / parts[1]).is_dir():
+    if _folder(parts[1]).is_dir():
         return parts[1]
     return ""  # a module of the top level (triaccel_jax.__main__)
 
 
 def _exports(package: str) -> set[str]:
     """The names ``triaccel_jax.<package>``'s __init__.py lists in ``__all__``."""
-    tree = ast.parse((PACKAGE / package / "__init__.py").read_text())
+    tree = ast.parse((_folder(package) / "__init__.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
@@ -76,7 +91,7 @@ def _exports(package: str) -> set[str]:
 
 
 def _public_submodules(package: str) -> set[str]:
-    folder = PACKAGE / package
+    folder = _folder(package)
     names = {p.stem for p in folder.glob("*.py")} | {
         p.name for p in folder.iterdir() if (p / "__init__.py").exists()
     }
@@ -132,7 +147,7 @@ def _edges() -> list[tuple[str, str, Import]]:
             target = imp.target
             # `from triaccel_jax import policy` imports the subpackage; a top-level name is the
             # top level's.
-            if imp.target == "triaccel_jax" and (PACKAGE / str(imp.name) / "__init__.py").exists():
+            if imp.target == "triaccel_jax" and (_folder(str(imp.name)) / "__init__.py").exists():
                 target = f"triaccel_jax.{imp.name}"
             edges.append((_package_of(module), _package_of(target), imp))
     return edges
@@ -142,7 +157,7 @@ EDGES = _edges()
 
 
 def test_every_package_has_a_layer():
-    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} | set(MAPPED)
     assert packages == set(LAYER) - {""}, (
         f"packages without a layer in LAYERS: {sorted(packages - set(LAYER))}; "
         f"layers without a package: {sorted(set(LAYER) - packages - {''})}"
@@ -192,7 +207,7 @@ def test_what_a_package_takes_from_another_is_public():
         imports, tree = _imports(module, path)
         aliases: dict[str, str] = {}
         for imp in imports:
-            if imp.target == "triaccel_jax" and imp.name and (PACKAGE / imp.name).is_dir():
+            if imp.target == "triaccel_jax" and imp.name and _folder(imp.name).is_dir():
                 package, name = imp.name, None  # the subpackage itself, used through an alias
                 aliases[imp.alias or imp.name] = package
             else:
@@ -223,7 +238,7 @@ def test_what_a_package_takes_from_another_is_public():
 @pytest.mark.parametrize("package", [p for p in LAYER if p])
 def test_each_package_lists_only_names_it_defines_or_its_own_modules_export(package):
     # __all__ names resolve to an import in the package's own __init__.py (from its own modules).
-    tree = ast.parse((PACKAGE / package / "__init__.py").read_text())
+    tree = ast.parse((_folder(package) / "__init__.py").read_text())
     bound = {
         alias.asname or alias.name
         for node in tree.body

@@ -172,7 +172,7 @@ def stochastic_apply_updates(
       updates: a tree like ``params`` (``None`` leaves keep their parameter).
       key: PRNG key for stochastic rounding of narrow masters (one stream per leaf).
       impl: how the stochastically rounded writes are computed, passed to the cast kernel:
-        ``"auto"`` (Triton only where CUDA runs it and ``triaccel_jax/kernels/auto_table.json``
+        ``"auto"`` (Triton only where CUDA runs it and ``kernels/auto_table.json``
         measured it faster than XLA), ``"reference"`` or ``"triton"`` (a RuntimeError where Triton cannot
         run).
 

@@ -66,7 +66,7 @@ class TriAccelConfig:
         ``"float32"`` or ``"bfloat16"`` (a dtype is stored as its name; bfloat16 writes are
         stochastically rounded), or a :class:`triaccel_jax.PrecisionPolicy` giving each leaf's.
       impl: how the moments' narrow writes are computed: ``"auto"`` (default: the Triton cast
-        kernel only where CUDA runs it and ``triaccel_jax/kernels/auto_table.json`` measured it
+        kernel only where CUDA runs it and ``kernels/auto_table.json`` measured it
         faster than XLA, else the pure-JAX reference), ``"reference"`` (always the reference;
         bit for bit what ``triaccel`` computed before this option) or ``"triton"`` (refused with a
         RuntimeError at the first update where Triton cannot run). See

@@ -136,7 +136,7 @@ def uses_triton(tx: Any, opt_state: Any) -> bool:
 
     True only where the transform can be fused, the default backend is CUDA with jax_triton,
     and ``impl`` selects Triton for the moments' dtype (``"triton"``, or ``"auto"`` with the
-    measured table ``triaccel_jax/kernels/auto_table.json`` saying so). The controller fuses its
+    measured table ``kernels/auto_table.json`` saying so). The controller fuses its
     step by default exactly then.
     """
     if unfused_reason(tx, opt_state) is not None:

@@ -9,7 +9,7 @@ thread) and reached 0.34x to 0.84x of a device copy.
 
 :data:`CANDIDATES` are the configurations a GPU run measures (every one is compiled for sm_90
 by ``tests/kernels/compile_sm90.py --candidates``, so a choice never fails to build); the
-winner of each operation is recorded in ``triaccel_jax/kernels/auto_table.json`` as ``"launch"``
+winner of each operation is recorded in ``kernels/auto_table.json`` as ``"launch"``
 and read back by :func:`triaccel_jax.kernels._dispatch.launch_config`. This module imports no
 triton.
 """

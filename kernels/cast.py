@@ -222,7 +222,7 @@ def cast(
 
     The implementation is chosen when the call is traced: ``impl="auto"`` runs the Triton kernel
     (through jax-triton) only where JAX's default backend is CUDA, jax_triton imports and the
-    measured table ``triaccel_jax/kernels/auto_table.json`` says ``"triton"`` for this target and
+    measured table ``kernels/auto_table.json`` says ``"triton"`` for this target and
     rounding (see :mod:`triaccel_jax.kernels._dispatch`), and :func:`cast_reference` (compiled by
     XLA) elsewhere. Both draw the same random bits for a key, so they agree bit
     for bit under the Triton interpreter; on a GPU they agree up to the device's arithmetic.

@@ -181,7 +181,7 @@ def write_auto_table(
     figure for the same op; ``"xla"`` otherwise (also when a figure is missing).
 
     Args:
-      path: the file to write (``triaccel_jax/kernels/auto_table.json`` to change what ``auto``
+      path: the file to write (``kernels/auto_table.json`` to change what ``auto``
         does).
       rows: one mapping per measured operation; ``op`` must be in :data:`OPS`.
       device_kind: ``jax.devices()[0].device_kind`` of the measuring device.

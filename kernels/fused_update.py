@@ -257,7 +257,7 @@ def fused_update(
     """:func:`fused_update_reference`, run by the Triton kernel on CUDA (chosen at trace time).
 
     ``impl="auto"`` takes the Triton kernel (through jax-triton) only where JAX's default backend
-    is CUDA, jax_triton imports and the measured table ``triaccel_jax/kernels/auto_table.json`` says
+    is CUDA, jax_triton imports and the measured table ``kernels/auto_table.json`` says
     ``"triton"`` for the moments' dtype; the reference (which XLA fuses) elsewhere; ``"reference"`` and ``"triton"`` force
     one. Both draw the same random bits for a key. This is an optimizer step, not a function to
     differentiate through, so it has no VJP.
