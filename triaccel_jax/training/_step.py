@@ -63,9 +63,11 @@ class StepOutput(NamedTuple):
       micro-batches, unscaled), ``|G_big|^2`` in McCandlish et al. (2018), appendix A;
     * ``micro_grad_sq_norm``: the mean over the micro-batches of each one's squared gradient
       norm (unscaled), ``|G_small|^2`` there at the micro-batch size; equal to ``grad_sq_norm``
-      with one micro-batch (a step made with ``split=True`` counts its two halves as
-      micro-batches), and never below it (the mean of squared norms is at least the
-      squared norm of the mean).
+      with one micro-batch, and never below it with several (the mean of squared norms is at
+      least the squared norm of the mean). A step made with ``split=True`` measures it at half
+      the micro-batch (see :func:`make_train_step`): the mean of its two halves' squared norms
+      for a model without state, the squared norm of one half (an unbiased sample of the same
+      expectation, which may fall below ``grad_sq_norm``) for a model with state.
 
     With ``noise_weights="curvature"`` (see :func:`make_train_step`) two more, computed alike
     from the same unscaled gradients, with each leaf's squared norm weighted by the leaf's mean
@@ -398,14 +400,19 @@ def make_train_step(
       fused: update and apply in one pass per leaf
         (:func:`triaccel_jax.transforms.fused_apply`) instead of ``tx.update`` and
         ``optax.apply_updates``.
-      split: with one micro-batch, run it as two halves accumulated like micro-batches (its
-        size must be even; the even-numbered samples and the odd-numbered ones, so that each
-        device keeps its own rows under data parallelism), so that the step's two squared
-        gradient norms differ and measure the gradient noise scale. For a loss whose per-sample
-        terms are independent the update is the same (the mean of the halves' means is the batch
-        mean); with a model state (BatchNorm) each half computes its own statistics and updates
-        the state in turn, as micro-batches do, and each half gets its own ``rng``. An
-        extra-args optimizer's ``loss_fn`` (Hutchinson's curvature) still sees the whole batch.
+      split: with one micro-batch, also measure the squared gradient norm at half of it, so
+        that the step's two squared norms differ and measure the gradient noise scale, without
+        changing what the step trains on. The halves are the even-numbered samples and the
+        odd-numbered ones of each shard (each device keeps its own rows under data parallelism,
+        explicit sharding included), so the micro-batch must hold an even number of samples on
+        every shard. For a model without state the micro-batch runs as its two halves
+        accumulated like micro-batches: for a loss whose per-sample terms are independent the
+        update is the same (the mean of the halves' means is the batch mean), at no extra cost.
+        For a model with state (BatchNorm), whose statistics depend on the batch they are taken
+        over, the micro-batch runs whole, exactly as without ``split`` (same update, same new
+        statistics, same ``rng``), and the gradient of its first half is computed beside it for
+        its norm only (its state discarded): half a step's work more. An extra-args
+        optimizer's ``loss_fn`` (Hutchinson's curvature) sees the whole batch either way.
       noise_weights: None (the default), or ``"curvature"``: the metrics also carry
         ``curvature_grad_sq_norm`` and ``curvature_micro_grad_sq_norm``, the two squared
         gradient norms with each leaf's weighted by its mean curvature in the optimizer state
@@ -501,9 +508,13 @@ def make_train_step(
         weights = None if noise_weights is None else _curvature_weights(opt_state, params)
         count = num_micro
         whole = jax.tree.map(lambda x: x[0], batch)  # the first micro-batch, unsplit
+        side_half = None  # a half measured beside the whole step (a model with state)
         if split and num_micro == 1:
-            batch = jax.tree.map(_halves, batch)
-            count = 2
+            halves = jax.tree.map(_halves, batch)
+            if jax.tree.leaves(model_state):
+                side_half = jax.tree.map(lambda x: x[0], halves)
+            else:
+                batch, count = halves, 2
         first = jax.tree.map(lambda x: x[0], batch)
         if count == 1:
             grads, new_model_state, metrics, micro_norms = one(
@@ -530,6 +541,10 @@ def make_train_step(
             metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
             micro_norms = {name: jnp.mean(norms) for name, norms in micro_norms.items()}
         norms = micro_norms if count == 1 else sq_norms(grads, scale, weights)
+        if side_half is not None:
+            # Measured only: the statistics and the state this half would compute are dropped,
+            # so that batch norm trains on the whole micro-batch as it does without measuring.
+            micro_norms = one(params, model_state, side_half, rng, scale, weights)[3]
         extra: dict[str, Any] = {}
         if takes_extra:
             extra["loss_fn"] = lambda p: loss_fn(p, new_model_state, whole, policy, rng)[0]
@@ -672,11 +687,54 @@ def check_loss_structure(
 def _halves(leaf: jax.Array) -> jax.Array:
     """A ``(1, b, ...)`` batch leaf as ``(2, b / 2, ...)``: the even-numbered samples, then the
     odd-numbered ones, so that a batch sharded over devices splits within each shard (no
-    gather)."""
+    gather).
+
+    Sample ``i`` goes to row ``i // 2`` of half ``i % 2``: a shard holding samples ``[s * n, (s +
+    1) * n)`` with ``n`` even holds rows ``[s * n / 2, (s + 1) * n / 2)`` of each half, so under
+    sharding in types (Explicit mesh axes) the reshape keeps the batch axis's sharding on the
+    rows. With an odd ``n`` a shard's samples cannot be halved within it; that is refused.
+    """
     size = leaf.shape[1]
-    if size % 2:
-        raise ValueError(f"split=True needs an even micro-batch, got {size} samples")
-    return jnp.swapaxes(leaf.reshape(size // 2, 2, *leaf.shape[2:]), 0, 1)
+    shards, spec = _batch_shards(leaf)
+    if size % 2 or (size // shards) % 2:
+        where = f" on each of {shards} shards" if shards > 1 else ""
+        raise ValueError(
+            f"split=True needs an even micro-batch on every shard, got {size // shards} "
+            f"samples{where}"
+        )
+    sizes = (size // 2, 2, *leaf.shape[2:])
+    if spec is None:
+        pairs = leaf.reshape(sizes)
+    else:
+        out = jax.sharding.PartitionSpec(
+            spec[1] if len(spec) > 1 else None, *([None] * (len(sizes) - 1))
+        )
+        pairs = jax.lax.reshape(leaf[0], sizes, out_sharding=out)
+    return jnp.swapaxes(pairs, 0, 1)
+
+
+def _batch_shards(leaf: jax.Array) -> tuple[int, Any]:
+    """How many shards the batch axis (axis 1) of ``leaf``'s type is split into over Explicit
+    mesh axes, and the type's partition spec (None when no axis is Explicit)."""
+    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not getattr(mesh, "axis_names", ()):
+        return 1, None
+    explicit = {
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == jax.sharding.AxisType.Explicit
+    }
+    if not explicit:
+        return 1, None
+    spec = tuple(sharding.spec)
+    axis = spec[1] if len(spec) > 1 else None
+    names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+    shards = 1
+    for name in names:
+        if name in explicit:
+            shards *= mesh.shape[name]
+    return shards, spec
 
 
 # XLA:CPU runs a convolution's gradient inside a loop body an order of magnitude slower than the
