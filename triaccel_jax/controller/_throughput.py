@@ -158,13 +158,13 @@ def _weighted_line(points: list[tuple[int, float, float]]) -> StepTimeModel:
     det = s * sxx - sx * sx
     fixed = (sxx * sy - sx * sxy) / det
     per_sample = (s * sxy - sx * sy) / det
+    # The unconstrained fit's covariance is kept when a coefficient is clipped: the clip moves
+    # the line within its own uncertainty, and a measured size stays as well known as it is.
     cov = ((sxx / det, -sx / det), (-sx / det, s / det))
     if per_sample < 0.0:  # time falls with the batch: noise; the best non-negative line is flat
         fixed, per_sample = sy / s, 0.0
-        cov = ((1.0 / s, 0.0), (0.0, cov[1][1]))
     elif fixed < 0.0:  # a line through the origin: throughput the same at every size
         fixed, per_sample = 0.0, sxy / sxx
-        cov = ((cov[0][0], 0.0), (0.0, 1.0 / sxx))
     residual = sum(
         w * (y - fixed - per_sample * b) ** 2 for w, (b, y, _) in zip(weights, points, strict=True)
     )

@@ -1,0 +1,194 @@
+"""The goodput batch rule on figures with intervals (controller/_goodput_rule.py), alone and in a
+simulated run of the measurement loop: step times summed per size and fitted, the noise scale
+averaged per sample, a decision every few steps."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from triaccel_jax.controller._goodput_rule import decide_batch
+from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
+from triaccel_jax.controller._noise_scale import observe_noise
+from triaccel_jax.controller._throughput import StepTimes
+
+BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+def exact(fixed, per_sample, sizes=(32, 64), steps=100):
+    """Sums of ``steps`` identical steps of ``fixed + per_sample * B`` seconds at each size."""
+    return {
+        b: StepTimes(steps, steps * (fixed + per_sample * b), steps * (fixed + per_sample * b) ** 2)
+        for b in sizes
+    }
+
+
+def test_nothing_moves_before_both_figures_exist():
+    for noise, times in ((None, exact(0.01, 1e-5)), (100.0, {})):
+        decision = decide_batch(
+            32, BUCKETS, noise_scale=noise, noise_interval=None, times=times, reference=32
+        )
+        assert (decision.batch, decision.kind) == (32, "stay")
+
+
+def test_the_reference_batch_is_the_floor():
+    # Throughput flat in the batch (all cost per sample): smaller batches have more goodput, but
+    # nothing below the reference batch is a candidate.
+    cpu = exact(0.0, 1e-4, sizes=(16, 32, 64))
+    decision = decide_batch(
+        32, BUCKETS, noise_scale=50.0, noise_interval=(40.0, 60.0), times=cpu, reference=32
+    )
+    assert decision.batch == 32 and min(decision.figures) == 32
+    assert all(f["efficiency"] <= 1.0 for f in decision.figures.values())
+
+
+def test_the_critical_batch_caps_growth_at_the_noise_scales_lower_end():
+    gpu = exact(0.010, 1e-6)  # throughput rises steeply up to every size here
+    decision = decide_batch(
+        32, BUCKETS, noise_scale=200.0, noise_interval=(140.0, 260.0), times=gpu, reference=32
+    )
+    assert (decision.batch, decision.kind) == (128, "move")  # 256 > 140
+    assert max(decision.figures) == 128
+    more = decide_batch(
+        32,
+        BUCKETS,
+        noise_scale=200.0,
+        noise_interval=(140.0, 260.0),
+        times=gpu,
+        reference=32,
+        critical_multiple=2.0,
+    )
+    assert more.batch == 256
+
+
+def test_the_batch_in_force_is_measured_before_anything_moves():
+    times = {32: StepTimes(3, 0.03, 3 * 0.01**2 * 1.1), 64: exact(0.010, 1e-6)[64]}
+    decision = decide_batch(
+        32, BUCKETS, noise_scale=1e4, noise_interval=(5e3, 2e4), times=times, reference=32
+    )
+    assert (decision.batch, decision.kind) == (32, "stay")
+    assert "3 timed steps" in decision.reason
+
+
+def test_a_gain_inside_the_noise_does_not_move_the_batch():
+    # The batch in force timed over 400 steps, the other over 4 (10% apart step to step):
+    # throughputs 8% apart, which the lower bound does not support.
+    times = {
+        32: StepTimes(400, 400 * 0.010, 400 * 0.010**2 * 1.0001),
+        64: StepTimes(4, 4 * 0.0185, 4 * 0.0185**2 * 1.01),
+    }
+    decision = decide_batch(
+        32, (32, 64), noise_scale=1e6, noise_interval=(1e5, 1e7), times=times, reference=32
+    )
+    assert decision.figures[64]["gain"] > 0.05
+    assert decision.figures[64]["gain_low"] < 0.05
+    assert decision.kind != "move"
+
+
+def test_a_trial_is_kept_on_its_gain_and_reverted_without_it():
+    times = {
+        32: StepTimes(400, 4.0, 400 * 0.01**2),
+        64: StepTimes(400, 400 * 0.019, 400 * 0.019**2),
+    }
+    # 64 samples per 19 ms against 32 per 10 ms: +5% throughput.
+    args = dict(noise_scale=1e4, noise_interval=(5e3, 2e4), times=times, reference=32)
+    kept = decide_batch(64, (32, 64), trial_from=32, margin=0.01, **args)
+    assert (kept.batch, kept.kind) == (64, "keep")
+    reverted = decide_batch(64, (32, 64), trial_from=32, margin=0.05, **args)
+    assert (reverted.batch, reverted.kind) == (32, "revert")
+
+
+def test_an_unmeasured_size_is_explored_one_step_at_a_time():
+    one = {32: StepTimes(100, 100 * 0.01, 100 * 0.01**2)}
+    decision = decide_batch(
+        32, BUCKETS, noise_scale=1000.0, noise_interval=(800.0, 1200.0), times=one, reference=32
+    )
+    assert (decision.batch, decision.kind) == (64, "explore")
+
+
+def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match="among the allowed"):
+        decide_batch(48, BUCKETS, noise_scale=1.0, noise_interval=None, times={}, reference=32)
+    with pytest.raises(ValueError, match="critical_multiple"):
+        decide_batch(
+            32,
+            BUCKETS,
+            noise_scale=1.0,
+            noise_interval=None,
+            times={},
+            reference=32,
+            critical_multiple=0.0,
+        )
+
+
+def simulate(fixed, per_sample, noise_scale, *, seed, steps=600, decide_every=10, jitter=0.15):
+    """A run of the measurement loop on a device with step time ``fixed + per_sample * B`` (each
+    step's time off by ``jitter``, relative) and gradients of noise scale ``noise_scale``.
+
+    Returns the batch at each step."""
+    rng = np.random.default_rng(seed)
+    dim = 64
+    grad = np.full(dim, 1.0 / math.sqrt(dim))  # |G|^2 = 1: tr(Sigma) = noise_scale
+    sigma = math.sqrt(noise_scale / dim)
+    batch, reference = 32, 32
+    times: dict[int, StepTimes] = {}
+    noise = NoiseScaleEstimate()
+    trace, warm, trial_from = [], 0, None
+    for step in range(steps):
+        trace.append(batch)
+        seconds = (fixed + per_sample * batch) * (1.0 + jitter * rng.standard_normal())
+        if warm >= 2:  # the first steps after a move are not timed
+            times[batch] = times.get(batch, StepTimes()).add(max(seconds, 0.0))
+        warm += 1
+        halves = grad + rng.standard_normal((2, dim)) * sigma / math.sqrt(batch / 2)
+        noise = observe_noise(
+            noise,
+            grad_sq_norm=float(np.sum(halves.mean(0) ** 2)),
+            sub_grad_sq_norm=float(np.mean(np.sum(halves**2, axis=1))),
+            batch=batch,
+            sub_batch=batch // 2,
+            horizon=20_000,
+        )
+        if step % decide_every == decide_every - 1:
+            decision = decide_batch(
+                batch,
+                BUCKETS,
+                noise_scale=noise.simple,
+                noise_interval=noise.interval(),
+                times=times,
+                reference=reference,
+                trial_from=trial_from,
+            )
+            if decision.kind == "explore":
+                trial_from = batch
+            elif decision.kind in ("keep", "revert"):
+                trial_from = None
+            if decision.batch != batch:
+                batch, warm = decision.batch, 0
+    return trace
+
+
+def direction_changes(trace):
+    moves = [b - a for a, b in itertools.pairwise(trace) if b != a]
+    return sum(1 for a, b in itertools.pairwise(moves) if (a > 0) != (b > 0))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_on_a_gpu_like_device_the_batch_grows_to_the_best_goodput_and_stays(seed):
+    # 10 ms a step plus 2 us a sample, each step's time off by 5%; noise scale 300: the best
+    # allowed goodput is at 256 (the cap at the noise scale's lower end keeps 512 out).
+    trace = simulate(0.010, 2e-6, 300.0, seed=seed, jitter=0.05)
+    assert direction_changes(trace) <= 1
+    assert trace[-1] in (128, 256)
+    assert sum(b >= 128 for b in trace) > len(trace) // 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_on_a_cpu_like_device_the_batch_stays_near_the_reference(seed):
+    # All cost per sample: throughput flat, so efficiency decides and the reference batch wins,
+    # after one trial of 64 (each step's time off by 15%, as on a busy CPU).
+    trace = simulate(0.0002, 3e-4, 300.0, seed=seed)
+    assert direction_changes(trace) <= 1
+    assert trace[-1] <= 64
+    assert sum(b == 32 for b in trace) > len(trace) // 2

@@ -1,0 +1,226 @@
+"""The goodput batch rule on figures with intervals: explore optimistically, move on the lower bound.
+
+Goodput is throughput times statistical efficiency (Pollux, Qiao et al., 2021):
+``goodput(B) = throughput(B) * E(B)`` with ``E(B) = (B_noise + B0) / (B_noise + B)`` against the
+reference batch ``B0`` the learning rate was tuned at. Both factors are estimates: the throughput
+from the fitted step-time model (:mod:`._throughput`), the noise scale from the per-sample
+averages (:mod:`._noise_scale`), each with an uncertainty. The rule:
+
+* **Candidates.** The batch sizes memory allows, no smaller than the reference batch (below it
+  the efficiency model extrapolates to progress per sample above 1, which no measurement
+  supports; AdaptDL never goes below its initial batch either), and no larger than
+  ``critical_multiple * B_noise`` at the lower end of the noise scale's interval (about the
+  critical batch, beyond which more samples buy little: McCandlish et al., 2018, §2.2). The batch
+  in force is always a candidate.
+* **Measure first.** While the batch in force's own throughput is not *known* (a relative
+  standard deviation above ``margin / (2 z)``, 1.5% by default: two known sizes whose goodputs
+  differ by twice the margin are then told apart by the lower bound), nothing moves: every gain
+  is relative to it.
+* **Move** to the candidate of the highest goodput when the lower confidence bound of its gain
+  over the batch in force beats ``margin``: its throughput at the lower end, the present one at
+  the upper end, and the noise scale at the end of its interval least favourable to the move.
+* **Explore** otherwise: the nearest candidate whose throughput is not yet known (never
+  measured, measured over too few steps, or measured while the model's fit has drifted) is tried
+  when the upper bound of its gain beats ``margin`` (the optimistic prior of :mod:`._throughput`
+  makes an unmeasured larger size hopeful). Its measurement then decides the trial: once known,
+  it is kept if its goodput beats the size it left by the margin, and the run goes back
+  otherwise. A size once known is not explored again, so on steady figures the batch changes
+  direction at most once.
+
+The rule never shrinks the batch because the noise scale fell: shrinking is for memory (the
+controller's memory rule and out-of-memory retries).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from triaccel_jax._src import validation
+from triaccel_jax.controller._throughput import StepTimes
+from triaccel_jax.controller._throughput import fit_step_time
+
+
+class BatchDecision(NamedTuple):
+    """What :func:`decide_batch` decided.
+
+    Attributes:
+      batch: the batch to train at (the one in force when nothing clears the bar).
+      kind: ``"stay"``, ``"move"`` (a gain whose lower bound clears the margin), ``"explore"``
+        (a size whose throughput is not known well enough, tried because it may gain: the batch
+        in force is then on trial), or, deciding a trial, ``"keep"`` (the batch in force stays)
+        or ``"revert"`` (back to the batch the trial left).
+      reason: why, in words, for the event log.
+      figures: per candidate: efficiency, throughput and its standard deviation, goodput, and
+        the gain over the batch in force with its lower and upper bounds.
+    """
+
+    batch: int
+    kind: str
+    reason: str
+    figures: dict[int, dict[str, float]]
+
+
+def efficiency(batch: int, noise_scale: float, reference: int) -> float:
+    """Pollux's statistical efficiency ``(B_noise + B0) / (B_noise + B)`` (1 at infinite noise)."""
+    if math.isinf(noise_scale):
+        return 1.0
+    return (noise_scale + reference) / (noise_scale + batch)
+
+
+def decide_batch(
+    current: int,
+    allowed: Sequence[int],
+    *,
+    noise_scale: float | None,
+    noise_interval: tuple[float, float] | None,
+    times: Mapping[int, StepTimes],
+    reference: int,
+    margin: float = 0.05,
+    critical_multiple: float = 1.0,
+    z: float = 1.645,
+    trial_from: int | None = None,
+) -> BatchDecision:
+    """The batch of highest goodput that the figures' intervals support.
+
+    Args:
+      current: the batch in force.
+      allowed: the batch sizes memory allows, ascending, ``current`` among them.
+      noise_scale: the gradient noise scale's estimate, or None before it is measured (then the
+        batch stays).
+      noise_interval: its ``(low, high)`` interval, or None (taken as the point estimate).
+      times: the timed steps of each batch size (under the policy in force); the step-time
+        model is fitted to them (:func:`~triaccel_jax.controller._throughput.fit_step_time`). A
+        size is *known* by its own steps (see above); gains are predicted by the model.
+      reference: ``B0``, the batch the learning rate was tuned at: the floor.
+      margin: the relative goodput gain a move needs, >= 0.
+      critical_multiple: the cap on the batch in units of the noise scale's lower end, > 0.
+      z: the standard normal quantile of the bounds (1.645: one-sided 95%).
+      trial_from: while the batch in force is on trial (an exploration not yet decided), the
+        batch the run left for it; None otherwise. Once the batch in force is known, the trial
+        is decided: ``"keep"`` when its goodput beats ``trial_from``'s by the margin, else
+        ``"revert"`` to ``trial_from``.
+
+    Returns:
+      A :class:`BatchDecision`.
+
+    Example:
+      >>> from triaccel_jax.controller._goodput_rule import decide_batch
+      >>> from triaccel_jax.controller._throughput import StepTimes
+      >>> # A GPU-like device: 10 ms a step plus 0.01 ms a sample, timed over 100 steps at 32 and
+      >>> # 64 with no jitter; noise scale 500.
+      >>> seconds = {b: 0.010 + 0.00001 * b for b in (32, 64)}
+      >>> gpu = {b: StepTimes(100, 100 * t, 100 * t * t) for b, t in seconds.items()}
+      >>> decide_batch(
+      ...     32,
+      ...     (32, 64, 128, 256, 512, 1024),
+      ...     noise_scale=500.0,
+      ...     noise_interval=(400.0, 600.0),
+      ...     times=gpu,
+      ...     reference=32,
+      ... ).batch
+      256
+
+    References:
+      Qiao et al., 2021, "Pollux", §3-4 (goodput, the fitted throughput model); McCandlish et al.,
+      2018, "An Empirical Model of Large-Batch Training" (the critical batch).
+    """
+    validation.check_in_range("margin", margin, 0.0, math.inf)
+    validation.check_in_range(
+        "critical_multiple", critical_multiple, 0.0, math.inf, low_inclusive=False
+    )
+    validation.check_in_range("z", z, 0.0, math.inf)
+    if current not in allowed:
+        raise ValueError(f"the batch in force {current} must be among the allowed {tuple(allowed)}")
+    step_time = fit_step_time(times)
+    if noise_scale is None or step_time is None:
+        return BatchDecision(
+            current, "stay", "the noise scale or step time is not measured yet", {}
+        )
+    low, high = noise_interval if noise_interval is not None else (noise_scale, noise_scale)
+    cap = max(reference, critical_multiple * low)
+    candidates = [b for b in allowed if reference <= b <= cap]
+    for kept in (current, trial_from):
+        if kept is not None and kept in allowed and kept not in candidates:
+            candidates.append(kept)
+    # Known: a relative spread at which two known sizes whose goodputs differ by twice the margin
+    # are told apart by the lower bound (2m - z sqrt(2) m / (2 z) > m).
+    known = margin / (2.0 * z) if z > 0 else math.inf
+
+    def is_known(batch: int) -> bool:
+        own = times.get(batch, StepTimes())
+        return own.steps > 0 and math.sqrt(own.variance_of_mean) <= known * own.mean
+
+    rate_now, sd_now = step_time.throughput(current)
+    if not is_known(current):
+        # Every comparison is against the batch in force: it is measured first, so that no move
+        # (an exploration's return included) rests on a few steps' timing.
+        return BatchDecision(
+            current,
+            "stay",
+            f"measuring {current}: its {times.get(current, StepTimes()).steps} timed steps do "
+            f"not yet give its throughput within {known:.1%}",
+            {},
+        )
+    figures: dict[int, dict[str, float]] = {}
+    for batch in sorted(candidates):
+        rate, sd = step_time.throughput(batch)
+        eff = efficiency(batch, noise_scale, reference)
+        # The efficiency ratio at the noise scale least (and most) favourable to this batch.
+        ratios = [
+            efficiency(batch, n, reference) / efficiency(current, n, reference) for n in (low, high)
+        ]
+        gain = rate * eff / (rate_now * efficiency(current, noise_scale, reference)) - 1.0
+        spread = math.hypot(sd / rate, sd_now / rate_now) if batch != current else 0.0
+        figures[batch] = {
+            "efficiency": eff,
+            "samples_per_second": rate,
+            "samples_per_second_sd": sd,
+            "goodput": rate * eff,
+            "gain": gain,
+            "gain_low": rate / rate_now * (1.0 - z * spread) * min(ratios) - 1.0,
+            "gain_high": rate / rate_now * (1.0 + z * spread) * max(ratios) - 1.0,
+        }
+    if trial_from is not None and trial_from in figures:
+        gain = 1.0 / (1.0 + figures[trial_from]["gain"]) - 1.0  # the trial's over where it left
+        if gain > margin:
+            return BatchDecision(
+                current, "keep", f"the trial of {current} beats {trial_from} by {gain:.0%}", figures
+            )
+        return BatchDecision(
+            trial_from,
+            "revert",
+            f"the trial of {current} gains {gain:.0%} over {trial_from}, not {margin:.0%}: back",
+            figures,
+        )
+    movable = [b for b in figures if b != current and figures[b]["gain_low"] > margin]
+    if movable:
+        best = max(movable, key=lambda b: figures[b]["goodput"])
+        f = figures[best]
+        return BatchDecision(
+            best,
+            "move",
+            f"goodput at {best} beats {current} by {f['gain']:.0%} (at least "
+            f"{f['gain_low']:.0%}; noise scale {noise_scale:.4g} in [{low:.4g}, {high:.4g}])",
+            figures,
+        )
+    # The nearest first, the larger on a tie: growth is what an unmeasured size may offer.
+    for batch in sorted((b for b in figures if b != current), key=lambda b: (abs(b - current), -b)):
+        f = figures[batch]
+        if not is_known(batch) and f["gain_high"] > margin:
+            return BatchDecision(
+                batch,
+                "explore",
+                f"throughput at {batch} is not known within {margin:.0%} and its goodput may "
+                f"beat {current}'s by up to {f['gain_high']:.0%}: measuring it",
+                figures,
+            )
+    return BatchDecision(
+        current,
+        "stay",
+        f"no batch beats {current}'s goodput by {margin:.0%} at the lower bound "
+        f"(noise scale {noise_scale:.4g} in [{low:.4g}, {high:.4g}], cap {cap:.4g})",
+        figures,
+    )
