@@ -112,3 +112,68 @@ EXPLICIT_SPLIT_SCRIPT = textwrap.dedent(
 
 def test_halves_follow_explicit_shardings_and_one_sample_a_shard_is_refused_by_name():
     run_script(EXPLICIT_SPLIT_SCRIPT, devices=8)
+
+
+@pytest.mark.standard_promotion(
+    "optax.scale_by_adam's bias correction raises a float to an int32 count"
+)
+def test_preconditioned_norms_weigh_each_element_by_the_second_moment_held():
+    rng = np.random.default_rng(5)
+    params = {"w": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32), "b": jnp.zeros(2)}
+    x = rng.normal(size=(2, 8, 3)).astype(np.float32)  # two micro-batches of eight
+    y = rng.normal(size=(2, 8, 2)).astype(np.float32)
+
+    def loss(p, batch):
+        inputs, targets = batch
+        return jnp.mean((inputs @ p["w"] + p["b"] - targets) ** 2)
+
+    tx = optax.adam(0.1)
+    state = tx.init(params)
+    nu = {"w": jnp.asarray(rng.uniform(0.1, 2.0, (3, 2)), jnp.float32), "b": jnp.full(2, 0.5)}
+    state = (state[0]._replace(nu=nu), *state[1:])
+    normalized = training.normalize_loss_fn(loss, has_aux=False, has_model_state=False)
+    step = training.make_train_step(
+        normalized, tx, policy=None, num_micro=2, seed=0, noise_weights="preconditioned"
+    )
+    out = jax.jit(step)(
+        params, state, None, (x, y), np.int32(0), np.float32(1.0), LossScaling().init()
+    )
+    weights = jax.tree.map(lambda v: 1.0 / (jnp.sqrt(v) + 1e-8) ** 2, nu)
+
+    def weighted(g):
+        return sum(
+            float(jnp.sum(w * gl**2))
+            for w, gl in zip(jax.tree.leaves(weights), jax.tree.leaves(g), strict=True)
+        )
+
+    micro = [jax.grad(loss)(params, (x[i], y[i])) for i in range(2)]
+    whole = jax.tree.map(lambda a, b: (a + b) / 2, *micro)
+    m = out.metrics
+    assert float(m["preconditioned_grad_sq_norm"]) == pytest.approx(weighted(whole), rel=1e-5)
+    expected_micro = np.mean([weighted(g) for g in micro])
+    assert float(m["preconditioned_micro_grad_sq_norm"]) == pytest.approx(expected_micro, rel=1e-5)
+    # The plain norms are there too, unweighted.
+    assert float(m["grad_sq_norm"]) == pytest.approx(
+        sum(float(jnp.sum(g**2)) for g in jax.tree.leaves(whole)), rel=1e-5
+    )
+
+
+def test_preconditioned_norms_need_a_second_moment_and_say_so():
+    params = {"w": jnp.ones(3)}
+    normalized = training.normalize_loss_fn(
+        lambda p, batch: jnp.mean(batch @ p["w"]), has_aux=False, has_model_state=False
+    )
+    tx = optax.sgd(0.1)
+    step = training.make_train_step(
+        normalized, tx, policy=None, num_micro=1, seed=0, noise_weights="preconditioned"
+    )
+    with pytest.raises(ValueError, match=r"holds 0 such: use an optimizer with one"):
+        jax.jit(step)(
+            params,
+            tx.init(params),
+            None,
+            np.ones((1, 4, 3), np.float32),
+            np.int32(0),
+            np.float32(1.0),
+            LossScaling().init(),
+        )

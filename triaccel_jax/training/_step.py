@@ -47,7 +47,7 @@ MODEL_STATE = "model_state"
 
 # The values of make_train_step's `noise_weights`: how the step also weighs its squared gradient
 # norms (None: it does not).
-NOISE_WEIGHTS = ("curvature",)
+NOISE_WEIGHTS = ("curvature", "preconditioned")
 
 
 class StepOutput(NamedTuple):
@@ -78,6 +78,15 @@ class StepOutput(NamedTuple):
     * ``curvature_grad_sq_norm``: ``sum_l h_l |G_big,l|^2``;
     * ``curvature_micro_grad_sq_norm``: the mean over the micro-batches of ``sum_l h_l
       |G_small,l|^2``.
+
+    With ``noise_weights="preconditioned"``, two more weighted per element by Adam's
+    preconditioner as the optimizer holds it before the step, ``w_i = 1 / (sqrt(nu_i) + eps)^2``
+    (the second moment ``nu`` found by name in the optimizer state, as ``optax.scale_by_adam``
+    keeps it): the squared norms of the preconditioned gradient ``g / (sqrt(nu) + eps)``, the
+    direction an Adam-like optimizer follows before its moments' smoothing. The bias correction
+    of ``nu`` is one factor for every element and cancels in the noise scale's ratio:
+
+    * ``preconditioned_grad_sq_norm`` and ``preconditioned_micro_grad_sq_norm``.
 
     Both norms are summed in float32 over the trainable (floating-point) leaves; with
     micro-batches of ``B_small = B / num_micro`` samples they estimate the gradient noise scale
@@ -413,7 +422,10 @@ def make_train_step(
         statistics, same ``rng``), and the gradient of its first half is computed beside it for
         its norm only (its state discarded): half a step's work more. An extra-args
         optimizer's ``loss_fn`` (Hutchinson's curvature) sees the whole batch either way.
-      noise_weights: None (the default), or ``"curvature"``: the metrics also carry
+      noise_weights: None (the default), ``"preconditioned"`` (the norms of the gradient
+        preconditioned by the Adam-like second moment the optimizer holds, see
+        :class:`StepOutput`; AdaptDL measures an Adam direction's noise this way), or
+        ``"curvature"``: the metrics also carry
         ``curvature_grad_sq_norm`` and ``curvature_micro_grad_sq_norm``, the two squared
         gradient norms with each leaf's weighted by its mean curvature in the optimizer state
         as it is before this step's update (:func:`triaccel_jax.transforms.mean_curvatures`,
@@ -432,9 +444,10 @@ def make_train_step(
       :class:`LossScaleState`.
 
     Raises:
-      ValueError: ``noise_weights`` is not None or ``"curvature"``; or, when the step is traced
-        with ``noise_weights="curvature"``, the optimizer state holds no curvature (e.g.
-        ``optax.adam``'s) or holds it for leaves the params do not have.
+      ValueError: ``noise_weights`` is not None, ``"curvature"`` or ``"preconditioned"``; or,
+        when the step is traced with ``noise_weights="curvature"``, the optimizer state holds no
+        curvature (e.g. ``optax.adam``'s) or holds it for leaves the params do not have; with
+        ``"preconditioned"``, it holds no ``nu`` shaped like the params, or more than one.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -487,7 +500,7 @@ def make_train_step(
             return {"grad_sq_norm": _sq_norm(grads)}
         return {
             "grad_sq_norm": _sq_norm(grads),
-            "curvature_grad_sq_norm": _weighted_sq_norm(grads, weights),
+            f"{noise_weights}_grad_sq_norm": _weighted_sq_norm(grads, weights),
         }
 
     def one(params, model_state, micro_batch, rng, scale, weights):
@@ -505,7 +518,7 @@ def make_train_step(
         rng = jax.random.fold_in(jax.random.key(seed), step)
         scale = loss_scale.scale if loss_scaling is not None else jnp.float32(1.0)
         # The curvature the optimizer holds before this step's update, one weight per leaf.
-        weights = None if noise_weights is None else _curvature_weights(opt_state, params)
+        weights = _noise_weights(noise_weights, opt_state, params)
         count = num_micro
         whole = jax.tree.map(lambda x: x[0], batch)  # the first micro-batch, unsplit
         side_half = None  # a half measured beside the whole step (a model with state)
@@ -569,8 +582,9 @@ def make_train_step(
             "micro_grad_sq_norm": micro_norms["grad_sq_norm"],
         }
         if weights is not None:
-            metrics["curvature_grad_sq_norm"] = norms["curvature_grad_sq_norm"]
-            metrics["curvature_micro_grad_sq_norm"] = micro_norms["curvature_grad_sq_norm"]
+            weighted = f"{noise_weights}_grad_sq_norm"
+            metrics[weighted] = norms[weighted]
+            metrics[f"{noise_weights}_micro_grad_sq_norm"] = micro_norms[weighted]
         return StepOutput(out.params, out.opt_state, out.carry, out.loss_scale, metrics)
 
     return controller_step
@@ -598,6 +612,37 @@ def _sq_norm(grads: Any) -> jax.Array:
     return sum(squares, jnp.zeros((), jnp.float32))
 
 
+def _noise_weights(kind: str | None, opt_state: Any, params: Any) -> Any:
+    """The weights of the step's weighted squared norms (None: no weighted norms)."""
+    if kind is None:
+        return None
+    if kind == "curvature":
+        return _curvature_weights(opt_state, params)
+    return _preconditioner_weights(opt_state, params)
+
+
+def _preconditioner_weights(opt_state: Any, params: Any, eps: float = 1e-8) -> Any:
+    """``1 / (sqrt(nu) + eps)^2`` per element, from the one ``nu`` in ``opt_state``.
+
+    Raises:
+      ValueError: ``opt_state`` holds no ``nu`` with the params' structure and shapes, or several.
+    """
+    structure, shapes = jax.tree.structure(params), jax.tree.map(jnp.shape, params)
+    found = [
+        nu
+        for _, nu in optax.tree_utils.tree_get_all_with_path(opt_state, "nu")
+        if jax.tree.structure(nu) == structure and jax.tree.map(jnp.shape, nu) == shapes
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            'noise_weights="preconditioned" weighs the gradient by the Adam-like second moment '
+            f"the optimizer holds (a `nu` shaped like the params), and it holds {len(found)} "
+            "such: use an optimizer with one (optax.adam, optax.adamw, triaccel_jax.triaccel), "
+            "or noise_weights=None"
+        )
+    return jax.tree.map(lambda v: 1.0 / jnp.square(jnp.sqrt(v.astype(jnp.float32)) + eps), found[0])
+
+
 def _curvature_weights(opt_state: Any, params: Any) -> Any:
     """Each leaf's mean curvature in ``opt_state``, clipped at 0 (None where a leaf has none).
 
@@ -618,11 +663,12 @@ def _curvature_weights(opt_state: Any, params: Any) -> Any:
 
 
 def _weighted_sq_norm(grads: Any, weights: Any) -> jax.Array:
-    """``sum_l weights_l |grads_l|^2`` over the trainable leaves with a weight, in float32."""
+    """``sum_l sum_i weights_l,i g_l,i^2`` over the trainable leaves with a weight (a scalar a
+    leaf, or one a element), in float32."""
     treedef: Any  # a jaxlib PyTreeDef, which has no stubs mypy can see
     leaves, treedef = jax.tree.flatten(grads)
     terms = [
-        jnp.sum(jnp.square(g.astype(jnp.float32))) * h
+        jnp.sum(jnp.square(g.astype(jnp.float32)) * h)
         for g, h in zip(leaves, treedef.flatten_up_to(weights), strict=True)
         if h is not None and tree_lib.is_trainable(g)
     ]
