@@ -336,7 +336,8 @@ def normalize_loss_fn(
 
     Raises:
       TypeError: ``loss_fn``'s signature is not one of the accepted forms (see
-        :func:`loss_keywords`).
+        :func:`loss_keywords`); when traced, it returns a tuple without ``has_aux`` or what
+        ``has_aux`` and ``has_model_state`` do not expect.
     """
     keywords = loss_keywords(loss_fn, has_model_state=has_model_state)
 
@@ -358,6 +359,12 @@ def normalize_loss_fn(
                 raise TypeError(
                     f"the loss function's aux must be a dict of metrics, got {type(aux).__name__}"
                 )
+        elif isinstance(out, tuple):
+            raise TypeError(
+                f"the loss function returned a tuple of {len(out)}, where a scalar loss was "
+                "expected: a loss that returns (loss, aux) needs has_aux=True "
+                "(ControllerConfig(has_aux=True) under the controller)"
+            )
         else:
             loss, aux = out, {}
         aux = dict(aux)
