@@ -10,10 +10,9 @@
 # `import triaccel_jax`, the README's example (read from README.md) and an optax-only step.
 # A dependency without a single `>=` floor is an error here.
 #
-# The extras' floors (flax, orbax-checkpoint, clu, tensorflow-cpu, tensorboard) are not installed
-# here, to keep this to about a minute (TensorFlow alone takes two to install); they were checked by
-# hand (CHANGELOG.md), and tests/package/test_optional_extras.py checks the clu extra's
-# requirements.
+# The extras' floors (flax, orbax-checkpoint, tensorboardX) are not installed here, to keep this
+# to about a minute; they were checked by hand (CHANGELOG.md), and
+# tests/package/test_optional_extras.py checks the tensorboard extra's requirements.
 #
 # .venv-lowest is reused when pyproject.toml and the interpreter are unchanged (the project itself
 # is reinstalled every run); TRIACCEL_REINSTALL=1 rebuilds it. TRIACCEL_LOWEST_PYTHON=/path/to/python

@@ -1,14 +1,14 @@
-"""MetricWriterCallback: a controller's steps and decisions written to a clu metric writer.
+"""MetricWriterCallback: a controller's steps and decisions written to a metric writer.
 
-The callback is tested against a recording writer (always), and against clu's real default
-writer, its TensorBoard files read back with TensorBoard's own reader, where the ``clu`` extra
-(clu with TensorFlow and TensorBoard) is installed.
+The callback is tested against a recording writer, and against :class:`TensorBoardWriter`, whose
+event files are read back record by record (TFRecord framing, tensorboardX's ``Event`` protos).
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import struct
 import subprocess
 import sys
 
@@ -18,6 +18,7 @@ import pytest
 import triaccel_jax
 from triaccel_jax.controller import Event
 from triaccel_jax.controller import MetricWriterCallback
+from triaccel_jax.controller import TensorBoardWriter
 
 STEP_SCALARS = {
     "loss",
@@ -124,14 +125,13 @@ def test_a_loss_metric_is_written_and_a_non_number_is_not(make_controller):
     assert "note" not in writer.scalars[1]
 
 
-@pytest.mark.parametrize("missing", ["clu", "clu.metric_writers"])
-def test_without_clu_a_folder_is_an_import_error_naming_the_extra(monkeypatch, tmp_path, missing):
-    # None in sys.modules makes the import fail, as when clu (or, for clu.metric_writers, the
-    # TensorFlow it imports) is not installed.
-    monkeypatch.setitem(sys.modules, missing, None)
-    with pytest.raises(ImportError, match=r"pip install 'triaccel-jax\[clu\]'"):
+def test_without_tensorboardx_a_folder_is_an_import_error_naming_the_extra(monkeypatch, tmp_path):
+    # None in sys.modules makes the import fail, as when tensorboardX is not installed.
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    with pytest.raises(ImportError, match=r"pip install 'triaccel-jax\[tensorboard\]'"):
         MetricWriterCallback(tmp_path / "logs")
-    # A writer given as an object needs no clu.
+    assert not (tmp_path / "logs").exists()
+    # A writer given as an object needs no tensorboardX.
     MetricWriterCallback(RecordingWriter())
 
 
@@ -146,41 +146,41 @@ def test_bad_arguments_are_named():
         MetricWriterCallback(RecordingWriter()).write_events([("grow", 1, 2)])
 
 
-def test_importing_triaccel_jax_and_the_callback_imports_neither_clu_nor_tensorflow():
+def test_importing_triaccel_jax_and_the_callback_imports_no_writer_library():
     code = (
         "import sys, triaccel_jax; "
         "from triaccel_jax.controller import MetricWriterCallback; "
-        "print(sorted(m for m in ('clu', 'tensorflow', 'tensorboard') if m in sys.modules))"
+        "print(sorted(m for m in ('tensorboardX', 'tensorflow', 'tensorboard') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def read_tensorboard(logdir) -> dict[str, dict[int, object]]:
-    """Every value in ``logdir``'s event files, by tag and step, read by TensorBoard's reader."""
-    from tensorboard.backend.event_processing import event_accumulator
-    from tensorboard.util import tensor_util
+    """Every scalar and text in ``logdir``'s event files, by tag and step.
 
-    accumulator = event_accumulator.EventAccumulator(
-        str(logdir), size_guidance={event_accumulator.TENSORS: 0}
-    )
-    accumulator.Reload()
-    values = collections.defaultdict(dict)
-    for tag in accumulator.Tags()["tensors"]:
-        for event in accumulator.Tensors(tag):
-            value = tensor_util.make_ndarray(event.tensor_proto)
-            values[tag][event.step] = value.item() if value.size == 1 else value
+    An event file is a sequence of TFRecords (a little-endian uint64 length, its masked CRC, the
+    bytes, their masked CRC), each one serialised ``Event``."""
+    from tensorboardX.proto import event_pb2
+
+    values: dict[str, dict[int, object]] = collections.defaultdict(dict)
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            record = data[offset + 12 : offset + 12 + length]
+            offset += 12 + length + 4
+            event = event_pb2.Event.FromString(record)
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    values[value.tag][event.step] = value.simple_value
+                elif value.HasField("tensor"):  # a text: a string tensor
+                    values[value.tag][event.step] = value.tensor.string_val[0]
     return values
 
 
-def test_clu_default_writer_writes_tensorboard_files_that_read_back(tmp_path, make_controller):
-    try:
-        from clu import metric_writers  # noqa: F401
-    except ImportError as error:
-        pytest.skip(
-            f"the clu extra is not installed ({error}): clu's metric writers import TensorFlow "
-            "and TensorBoard; pip install 'triaccel-jax[clu]'"
-        )
+def test_tensorboard_files_are_written_without_tensorflow_and_read_back(tmp_path, make_controller):
     logdir = tmp_path / "logs"
     callback = MetricWriterCallback(logdir, prefix="train/")
     controller = make_controller(callback=callback)
@@ -188,6 +188,7 @@ def test_clu_default_writer_writes_tensorboard_files_that_read_back(tmp_path, ma
     infos = controller.run(6)
     callback.close()
     assert list(logdir.glob("events.out.tfevents.*"))
+    assert "tensorflow" not in sys.modules
 
     values = read_tensorboard(logdir)
     for name in STEP_SCALARS:
@@ -195,7 +196,19 @@ def test_clu_default_writer_writes_tensorboard_files_that_read_back(tmp_path, ma
     for info in infos:
         assert values["train/loss"][info.step] == pytest.approx(info.loss, rel=1e-6)
         assert values["train/batch_size"][info.step] == info.batch_size
+    texts = {tag: v for tag, v in values.items() if "/events/" in tag}
     for event in controller.events:
-        text = values[f"train/events/{event.kind}"][event.step]
+        text = texts[f"train/events/{event.kind}/text_summary"][event.step]
         assert isinstance(text, bytes) and event.reason in text.decode()
-    assert isinstance(controller.events[0], Event) and "train/events/start" in values
+    assert isinstance(controller.events[0], Event)
+
+
+def test_the_writer_takes_a_clu_style_call_sequence(tmp_path):
+    writer = TensorBoardWriter(tmp_path)
+    writer.write_scalars(3, {"a": 1.5, "b": 2})
+    writer.write_texts(3, {"note": "hello"})
+    writer.flush()
+    writer.close()
+    values = read_tensorboard(tmp_path)
+    assert values["a"] == {3: 1.5} and values["b"] == {3: 2.0}
+    assert values["note/text_summary"] == {3: b"hello"}

@@ -23,7 +23,7 @@ from triaccel_jax._src import extras
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BLOCK = (
     "import sys\n"
-    "for name in ('flax', 'orbax', 'matplotlib', 'clu'):\n"
+    "for name in ('flax', 'orbax', 'matplotlib', 'tensorboardX'):\n"
     "    sys.modules[name] = None\n"
 )
 
@@ -94,7 +94,7 @@ controller = triaccel_jax.Controller(
 )
 infos = controller.run(10)
 print("steps", len(infos), bool(np.isfinite(infos[-1].loss)))
-print("loaded", sorted(m for m in sys.modules if m.split(".")[0] in ("flax", "orbax", "clu")
+print("loaded", sorted(m for m in sys.modules if m.split(".")[0] in ("flax", "orbax", "tensorboardX")
                       and sys.modules[m] is not None))
 """
     )
@@ -140,14 +140,6 @@ def test_tools_docs_sh_installs_the_docs_extra_which_pins_the_sphinx_tools():
     assert sphinx_tools and all("==" in req for req in sphinx_tools), sphinx_tools
 
 
-# Where a module that clu.metric_writers imports is not installed here (the test extra leaves
-# TensorFlow out: it is large), the distributions that provide it; installed ones are looked up.
-_PROVIDERS_WHEN_NOT_INSTALLED = {
-    "tensorflow": {"tensorflow", "tensorflow-cpu"},
-    "tensorboard": {"tensorboard"},
-}
-
-
 def _normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -156,10 +148,17 @@ def _requirement_name(requirement: str) -> str:
     return _normalized(re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement).group(1))
 
 
+def _catches_import_error(handler: ast.ExceptHandler) -> bool:
+    names = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return any(
+        isinstance(n, ast.Name) and n.id in ("ImportError", "ModuleNotFoundError") for n in names
+    )
+
+
 def _module_level_imports(root: pathlib.Path, module: str) -> set[str]:
     """Top-level names of what ``module`` (under the package folder ``root``) imports when it is
     imported, following its imports inside the same package (module level only: a function's
-    import, like clu's torch writer's, runs only when called)."""
+    import runs only when called)."""
     package = root.name
     found: set[str] = set()
     seen: set[str] = set()
@@ -182,13 +181,14 @@ def _module_level_imports(root: pathlib.Path, module: str) -> set[str]:
         nodes = list(ast.parse(path.read_text(encoding="utf-8")).body)
         while nodes:
             node = nodes.pop()
-            if isinstance(node, ast.If | ast.Try):
-                nodes.extend(
-                    node.body + node.orelse + node.finalbody
-                    if isinstance(node, ast.Try)
-                    else node.body + node.orelse
-                )
-                for handler in getattr(node, "handlers", []):
+            if isinstance(node, ast.If):
+                nodes.extend(node.body + node.orelse)
+                continue
+            if isinstance(node, ast.Try):
+                # An import the module guards with `except ImportError` is optional: not followed.
+                optional = any(_catches_import_error(h) for h in node.handlers)
+                nodes.extend(([] if optional else node.body) + node.orelse + node.finalbody)
+                for handler in node.handlers:
                     nodes.extend(handler.body)
                 continue
             if isinstance(node, ast.Import):
@@ -200,7 +200,7 @@ def _module_level_imports(root: pathlib.Path, module: str) -> set[str]:
                     target = ".".join([*parts, node.module] if node.module else parts)
                 else:
                     target = node.module or ""
-                # `from clu import values` imports the submodule clu.values.
+                # `from package import name` may import the submodule package.name.
                 targets = [target, *(f"{target}.{alias.name}" for alias in node.names)]
             else:
                 continue
@@ -215,31 +215,27 @@ def _module_level_imports(root: pathlib.Path, module: str) -> set[str]:
     return found
 
 
-def test_the_clu_extra_provides_every_module_the_metric_writer_imports():
-    """MetricWriterCallback(folder) imports clu.metric_writers, which imports TensorFlow and
-    TensorBoard at its top. Each module it imports must come from a requirement of the clu extra,
-    of clu itself or of triaccel-jax: not from another package's dependencies (tensorflow-cpu
-    2.21 stopped requiring tensorboard, and the extra without it failed with "No module named
-    'tensorboard'")."""
-    spec = importlib.util.find_spec("clu")
-    # The test extra installs clu (without TensorFlow); its source is what is read here.
-    assert spec is not None and spec.submodule_search_locations, "clu is not installed"
+def test_the_tensorboard_extra_provides_every_module_the_writer_imports():
+    """TensorBoardWriter imports tensorboardX. Each module tensorboardX imports when imported must
+    come from a requirement of the tensorboard extra, of tensorboardX itself or of triaccel-jax,
+    not from another package's dependencies; and none of them is TensorFlow."""
+    spec = importlib.util.find_spec("tensorboardX")
+    assert spec is not None and spec.submodule_search_locations, "tensorboardX is not installed"
     root = pathlib.Path(next(iter(spec.submodule_search_locations)))
-    imported = _module_level_imports(root, "clu.metric_writers")
-    assert {"tensorflow", "tensorboard", "jax", "numpy"} <= imported, imported
+    imported = _module_level_imports(root, "tensorboardX")
+    assert "numpy" in imported and "tensorflow" not in imported, imported
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    clu_extra = project["optional-dependencies"]["clu"]
-    own = [r for r in importlib.metadata.requires("clu") or [] if "extra ==" not in r]
-    provided = {_requirement_name(r) for r in [*clu_extra, *own, *project["dependencies"]]}
+    extra = project["optional-dependencies"]["tensorboard"]
+    own = [r for r in importlib.metadata.requires("tensorboardX") or [] if "extra ==" not in r]
+    provided = {_requirement_name(r) for r in [*extra, *own, *project["dependencies"]]}
     installed = importlib.metadata.packages_distributions()
     for module in sorted(imported):
         providers = {_normalized(d) for d in installed.get(module, [])}
-        providers = providers or _PROVIDERS_WHEN_NOT_INSTALLED.get(module, set())
-        assert providers, f"{module}: no installed distribution provides it; name it above"
+        assert providers, f"{module}: no installed distribution provides it"
         assert providers & provided, (
-            f"clu.metric_writers imports {module} (from {sorted(providers)}), which no requirement "
-            f"of the clu extra {clu_extra}, of clu ({own}) or of triaccel-jax provides"
+            f"tensorboardX imports {module} (from {sorted(providers)}), which no requirement of "
+            f"the tensorboard extra {extra}, of tensorboardX ({own}) or of triaccel-jax provides"
         )
-    # `all` brings every feature's extra: the clu extra's requirements, as written there.
-    assert set(clu_extra) <= set(project["optional-dependencies"]["all"])
+    # `all` brings every feature's extra: the tensorboard extra's requirements, as written there.
+    assert set(extra) <= set(project["optional-dependencies"]["all"])

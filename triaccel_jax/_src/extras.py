@@ -15,7 +15,7 @@ import sys
 EXTRAS = {
     "flax": (("flax", "Flax"),),
     "checkpoint": (("orbax.checkpoint", "orbax-checkpoint"),),
-    "clu": (("clu", "clu"),),
+    "tensorboard": (("tensorboardX", "tensorboardX"),),
     "demo": (
         ("flax", "Flax"),
         ("sklearn", "scikit-learn"),

@@ -16,9 +16,9 @@ testable without a device; the public ones are exported here:
 * the data: :class:`ElasticSampler` serves any batch size without dropping or repeating a
   sample;
 * the log: :class:`Event` and :func:`event_records`; :class:`StepInfo` for progress callbacks;
-  :class:`MetricWriterCallback` writes steps and events to a ``clu.metric_writers`` writer
-  (TensorBoard; the ``clu`` extra), and every event also goes to the ``triaccel_jax.controller``
-  logger;
+  :class:`MetricWriterCallback` writes steps and events to TensorBoard files
+  (:class:`TensorBoardWriter`, the ``tensorboard`` extra) or any metric writer, and every event
+  also goes to the ``triaccel_jax.controller`` logger;
 * out of memory: :func:`is_out_of_memory`, :class:`OutOfMemoryError`, and fault injection for
   chaos-testing a run (:class:`OutOfMemoryFaults`, :class:`FaultSite`,
   :func:`simulated_out_of_memory`).
@@ -50,6 +50,7 @@ from triaccel_jax.controller._memory_probe import MemoryProbe
 from triaccel_jax.controller._memory_probe import MemoryReading
 from triaccel_jax.controller._memory_probe import default_memory_probe
 from triaccel_jax.controller._metric_writer import MetricWriterCallback
+from triaccel_jax.controller._metric_writer import TensorBoardWriter
 from triaccel_jax.controller._out_of_memory import FaultSite
 from triaccel_jax.controller._out_of_memory import OutOfMemoryError
 from triaccel_jax.controller._out_of_memory import OutOfMemoryFaults
@@ -77,6 +78,7 @@ __all__ = (
     "OutOfMemoryFaults",
     "Replan",
     "StepInfo",
+    "TensorBoardWriter",
     "bucket_sizes",
     "decide_bucket",
     "default_memory_probe",

@@ -1,15 +1,17 @@
-"""``MetricWriterCallback``: a progress callback that writes to a ``clu.metric_writers`` writer.
+"""``MetricWriterCallback``: a progress callback that writes to a metric writer (TensorBoard files).
 
 Each step's figures (loss, the loss scale and skipped flag, the batch and micro-batch, seconds,
 samples per second, the memory peak and limit, any metric the loss returns) become scalars, and
 each controller decision becomes a text entry at the step it was taken, so TensorBoard shows the
 loss curve beside the batch growing and the policy changing.
 
-clu is an optional extra (``pip install 'triaccel-jax[clu]'``), imported only when the callback
-makes its own writer from a folder: ``import triaccel_jax`` never imports it. clu's metric
-writers import TensorFlow and TensorBoard for their summary files, which is why the extra
-brings those along. Any object with ``write_scalars``, ``write_texts`` and ``flush`` (every
-``clu.metric_writers.MetricWriter``) can be given instead of a folder.
+Given a folder, the callback writes TensorBoard event files with :class:`TensorBoardWriter`, over
+tensorboardX, which writes the files without TensorFlow (a few MB of numpy and protobuf, where
+``clu.metric_writers`` imports TensorFlow, a 2.6 GB environment). tensorboardX is the optional
+``tensorboard`` extra (``pip install 'triaccel-jax[tensorboard]'``), imported only when a writer
+is made: ``import triaccel_jax`` never imports it. Any object with ``write_scalars``,
+``write_texts`` and ``flush`` (every ``clu.metric_writers.MetricWriter``, for instance) can be
+given instead of a folder.
 """
 
 from __future__ import annotations
@@ -17,53 +19,72 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 
 from triaccel_jax._src import validation
 from triaccel_jax.controller import _events as events_lib
 
-EXTRA = "pip install 'triaccel-jax[clu]'"
+EXTRA = "pip install 'triaccel-jax[tensorboard]'"
 _WRITER_METHODS = ("write_scalars", "write_texts", "flush")
 
 
-def default_writer(logdir: str | os.PathLike[str], *, asynchronous: bool = True) -> Any:
-    """``clu.metric_writers.create_default_writer(logdir)``, with an error naming the extra.
+class TensorBoardWriter:
+    """TensorBoard event files in a folder, written by tensorboardX (no TensorFlow needed).
+
+    The writer's methods are those of ``clu.metric_writers``' writers, so
+    :class:`MetricWriterCallback` takes either. tensorboardX queues the records and writes them on
+    its own thread, so a step does not wait for the disk.
 
     Args:
-      logdir: the folder the TensorBoard event files go to.
-      asynchronous: write on a background thread (clu's default), so a step never waits for
-        the disk.
-
-    Returns:
-      The clu writer.
+      logdir: the folder the event files go to (made if missing).
 
     Raises:
-      ImportError: clu, or the TensorFlow and TensorBoard its writers import, is not installed.
+      ImportError: tensorboardX is not installed; the message names the extra.
 
     Example:
       >>> import tempfile
-      >>> from triaccel_jax.controller._metric_writer import default_writer
+      >>> from triaccel_jax.controller import TensorBoardWriter
       >>> with tempfile.TemporaryDirectory() as logdir:
       ...     try:
-      ...         writer = default_writer(logdir)  # TensorBoard event files in logdir
-      ...     except ImportError as error:  # clu is an optional extra
-      ...         print("pip install 'triaccel-jax[clu]'" in str(error))
+      ...         writer = TensorBoardWriter(logdir)
+      ...     except ImportError as error:  # tensorboardX is an optional extra
+      ...         print("pip install 'triaccel-jax[tensorboard]'" in str(error))
       ...     else:
       ...         writer.write_scalars(1, {"loss": 0.5})
+      ...         writer.write_texts(1, {"events/grow": "16 -> 32"})
       ...         writer.close()
       ...         print(True)
       True
     """
-    try:
-        from clu import metric_writers
-    except ImportError as error:
-        # clu.metric_writers imports TensorFlow and TensorBoard at module level, so a missing
-        # clu and a clu without them fail here alike: the extra installs all three.
-        raise ImportError(
-            f"MetricWriterCallback writes with clu.metric_writers, which could not be imported "
-            f"({error}); install the clu extra: {EXTRA}"
-        ) from error
-    return metric_writers.create_default_writer(os.fspath(logdir), asynchronous=asynchronous)
+
+    def __init__(self, logdir: str | os.PathLike[str]) -> None:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as error:
+            raise ImportError(
+                f"writing TensorBoard files needs tensorboardX, which could not be imported "
+                f"({error}); install the tensorboard extra: {EXTRA}"
+            ) from error
+        self._writer = SummaryWriter(os.fspath(logdir))
+
+    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Writes each ``{tag: value}`` as a scalar at ``step``."""
+        for tag, value in scalars.items():
+            self._writer.add_scalar(tag, float(value), global_step=step)
+
+    def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+        """Writes each ``{tag: text}`` as a text at ``step``."""
+        for tag, text in texts.items():
+            self._writer.add_text(tag, text, global_step=step)
+
+    def flush(self) -> None:
+        """Makes everything written so far reach the disk."""
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the event files."""
+        self._writer.close()
 
 
 def _event_text(event: events_lib.Event) -> str:
@@ -82,7 +103,7 @@ def _scalar(value: Any) -> float | None:
 
 
 class MetricWriterCallback:
-    """Writes each controller step and decision to a ``clu.metric_writers`` writer.
+    """Writes each controller step and decision to a metric writer (TensorBoard files).
 
     Give it to :class:`triaccel_jax.Controller` as ``callback=``. Per step (every ``every``
     steps) it writes the scalars ``loss``, each metric of :attr:`StepInfo.metrics`
@@ -101,24 +122,23 @@ class MetricWriterCallback:
     after making the controller.
 
     Args:
-      writer: a folder for TensorBoard event files (the writer is
-        ``clu.metric_writers.create_default_writer(writer)``, which needs the clu extra), or a
-        writer: any object with ``write_scalars(step, scalars)``, ``write_texts(step, texts)``
-        and ``flush()``, e.g. a ``clu.metric_writers.MetricWriter``.
+      writer: a folder for TensorBoard event files (written by :class:`TensorBoardWriter`, which
+        needs the tensorboard extra), or a writer: any object with ``write_scalars(step,
+        scalars)``, ``write_texts(step, texts)`` and ``flush()``, e.g. a
+        ``clu.metric_writers.MetricWriter``.
       every: write the step scalars every this many steps (events are always written).
       prefix: put before every name (e.g. ``"train/"``).
-      asynchronous: when ``writer`` is a folder, write on a background thread.
 
     Raises:
-      ImportError: ``writer`` is a folder and clu (or the TensorFlow and TensorBoard its writers
-        import) is not installed; the message says ``pip install 'triaccel-jax[clu]'``.
+      ImportError: ``writer`` is a folder and tensorboardX is not installed; the message says
+        ``pip install 'triaccel-jax[tensorboard]'``.
       TypeError: ``writer`` is neither a folder nor a writer.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np
       >>> import triaccel_jax
       >>> from triaccel_jax.controller import MetricWriterCallback
-      >>> class PrintingWriter:  # a stand-in for clu.metric_writers.create_default_writer(logdir)
+      >>> class PrintingWriter:  # a stand-in for TensorBoardWriter(logdir)
       ...     def write_scalars(self, step, scalars):
       ...         print(step, {k: round(v, 1) for k, v in scalars.items() if "batch" in k})
       ...
@@ -156,19 +176,18 @@ class MetricWriterCallback:
         *,
         every: int = 1,
         prefix: str = "",
-        asynchronous: bool = True,
     ) -> None:
         validation.check_integer("every", every, 1)
         if not isinstance(prefix, str):
             raise TypeError(f"`prefix` must be a str, got {type(prefix).__name__}")
         if isinstance(writer, str | os.PathLike):
-            writer = default_writer(writer, asynchronous=asynchronous)
+            writer = TensorBoardWriter(writer)
         else:
             missing = [m for m in _WRITER_METHODS if not callable(getattr(writer, m, None))]
             if missing:
                 raise TypeError(
                     "`writer` must be a folder or a metric writer (with write_scalars, "
-                    f"write_texts and flush, like clu.metric_writers' writers); "
+                    f"write_texts and flush, like TensorBoardWriter or clu's writers); "
                     f"{type(writer).__name__} lacks {', '.join(missing)}"
                 )
         self.writer = writer

@@ -634,7 +634,8 @@ def _preconditioner_weights(opt_state: Any, params: Any, eps: float = 1e-8) -> A
     Raises:
       ValueError: ``opt_state`` holds no ``nu`` with the params' structure and shapes, or several.
     """
-    structure, shapes = jax.tree.structure(params), jax.tree.map(jnp.shape, params)
+    structure: Any = jax.tree.structure(params)  # a jaxlib PyTreeDef: no stubs
+    shapes = jax.tree.map(jnp.shape, params)
     found = [
         nu
         for _, nu in optax.tree_utils.tree_get_all_with_path(opt_state, "nu")
@@ -769,7 +770,7 @@ def _halves(leaf: jax.Array) -> jax.Array:
 def _batch_shards(leaf: jax.Array) -> tuple[int, Any]:
     """How many shards the batch axis (axis 1) of ``leaf``'s type is split into over Explicit
     mesh axes, and the type's partition spec (None when no axis is Explicit)."""
-    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    sharding: Any = getattr(jax.typeof(leaf), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or not getattr(mesh, "axis_names", ()):
         return 1, None
