@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -485,6 +486,53 @@ def test_hutchinson_gets_the_loss_as_an_extra_argument():
     signals = triaccel_jax.signals(controller.opt_state)
     # Hutchinson without the loss raises; with it, the estimates are non-zero.
     assert all(s["max_curvature"] > 0 and s["trace"] != 0 for s in signals.values())
+
+
+@pytest.mark.parametrize("wrapper", ["masked", "multi_transform"])
+def test_hutchinson_under_optax_masked_trains_through_the_controller(wrapper):
+    # optax hands the inner transform its own leaves only (MaskedNode for the others): the
+    # controller's loss must still take them, and the estimate is the Hessian diagonal of the
+    # loss of the whole params on the trained leaves.
+    hutchinson = triaccel_jax.triaccel(
+        1e-2, config=triaccel_jax.TriAccelConfig(estimator="hutchinson"), curvature_every=1
+    )
+    if wrapper == "masked":
+        tx = optax.chain(
+            optax.masked(hutchinson, {"w1": True, "w2": False}),
+            optax.masked(optax.sgd(1e-2), {"w1": False, "w2": True}),
+        )
+    else:
+        tx = optax.multi_transform(
+            {"curvature": hutchinson, "plain": optax.sgd(1e-2)}, {"w1": "curvature", "w2": "plain"}
+        )
+    controller = make_controller(
+        tx=tx, min_batch=32, max_batch=32, batch_rule="memory", probe=FakeMemoryProbe(BIG)
+    )
+    infos = controller.run(3)
+
+    # The same steps by hand, the loss given over the whole params.
+    data = make_data()
+    params, state = make_params(), tx.init(make_params())
+    for info in infos:
+        batch = {k: v[info.indices] for k, v in data.items()}
+
+        def loss_of(p, batch=batch):
+            return loss_fn(p, batch, policy=None, rng=None)
+
+        grads = jax.grad(loss_of)(params)
+        whole = params
+        updates, state = tx.update(
+            grads,
+            state,
+            params,
+            loss_fn=lambda p, whole=whole, loss_of=loss_of: loss_of(
+                triaccel_jax.transforms.unmask(p, whole)
+            ),
+        )
+        params = optax.apply_updates(params, updates)
+    chex.assert_trees_all_close(controller.params, params, rtol=1e-5, atol=1e-6)
+    signals = triaccel_jax.signals(controller.opt_state)
+    assert set(signals) == {"w1"} and signals["w1"]["max_curvature"] > 0
 
 
 def test_callback_gets_every_step():
