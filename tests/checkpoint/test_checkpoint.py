@@ -24,6 +24,8 @@ import triaccel_jax
 from triaccel_jax import Checkpointer
 from triaccel_jax import CheckpointError
 from triaccel_jax.flax import TrainState
+from triaccel_jax.flax import from_train_state
+from triaccel_jax.flax import to_train_state
 from triaccel_jax.precision import PlannerConfig
 
 
@@ -302,15 +304,15 @@ def test_a_train_state_controller_restored_from_a_checkpoint_counts_every_step(t
     def start():
         return TrainState.create(apply_fn=None, params=make_params(), tx=tx)
 
-    first = triaccel_jax.Controller.from_train_state(loss_fn, start(), make_data(), **options)
+    first = from_train_state(loss_fn, start(), make_data(), **options)
     first.run(7)
     with Checkpointer(tmp_path) as checkpointer:
         checkpointer.save_controller(first)
-    resumed = triaccel_jax.Controller.from_train_state(loss_fn, start(), make_data(), **options)
+    resumed = from_train_state(loss_fn, start(), make_data(), **options)
     with Checkpointer(tmp_path) as checkpointer:
         checkpointer.restore_controller(resumed)
     resumed.run(5)
-    state = resumed.train_state
+    state = to_train_state(resumed, start())
     assert resumed.step_count == 12
     assert int(state.opt_state[0].count) == 12
     assert int(state.step) == 12
