@@ -8,7 +8,8 @@ factory as the ``make_controller`` fixture. It offers:
   two-layer MLP's params for it, and its mean-squared-error loss (the controller's signature);
 * ``linear_probe``: a :class:`~triaccel_jax.FakeMemoryProbe` whose peak is linear in the batch;
 * ``make_controller(cls=Controller, **overrides)``: a controller on that problem (buckets 8-256,
-  the linear probe, a memory check every step, seed 0); any argument can be overridden. The batch
+  the linear probe, a memory check every step, seed 0); any argument can be overridden, the
+  params and optimizer included. The batch
   rule is the library's default (goodput, which times the buckets): a test of memory-driven
   growth or shrinking passes ``batch_rule="memory"`` itself;
 * ``FaultyController``: a controller with out-of-memory errors injected through ``faults=``,
@@ -67,7 +68,8 @@ def make_controller(cls=Controller, **overrides) -> Controller:
     }
     kwargs.update(overrides)
     tx = kwargs.pop("tx", None) or triaccel_jax.triaccel(1e-2)
-    return cls(kwargs.pop("loss_fn", loss_fn), make_params(), tx, make_data(), **kwargs)
+    params = kwargs.pop("params", None) or make_params()
+    return cls(kwargs.pop("loss_fn", loss_fn), params, tx, make_data(), **kwargs)
 
 
 class FaultyController(Controller):

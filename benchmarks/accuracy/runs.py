@@ -193,7 +193,9 @@ def build_controller(
     return controller, loss_fn
 
 
-def analytic_memory_mib(controller: Any, loss_fn: Any, data: task.Data, batch: int) -> float:
+def analytic_memory_mib(
+    controller: triaccel_jax.Controller, loss_fn: Any, data: task.Data, batch: int
+) -> float:
     """``memory_report``'s total (params, copies, gradients, state, residuals) of one step."""
     index = np.arange(batch) % len(data.train["label"])
     batch_arrays = {k: v[index] for k, v in data.train.items()}

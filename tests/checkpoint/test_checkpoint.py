@@ -14,13 +14,18 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from controller_harness import BIG
 from controller_harness import loss_fn
 from controller_harness import make_controller
+from controller_harness import make_data
+from controller_harness import make_params
 
 import triaccel_jax
 from triaccel_jax import Checkpointer
 from triaccel_jax import CheckpointError
 from triaccel_jax.flax import TrainState
+from triaccel_jax.flax import from_train_state
+from triaccel_jax.flax import to_train_state
 from triaccel_jax.precision import PlannerConfig
 
 
@@ -288,3 +293,26 @@ def test_save_controller_says_whether_it_saved(tmp_path):
         assert checkpointer.save_controller(controller) is True  # step 4
         checkpointer.wait_until_finished()
         assert checkpointer.steps() == [2, 4]
+
+
+def test_a_train_state_controller_restored_from_a_checkpoint_counts_every_step(tmp_path):
+    # 7 steps, saved; a controller made from the same starting state, restored, 5 more: the
+    # train state handed back has trained 12 steps, as the controller and optax count them.
+    tx = triaccel_jax.triaccel(1e-2)
+    options = dict(min_batch=8, max_batch=8, probe=triaccel_jax.FakeMemoryProbe(BIG))
+
+    def start():
+        return TrainState.create(apply_fn=None, params=make_params(), tx=tx)
+
+    first = from_train_state(loss_fn, start(), make_data(), **options)
+    first.run(7)
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save_controller(first)
+    resumed = from_train_state(loss_fn, start(), make_data(), **options)
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.restore_controller(resumed)
+    resumed.run(5)
+    state = to_train_state(resumed, start())
+    assert resumed.step_count == 12
+    assert int(state.opt_state[0].count) == 12
+    assert int(state.step) == 12

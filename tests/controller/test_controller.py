@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -487,6 +488,53 @@ def test_hutchinson_gets_the_loss_as_an_extra_argument():
     assert all(s["max_curvature"] > 0 and s["trace"] != 0 for s in signals.values())
 
 
+@pytest.mark.parametrize("wrapper", ["masked", "multi_transform"])
+def test_hutchinson_under_optax_masked_trains_through_the_controller(wrapper):
+    # optax hands the inner transform its own leaves only (MaskedNode for the others): the
+    # controller's loss must still take them, and the estimate is the Hessian diagonal of the
+    # loss of the whole params on the trained leaves.
+    hutchinson = triaccel_jax.triaccel(
+        1e-2, config=triaccel_jax.TriAccelConfig(estimator="hutchinson"), curvature_every=1
+    )
+    if wrapper == "masked":
+        tx = optax.chain(
+            optax.masked(hutchinson, {"w1": True, "w2": False}),
+            optax.masked(optax.sgd(1e-2), {"w1": False, "w2": True}),
+        )
+    else:
+        tx = optax.multi_transform(
+            {"curvature": hutchinson, "plain": optax.sgd(1e-2)}, {"w1": "curvature", "w2": "plain"}
+        )
+    controller = make_controller(
+        tx=tx, min_batch=32, max_batch=32, batch_rule="memory", probe=FakeMemoryProbe(BIG)
+    )
+    infos = controller.run(3)
+
+    # The same steps by hand, the loss given over the whole params.
+    data = make_data()
+    params, state = make_params(), tx.init(make_params())
+    for info in infos:
+        batch = {k: v[info.indices] for k, v in data.items()}
+
+        def loss_of(p, batch=batch):
+            return loss_fn(p, batch, policy=None, rng=None)
+
+        grads = jax.grad(loss_of)(params)
+        whole = params
+        updates, state = tx.update(
+            grads,
+            state,
+            params,
+            loss_fn=lambda p, whole=whole, loss_of=loss_of: loss_of(
+                triaccel_jax.transforms.unmask(p, whole)
+            ),
+        )
+        params = optax.apply_updates(params, updates)
+    chex.assert_trees_all_close(controller.params, params, rtol=1e-5, atol=1e-6)
+    signals = triaccel_jax.signals(controller.opt_state)
+    assert set(signals) == {"w1"} and signals["w1"]["max_curvature"] > 0
+
+
 def test_callback_gets_every_step():
     infos = []
     controller = make_controller(callback=infos.append)
@@ -544,8 +592,7 @@ def test_state_round_trip_gives_the_same_next_decisions_and_losses():
     resumed_probe = probe()
     resumed_probe.readings = readings
     resumed = make_controller(probe=resumed_probe, **kwargs)
-    resumed.params, resumed.opt_state = params, opt_state
-    resumed.load_state_dict(saved)
+    resumed.restore({"params": params, "opt_state": opt_state, "model_state": None}, saved)
     got = resumed.run(20)
     assert [i.loss for i in got] == [i.loss for i in expected]
     assert [(i.batch_size, i.micro_batch) for i in got] == [
@@ -674,8 +721,7 @@ def test_resuming_with_opt_state_and_load_state_dict_does_not_compound_the_rate(
     rate = float(optax.tree_utils.tree_get(opt_state, "learning_rate"))
     expected = reference.run(3)
 
-    resumed = make_controller(tx=tx, opt_state=opt_state, **options)
-    resumed.params = params
+    resumed = make_controller(tx=tx, params=params, opt_state=opt_state, **options)
     resumed.load_state_dict(saved)
     assert float(optax.tree_utils.tree_get(resumed.opt_state, "learning_rate")) == (
         pytest.approx(rate)
@@ -687,6 +733,9 @@ def test_resuming_with_opt_state_and_load_state_dict_does_not_compound_the_rate(
 def test_a_train_state_resumed_with_load_state_dict_counts_its_steps_once():
     from flax.training import train_state
 
+    from triaccel_jax.flax import from_train_state
+    from triaccel_jax.flax import to_train_state
+
     tx = triaccel_jax.triaccel(1e-2)
     reference = make_controller(tx=tx, max_batch=8)
     reference.run(12)
@@ -697,10 +746,11 @@ def test_a_train_state_resumed_with_load_state_dict_counts_its_steps_once():
         tx=tx,
         opt_state=reference.opt_state,
     )
-    resumed = Controller.from_train_state(
+    resumed = from_train_state(
         loss_fn, state, make_data(), min_batch=8, max_batch=8, probe=FakeMemoryProbe(BIG)
     )
+    assert resumed.step_count == 12  # the controller counts on from the state's step
     resumed.load_state_dict(reference.state_dict())
-    assert int(resumed.train_state.step) == 12
+    assert int(to_train_state(resumed, state).step) == 12
     resumed.run(3)
-    assert int(resumed.train_state.step) == resumed.step_count == 15
+    assert int(to_train_state(resumed, state).step) == resumed.step_count == 15

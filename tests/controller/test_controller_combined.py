@@ -186,19 +186,24 @@ def test_no_policy_is_refused_while_precision_is_re_planned():
 
 
 @pytest.mark.parametrize(
-    ("field", "bad"),
+    ("part", "field", "bad"),
     [
-        ("compiled_peaks", {"x": {"notint": 1}}),
-        ("ceiling", "zz"),
-        ("tuned_learning_rate", "abc"),
-        ("loss_scale", {"scale": "x", "good_steps": 0, "skipped_steps": 0}),
+        (None, "compiled_peaks", {"x": {"notint": 1}}),
+        ("bucket", "ceiling", "zz"),
+        ("learning_rate", "tuned_learning_rate", "abc"),
+        ("goodput", "streak", [8]),
+        ("precision", "pending", {"w1": "x"}),
+        (None, "loss_scale", {"scale": "x", "good_steps": 0, "skipped_steps": 0}),
     ],
 )
-def test_a_malformed_state_changes_nothing(field, bad):
+def test_a_malformed_state_changes_nothing(part, field, bad):
     saved = make_controller(max_batch=16, batch_size=8)
     saved.run(5)
     state = saved.state_dict()
-    state[field] = bad
+    if part is None:
+        state[field] = bad
+    else:
+        state[part] = {**state[part], field: bad}
     controller = make_controller(max_batch=16, batch_size=8)
     before = (controller.step_count, controller.sampler.state_dict(), controller.state_dict())
     with pytest.raises(ValueError):

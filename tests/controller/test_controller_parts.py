@@ -1,5 +1,5 @@
 """The controller's parts, each alone: config, feeding, compile cache, learning rate, buckets,
-out-of-memory retry, state record and re-plan."""
+out-of-memory retry, each part's saved state and re-plan."""
 
 from __future__ import annotations
 
@@ -19,17 +19,19 @@ from triaccel_jax.controller import replan
 from triaccel_jax.controller._bucket_tracker import BucketTracker
 from triaccel_jax.controller._compiling import StepCompiler
 from triaccel_jax.controller._feeding import BatchFeeder
+from triaccel_jax.controller._goodput_tracker import GoodputTracker
 from triaccel_jax.controller._learning_rate import LearningRateScaling
 from triaccel_jax.controller._learning_rate import lr_factor
 from triaccel_jax.controller._out_of_memory import retry_after_out_of_memory
-from triaccel_jax.controller._state_record import ControllerRecord
+from triaccel_jax.controller._precision_schedule import PrecisionSchedule
 from triaccel_jax.controller._state_record import from_state_dict
+from triaccel_jax.controller._state_record import loss_scale
+from triaccel_jax.controller._state_record import loss_scale_document
 from triaccel_jax.controller._state_record import to_state_dict
 from triaccel_jax.policy import PrecisionPlan
 from triaccel_jax.policy import PrecisionPolicy
 from triaccel_jax.precision import PlannerConfig
 from triaccel_jax.transforms import LossScaleState
-from triaccel_jax.transforms import LossScaling
 
 # -- config ----------------------------------------------------------------------------------------
 
@@ -171,11 +173,13 @@ def test_bucket_tracker_prefers_measured_peaks_and_refuses_a_compiled_peak_over_
 
 
 def test_out_of_memory_retry_shrinks_then_raises_at_the_smallest_bucket():
-    tracker = BucketTracker((8, 16, 32), 32, target=0.8, high_water=0.9, patience=1)
-    tracker.grow_streak = 1
+    tracker = BucketTracker((8, 16, 32), 16, target=0.8, high_water=0.9, patience=2)
+    tracker.check(100, 100_000, compiled_peaks={}, fixed_bytes=0)
+    assert tracker.state_dict()["grow_streak"] == 1
+    tracker.move_to(32)
     decision = tracker.retry_after_out_of_memory(32, step=4, tried=["1x32"], error=MemoryError("x"))
     assert (decision.bucket, decision.ceiling, tracker.micro) == (16, 32, 16)
-    assert tracker.grow_streak == 0 and "32 is now a ceiling" in decision.reason
+    assert tracker.state_dict()["grow_streak"] == 0 and "32 is now a ceiling" in decision.reason
     with pytest.raises(OutOfMemoryError, match=r"step 7 .* bucket 8 \(tried micro-batches 1x8"):
         retry_after_out_of_memory(8, (8, 16), 16, step=7, tried=["1x8"], error=MemoryError("y"))
 
@@ -192,56 +196,90 @@ def test_out_of_memory_is_charged_to_the_bucket_the_step_ran_at():
     assert (again.bucket, again.ceiling, tracker.micro, tracker.ceiling) == (4, 8, 4, 8)
 
 
-# -- state record ----------------------------------------------------------------------------------
+# -- saved state -----------------------------------------------------------------------------------
 
 IDENTITY = {"seed": 0, "buckets": [8, 16], "keep_global_batch": False}
 
 
-def _record(**changes):
-    policy = PrecisionPolicy.uniform({"w": jnp.ones((4, 4))}, "bf16")
-    fields = dict(
-        step=5,
-        micro_batch=16,
-        ceiling=None,
-        grow_streak=1,
-        shrink_streak=0,
-        measured_peaks={8: 700},
-        compiled_peaks={"abc": {"8": 600}},
-        limit_bytes=1000,
-        last_loss=0.25,
-        lr_factor=1.5,
-        loss_scale=LossScaling().init(),
-        policy=policy,
-        pending={"w": ("fp32", 1)},
-        sampler={"epoch": 0, "cursor": 3},
-        tuned_learning_rate=None,
-        noise_scale=(0.5, 2.0, 0.4),
+def _through_json(state):
+    return json.loads(json.dumps(state))
+
+
+def test_each_part_saves_its_own_state_and_reads_it_back():
+    tracker = BucketTracker((8, 16, 32), 8, target=0.8, high_water=0.9, patience=3)
+    tracker.check(300, 1000, compiled_peaks={}, fixed_bytes=0)  # a grow streak, a measured peak
+    again = BucketTracker((8, 16, 32), 16, target=0.8, high_water=0.9, patience=3)
+    again.load_state_dict(_through_json(tracker.state_dict()))
+    assert again.state_dict() == tracker.state_dict()
+    assert (again.micro, again.limit, again.known_peaks({})) == (8, 1000, {8: 300})
+
+    options = dict(
+        decay=0.5, lag=1, reference=8, margin=0.0, min_efficiency=0.5, model="linear", patience=2
     )
-    return ControllerRecord(**{**fields, **changes})
+    goodput = GoodputTracker(**options)
+    for step in range(3):
+        goodput.observe_noise(step, (3.0 + step, 9.0), batch=32, micro=8)
+    goodput.observe_throughput((8, 1, "none"), samples=8, seconds=0.1)
+    keys = {b: (b, 1, "none") for b in (8, 16)}
+    move = goodput.decide(8, [8, 16], keys, memory_grows=False, measurable=True)
+    assert move.bucket == 8  # the move waits for its streak, which is saved
+    restored = GoodputTracker(**options)
+    restored.load_state_dict(_through_json(goodput.state_dict()))
+    assert restored.state_dict() == goodput.state_dict()
+    assert restored.state_dict()["streak"] == [16, 1]
+    assert restored.noise_scale == goodput.noise_scale and restored.throughput == {}
+    assert restored.decide(8, [8, 16], keys, memory_grows=False, measurable=True).bucket == 8
+    assert goodput.decide(8, [8, 16], keys, memory_grows=False, measurable=True).bucket == 16
+
+    policy = PrecisionPolicy.uniform({"w": jnp.ones((4, 4))}, "bf16")
+    schedule = PrecisionSchedule(speed_trials=False)
+    schedule.set_plan(PrecisionPlan(policy, {"w": ("fp32", 1)}))
+    other = PrecisionSchedule(speed_trials=False)
+    other.load_state_dict(_through_json(schedule.state_dict()))
+    assert other.plan == schedule.plan
+
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    state = tx.init({"w": jnp.zeros(2)})
+    scaling = LearningRateScaling(state, "learning_rate", "linear", 16)
+    scaling.for_step(state, 32)
+    scaling.advance(32)
+    resumed = LearningRateScaling(state, "learning_rate", "linear", 16)
+    resumed.load_state_dict(_through_json(scaling.state_dict()))
+    assert resumed.progress == 2.0 and resumed.base_lr == pytest.approx(0.1)
 
 
-def test_state_record_round_trips_through_json():
-    record = _record()
-    state = json.loads(json.dumps(to_state_dict(record, IDENTITY)))
-    assert from_state_dict(state, IDENTITY) == record
+def test_a_part_refuses_a_malformed_state_naming_the_field_and_keeps_its_own():
+    tracker = BucketTracker((8, 16), 8, target=0.8, high_water=0.9, patience=1)
+    before = tracker.state_dict()
+    with pytest.raises(ValueError, match="micro_batch 32 is not a bucket"):
+        tracker.load_state_dict({**before, "micro_batch": 32})
+    with pytest.raises(ValueError, match="has no 'limit_bytes'"):
+        tracker.load_state_dict({k: v for k, v in before.items() if k != "limit_bytes"})
+    assert tracker.state_dict() == before
+    goodput = GoodputTracker(
+        decay=0.5, lag=1, reference=8, margin=0.0, min_efficiency=0.5, model="linear", patience=2
+    )
+    with pytest.raises(ValueError, match="streak"):
+        goodput.load_state_dict({**goodput.state_dict(), "streak": [8]})
 
 
-def test_state_record_keeps_the_loss_scale():
+def test_the_loss_scale_keeps_its_dtypes_through_json():
     scale = LossScaleState(jnp.float32(1024.0), jnp.int32(3), jnp.int32(1))
-    state = json.loads(json.dumps(to_state_dict(_record(loss_scale=scale), IDENTITY)))
-    assert state["loss_scale"] == {"scale": 1024.0, "good_steps": 3, "skipped_steps": 1}
-    back = from_state_dict(state, IDENTITY).loss_scale
+    document = _through_json(loss_scale_document(scale))
+    assert document == {"scale": 1024.0, "good_steps": 3, "skipped_steps": 1}
+    back = loss_scale(document)
     assert jax.tree.map(lambda x: (x.dtype, x.item()), back) == jax.tree.map(
         lambda x: (x.dtype, x.item()), scale
     )
 
 
-def test_state_record_rejects_another_configuration():
-    state = to_state_dict(_record(), IDENTITY)
+def test_the_envelope_refuses_another_configuration_and_another_version():
+    state = to_state_dict({"step": 5}, IDENTITY)
+    assert from_state_dict(_through_json(state), IDENTITY)["step"] == 5
     with pytest.raises(ValueError, match="saved with seed=0, this controller has seed=1"):
         from_state_dict(state, {**IDENTITY, "seed": 1})
-    with pytest.raises(ValueError, match="saved micro_batch 16 is not a bucket"):
-        from_state_dict({**state, "buckets": [8]}, {**IDENTITY, "buckets": [8]})
+    with pytest.raises(ValueError, match="version 1 is not supported"):
+        from_state_dict({**state, "version": 1}, IDENTITY)
 
 
 # -- re-plan ---------------------------------------------------------------------------------------

@@ -278,7 +278,7 @@ def test_features_combined_keep_every_invariant(script, release):
         ooms = sorted(e.old for e in run.controller.events if e.kind == "oom")
         if not run.resume:
             assert ooms == sorted(site.micro for site in run.faults.injected)
-        ceiling = run.controller.state_dict()["ceiling"]
+        ceiling = run.controller.state_dict()["bucket"]["ceiling"]
         assert ceiling is None or ceiling in {site.micro for site in run.faults.injected}
 
     if plain.background:

@@ -250,10 +250,11 @@ def test_a_resumed_run_equals_the_uninterrupted_one(lr_scaling):
     first = make_controller(**options)
     first.run(10)  # not at a memory check (every 4 steps), which reads every queued step
     saved = json.loads(json.dumps(first.state_dict()))
-    assert saved["schedule_progress"] == first.schedule_progress > 0
+    assert saved["learning_rate"]["schedule_progress"] == first.schedule_progress > 0
     resumed = make_controller(**options)
-    resumed.params, resumed.opt_state = first.params, first.opt_state
-    resumed.load_state_dict(saved)
+    resumed.restore(
+        {"params": first.params, "opt_state": first.opt_state, "model_state": None}, saved
+    )
     assert resumed.schedule_progress == first.schedule_progress
     got = resumed.run(6)
 
@@ -275,13 +276,13 @@ def test_a_bad_saved_progress_is_refused_and_changes_nothing(bad):
     saved = make_controller(max_batch=16, batch_size=8)
     saved.run(3)
     state = saved.state_dict()
-    state["schedule_progress"] = bad
+    state["learning_rate"] = {**state["learning_rate"], "schedule_progress": bad}
     controller = make_controller(max_batch=16, batch_size=8)
     before = controller.state_dict()
     with pytest.raises(ValueError, match="schedule_progress"):
         controller.load_state_dict(state)
     assert controller.state_dict() == before
-    del state["schedule_progress"]
+    del state["learning_rate"]["schedule_progress"]
     with pytest.raises(ValueError, match="has no 'schedule_progress'"):
         controller.load_state_dict(state)
     assert controller.state_dict() == before
@@ -291,11 +292,11 @@ def test_bad_saved_recent_noise_is_refused():
     saved = make_controller(max_batch=16, batch_size=8)
     saved.run(3)
     state = saved.state_dict()
-    assert [entry[0] for entry in state["recent_noise"]] == [1, 2]
+    assert [entry[0] for entry in state["goodput"]["recent_noise"]] == [1, 2]
     for bad in ([[2, 0.0, 0.0, 0.0], [1, 0.0, 0.0, 0.0]], [[1, 0.0]], "x"):
         with pytest.raises(ValueError, match="recent_noise"):
             make_controller(max_batch=16, batch_size=8).load_state_dict(
-                {**state, "recent_noise": bad}
+                {**state, "goodput": {**state["goodput"], "recent_noise": bad}}
             )
 
 

@@ -232,21 +232,24 @@ def test_controller_trains_a_train_state_with_batch_stats():
         loss = jnp.mean((out.astype(jnp.float32) - batch["y"]) ** 2)
         return loss, {"model_state": updates["batch_stats"]}
 
-    controller = triaccel_jax.Controller.from_train_state(
+    controller = triaccel_jax.flax.from_train_state(
         loss_fn, state, data, has_aux=True, min_batch=32, max_batch=32,
         probe=triaccel_jax.FakeMemoryProbe(10**9),
     )  # fmt: skip
     assert controller.policy == policy
     infos = controller.run(20)
     assert infos[-1].loss < infos[0].loss
-    trained = controller.train_state
+    trained = triaccel_jax.flax.to_train_state(controller, state)
     assert isinstance(trained, TrainState) and int(trained.step) == 20
     assert trained.policy == policy
     assert trained.compute_params["Dense_0"]["kernel"].dtype == jnp.bfloat16
     moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), state.batch_stats, trained.batch_stats)
     assert all(jax.tree.leaves(moved))
     with pytest.raises(TypeError, match="from_train_state takes params"):
-        triaccel_jax.Controller.from_train_state(loss_fn, state, data, params=state.params)
+        triaccel_jax.flax.from_train_state(loss_fn, state, data, params=state.params)
+    other = TrainState.create(apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.sgd(0.1))
+    with pytest.raises(ValueError, match="the state's params have the structure"):
+        triaccel_jax.flax.to_train_state(controller, other)
 
 
 def test_a_keyword_that_is_neither_a_field_nor_an_extra_argument_is_a_type_error():

@@ -664,10 +664,16 @@ CASES = [
         "not a controller state",
     ),
     Case(
-        "controller-train-state-without-one",
-        lambda _: controller().train_state,
-        AttributeError,
-        "not made with Controller.from_train_state",
+        "controller-restore-without-arrays",
+        lambda _: controller().restore({"params": None}, {}),
+        ValueError,
+        r"restore: `arrays` has no \['model_state', 'opt_state'\]",
+    ),
+    Case(
+        "controller-negative-start-step",
+        lambda _: controller(start_step=-1),
+        ValueError,
+        "`start_step` must be an integer >= 0",
     ),
     # errors that are not out-of-memory propagate unchanged (type and message)
     Case(

@@ -40,7 +40,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("transforms",),
     ("precision",),  # the planner, the memory report
     ("training",),  # the pure train step
-    ("controller", "flax"),
+    ("controller",),
+    ("flax",),  # the train state, and a train state through the controller
     ("checkpoint", "data", "models"),
     ("cli",),
     ("",),

@@ -32,6 +32,7 @@ from typing import Any
 from triaccel_jax import policy as policy_lib
 from triaccel_jax.checkpoint import _records as records_lib
 from triaccel_jax.checkpoint._records import CheckpointError
+from triaccel_jax.controller import Controller
 
 META_FORMAT = "triaccel_jax.checkpoint"
 META_VERSION = 1
@@ -225,23 +226,20 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def save_controller(
-        self, controller: Any, *, metadata: Mapping[str, Any] | None = None
+        self, controller: Controller, *, metadata: Mapping[str, Any] | None = None
     ) -> bool:
-        """Saves a :class:`triaccel_jax.Controller`'s training state and its own state.
+        """Saves a :class:`triaccel_jax.Controller`'s training state and its own state, as its
+        :meth:`~triaccel_jax.Controller.checkpoint_state` gives them, at its step.
 
         Returns:
           :meth:`save`'s answer: whether the checkpoint was written.
         """
-        arrays = {
-            "params": controller.params,
-            "opt_state": controller.opt_state,
-            "model_state": controller.model_state,
-        }
+        checkpoint = controller.checkpoint_state()
         return self.save(
-            controller.step_count,
-            arrays,
-            policy=controller.policy,
-            controller_state=controller.state_dict(),
+            checkpoint.step,
+            checkpoint.arrays,
+            policy=checkpoint.policy,
+            controller_state=checkpoint.state,
             metadata=metadata,
         )
 
@@ -315,8 +313,15 @@ class Checkpointer:
         restored, _ = self.restore(state, step=step)
         return restored
 
-    def restore_controller(self, controller: Any, *, step: int | None = None) -> dict[str, Any]:
-        """Restores a controller saved by :meth:`save_controller`; returns the user metadata."""
+    def restore_controller(
+        self, controller: Controller, *, step: int | None = None
+    ) -> dict[str, Any]:
+        """Restores a controller saved by :meth:`save_controller`; returns the user metadata.
+
+        The controller is first switched to the saved policy (so that its arrays are a template
+        of the saved dtypes), then given the restored arrays and its saved state through
+        :meth:`~triaccel_jax.Controller.restore`.
+        """
         step = self._resolve(step)
         meta = self.read_metadata(step)
         if meta["controller"] is None:
@@ -326,16 +331,8 @@ class Checkpointer:
         if meta["policy"] is not None:
             policy = policy_lib.PrecisionPolicy.from_json(json.dumps(meta["policy"]))
             controller.set_policy(policy)
-        template = {
-            "params": controller.params,
-            "opt_state": controller.opt_state,
-            "model_state": controller.model_state,
-        }
-        arrays, _ = self.restore(template, step=step)
-        controller.params = arrays["params"]
-        controller.opt_state = arrays["opt_state"]
-        controller.model_state = arrays["model_state"]
-        controller.load_state_dict(meta["controller"])
+        arrays, _ = self.restore(controller.checkpoint_state().arrays, step=step)
+        controller.restore(arrays, meta["controller"])
         return meta["metadata"]
 
     def read_metadata(self, step: int | None = None) -> dict[str, Any]:

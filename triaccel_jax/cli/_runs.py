@@ -177,7 +177,7 @@ def _advance(progress: Any, samples: int) -> None:
     progress.update(samples)
 
 
-def _chunk_steps(controller: Any, args: Any, max_steps: float) -> int:
+def _chunk_steps(controller: controller_lib.Controller, args: Any, max_steps: float) -> int:
     """Steps to the epoch's end, the next evaluation or the step limit.
 
     Counted at the largest batch the run may reach, so that a batch that grows inside the chunk
@@ -193,7 +193,12 @@ def _chunk_steps(controller: Any, args: Any, max_steps: float) -> int:
 
 
 def _train_epochs(
-    run: str, controller: Any, loss_fn: Any, data: task.Data, args: Any, progress: Any
+    run: str,
+    controller: controller_lib.Controller,
+    loss_fn: Any,
+    data: task.Data,
+    args: Any,
+    progress: Any,
 ) -> _RunLog:
     """Steps ``controller`` through ``args.epochs`` epochs (or ``--max-steps``), recording."""
     log = _RunLog()
@@ -240,8 +245,9 @@ def _train_epochs(
                 log.history.append(_history_row(info, samples))
                 grown = grown or info.batch_size > args.batch_size
                 replanned = any(e.kind == "replan" for e in info.events)
-                if run == "triaccel" and (not log.policies or replanned):
-                    leaves = {path: controller.policy.compute(path) for path in controller.policy}
+                policy = controller.policy
+                if run == "triaccel" and policy is not None and (not log.policies or replanned):
+                    leaves = {path: policy.compute(path) for path in policy}
                     log.policies.append({"step": info.step - 1, "leaves": leaves})
                 _advance(progress, info.batch_size)
                 progress.set_postfix(
@@ -323,7 +329,10 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
 
 
 def step_memory(
-    loss_fn: Callable[..., Any], controller: Any, data: task.Data, batch_size: int
+    loss_fn: Callable[..., Any],
+    controller: controller_lib.Controller,
+    data: task.Data,
+    batch_size: int,
 ) -> precision_lib.MemoryReport:
     """``memory_report`` of one training step at ``batch_size`` under the controller's policy.
 

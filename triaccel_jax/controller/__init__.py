@@ -1,9 +1,9 @@
 """The control stage: the host-side loop that adapts batch size and precision while training.
 
-:class:`Controller` is one object that owns its state and changes it only in its own methods
-(the loop with its in-flight queue, the switches at step boundaries, the rollback and retry).
-Decisions are pure functions of measured figures or small parts that own their own state,
-testable without a device; the public ones are exported here:
+:class:`Controller` runs the loop (the in-flight queue, the switches at step boundaries, the
+rollback and retry) and composes the parts that decide; each part owns its state, private and
+changed only by its methods, with a ``state_dict()`` of its own. Decisions are pure functions of
+measured figures, testable without a device; the public ones are exported here:
 
 * settings: :class:`ControllerConfig` (the controller's keywords as one frozen, validated
   value) and :class:`BatchLayout` (the buckets it allows on a data-parallel width);
@@ -15,6 +15,8 @@ testable without a device; the public ones are exported here:
   step that the controller and hand-written loops share, returning a :class:`Replan`;
 * the data: :class:`ElasticSampler` serves any batch size without dropping or repeating a
   sample;
+* the saved state: :class:`ControllerCheckpoint`, what a checkpointer saves
+  (:meth:`Controller.checkpoint_state`) and gives back (:meth:`Controller.restore`);
 * the log: :class:`Event` and :func:`event_records`; :class:`StepInfo` for progress callbacks;
   :class:`MetricWriterCallback` writes steps and events to TensorBoard files
   (:class:`TensorBoardWriter`, the ``tensorboard`` extra) or any metric writer, and every event
@@ -26,9 +28,13 @@ testable without a device; the public ones are exported here:
 The private modules, one concept each (docs/design.md §5 has the map): ``_controller`` (the
 object and its loop), ``_step_records`` (what a step depends on, restored whole by a rollback),
 ``_compiling`` (the compile cache, compiled peaks and the background worker), ``_buckets`` and
-``_bucket_tracker`` (the bucket decision and the bucket's memory figures), ``_out_of_memory``
-(the retry rule and fault injection), ``_learning_rate`` (the batch rule), ``_replan``,
-``_state_record`` (the saved state's format), ``_feeding`` (batches on the devices),
+``_bucket_tracker`` (the bucket decision and the bucket's memory figures), ``_goodput`` and
+``_goodput_tracker`` (the goodput choice, and the noise scale, throughput and streak it decides
+from), ``_precision_speed`` and ``_precision_schedule`` (the verdict on a speed trial, and the
+plan, trials and waiting re-plan), ``_out_of_memory`` (the retry rule and fault injection),
+``_learning_rate`` (the learning rate's owner: tuned rate, batch rule, schedule clock),
+``_replan``, ``_state_record`` (the saved state's envelope and field readers), ``_feeding``
+(batches on the devices),
 ``_sampler``, ``_config``, ``_events``, ``_logging``, ``_metric_writer``, ``_memory_probe`` and
 ``_agreement`` (memory figures agreed across processes).
 """
@@ -59,12 +65,14 @@ from triaccel_jax.controller._out_of_memory import simulated_out_of_memory
 from triaccel_jax.controller._replan import Replan
 from triaccel_jax.controller._replan import replan
 from triaccel_jax.controller._sampler import ElasticSampler
+from triaccel_jax.controller._state_record import ControllerCheckpoint
 
 __all__ = (
     "BatchLayout",
     "BucketDecision",
     "BudgetMemoryProbe",
     "Controller",
+    "ControllerCheckpoint",
     "ControllerConfig",
     "DeviceMemoryProbe",
     "ElasticSampler",

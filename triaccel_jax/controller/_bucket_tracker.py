@@ -1,9 +1,11 @@
 """``BucketTracker``: the batch bucket in force and what is known about memory at each bucket.
 
 It holds the controller's batch-size memory (the bucket, the hysteresis streaks, the
-out-of-memory ceiling, the measured peaks and the last limit) and turns each memory reading or
-out-of-memory error into a decision with :func:`triaccel_jax.controller.decide_bucket` or the
-retry rule; it returns the decisions and the controller logs them (docs/design.md §5).
+out-of-memory ceiling, the measured peaks and the last limit), private and changed only by its
+own methods, and turns each memory reading or out-of-memory error into a decision with
+:func:`triaccel_jax.controller.decide_bucket` or the retry rule; it returns the decisions and the
+controller logs them (docs/design.md §5). Its :meth:`BucketTracker.state_dict` is the ``"bucket"``
+part of the controller's saved state.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from triaccel_jax._src import arrays
 from triaccel_jax.controller import _buckets as buckets_lib
 from triaccel_jax.controller import _out_of_memory as out_of_memory
+from triaccel_jax.controller import _state_record as records
 
 
 class BucketTracker:
@@ -25,19 +28,15 @@ class BucketTracker:
       start: the bucket to start at.
       target, high_water, patience: as for :func:`triaccel_jax.controller.decide_bucket`.
 
-    Attributes:
-      micro: the bucket in force.
-      ceiling: the smallest bucket that ran out of memory, or None.
-      grow_streak, shrink_streak: consecutive checks that indicated a move.
-      measured: ``{bucket: peak bytes}`` as measured by the probe under the current policy.
-      limit: the memory limit at the last check, or None.
-
     Example:
       >>> from triaccel_jax.controller._bucket_tracker import BucketTracker
       >>> tracker = BucketTracker((16, 32, 64), 16, target=0.85, high_water=0.95, patience=1)
       >>> decision = tracker.check(1_000, 100_000, compiled_peaks={}, fixed_bytes=0)
       >>> decision.kind, decision.bucket
       ('grow', 64)
+      >>> tracker.move_to(decision.bucket)
+      >>> tracker.micro, tracker.state_dict()["measured_peaks"]
+      (64, {'16': 1000})
     """
 
     def __init__(
@@ -49,19 +48,48 @@ class BucketTracker:
         high_water: float,
         patience: int,
     ) -> None:
-        self.buckets = tuple(buckets)
-        self.micro = start
+        self._buckets = tuple(buckets)
+        self._micro = start
         self._target, self._high_water, self._patience = target, high_water, patience
-        self.ceiling: int | None = None
-        self.grow_streak = self.shrink_streak = 0
-        self.measured: dict[int, int] = {}
-        self.limit: int | None = None
+        self._ceiling: int | None = None
+        self._grow_streak = self._shrink_streak = 0
+        self._measured: dict[int, int] = {}
+        self._limit: int | None = None
+
+    @property
+    def micro(self) -> int:
+        """The bucket in force."""
+        return self._micro
+
+    @property
+    def ceiling(self) -> int | None:
+        """The smallest bucket that ran out of memory, or None."""
+        return self._ceiling
+
+    @property
+    def limit(self) -> int | None:
+        """The memory limit at the last check, or None."""
+        return self._limit
+
+    def move_to(self, bucket: int) -> None:
+        """Puts ``bucket`` in force (a grow, shrink or rollback the controller takes).
+
+        Raises:
+          ValueError: ``bucket`` is not one of the buckets.
+        """
+        if bucket not in self._buckets:
+            raise ValueError(f"{bucket!r} is not one of the buckets {self._buckets}")
+        self._micro = bucket
+
+    def forget_measured(self) -> None:
+        """Forgets the probe's measured peaks: they were for a policy no longer in force."""
+        self._measured = {}
 
     def known_peaks(self, compiled_peaks: Mapping[int, int]) -> dict[int, int]:
         """Peak bytes per bucket: measured by the probe if it measures (they include whatever
         else holds memory), else XLA's compiled analyses. The two are not mixed: a linear fit
         through figures from different sources would be meaningless."""
-        return dict(self.measured) if self.measured else dict(compiled_peaks)
+        return dict(self._measured) if self._measured else dict(compiled_peaks)
 
     def fixed_bytes(self, state: Any, params: Any) -> int:
         """Bytes of a step's peak that do not grow with the batch, for a one-point prediction.
@@ -71,7 +99,7 @@ class BucketTracker:
         peaks also include unknown others, so they are extrapolated as proportional to the
         batch, which over-predicts: growth is then cautious, never unsafe.
         """
-        if self.measured:
+        if self._measured:
             return 0
         return 2 * arrays.tree_nbytes(state) + arrays.tree_nbytes(params)
 
@@ -84,32 +112,32 @@ class BucketTracker:
         fixed_bytes: int,
     ) -> buckets_lib.BucketDecision:
         """Records a reading at the current bucket and decides whether to move (not moving)."""
-        self.limit = limit
+        self._limit = limit
         if peak is not None:
-            self.measured[self.micro] = peak
+            self._measured[self._micro] = peak
         decision = buckets_lib.decide_bucket(
-            self.micro,
-            self.buckets,
+            self._micro,
+            self._buckets,
             self.known_peaks(compiled_peaks),
             limit,
             target=self._target,
             high_water=self._high_water,
             patience=self._patience,
-            ceiling=self.ceiling,
+            ceiling=self._ceiling,
             fixed_bytes=fixed_bytes,
-            grow_streak=self.grow_streak,
-            shrink_streak=self.shrink_streak,
+            grow_streak=self._grow_streak,
+            shrink_streak=self._shrink_streak,
         )
-        self.grow_streak, self.shrink_streak = decision.grow_streak, decision.shrink_streak
+        self._grow_streak, self._shrink_streak = decision.grow_streak, decision.shrink_streak
         return decision
 
     def over_high_water(self, bucket: int, compiled_peaks: Mapping[int, int]) -> str | None:
         """Why growing to ``bucket`` is refused (its compiled peak passes the high-water mark)."""
-        peak = None if self.measured else compiled_peaks.get(bucket)
-        if peak is None or self.limit is None or peak <= self._high_water * self.limit:
+        peak = None if self._measured else compiled_peaks.get(bucket)
+        if peak is None or self._limit is None or peak <= self._high_water * self._limit:
             return None
         return (
-            f"compiled peak of bucket {bucket} is {peak / self.limit:.0%} of the limit, over the "
+            f"compiled peak of bucket {bucket} is {peak / self._limit:.0%} of the limit, over the "
             f"high-water mark {self._high_water:.0%}"
         )
 
@@ -126,25 +154,46 @@ class BucketTracker:
           OutOfMemoryError: ``micro`` is the smallest bucket.
         """
         decision = out_of_memory.retry_after_out_of_memory(
-            micro, self.buckets, self.ceiling, step=step, tried=tried, error=error
+            micro, self._buckets, self._ceiling, step=step, tried=tried, error=error
         )
-        self.ceiling, self.micro = decision.ceiling, min(self.micro, decision.bucket)
-        self.grow_streak = self.shrink_streak = 0
+        self._ceiling, self._micro = decision.ceiling, min(self._micro, decision.bucket)
+        self._grow_streak = self._shrink_streak = 0
         return decision
 
-    def record(self) -> dict[str, Any]:
-        """The tracker's state, as the controller's state record holds it."""
+    def state_dict(self) -> dict[str, Any]:
+        """The tracker's state as JSON-ready data: the bucket, ceiling, streaks, measured peaks
+        (``{"bucket": bytes}``) and the last limit."""
         return {
-            "micro_batch": self.micro,
-            "ceiling": self.ceiling,
-            "grow_streak": self.grow_streak,
-            "shrink_streak": self.shrink_streak,
-            "measured_peaks": dict(self.measured),
-            "limit_bytes": self.limit,
+            "micro_batch": self._micro,
+            "ceiling": self._ceiling,
+            "grow_streak": self._grow_streak,
+            "shrink_streak": self._shrink_streak,
+            "measured_peaks": {str(b): v for b, v in self._measured.items()},
+            "limit_bytes": self._limit,
         }
 
-    def restore(self, record: Any) -> None:
-        """Continues from a :class:`ControllerRecord` (or anything with :meth:`record`'s fields)."""
-        self.micro, self.ceiling = record.micro_batch, record.ceiling
-        self.grow_streak, self.shrink_streak = record.grow_streak, record.shrink_streak
-        self.measured, self.limit = dict(record.measured_peaks), record.limit_bytes
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues from :meth:`state_dict`'s output; everything is checked before anything is
+        taken.
+
+        Raises:
+          ValueError: the state is malformed, or names a bucket this tracker does not have.
+        """
+        fields = records.fields(state, "bucket", self.state_dict())
+        micro = records.integer(fields["micro_batch"], "micro_batch")
+        ceiling = records.optional(fields["ceiling"], int, "ceiling")
+        for name, bucket in (("micro_batch", micro), ("ceiling", ceiling)):
+            if bucket is not None and bucket not in self._buckets:
+                raise ValueError(f"controller state: {name} {bucket!r} is not a bucket")
+        measured = records.mapping(fields["measured_peaks"], "measured_peaks")
+        peaks = {
+            records.integer(b, "measured_peaks bucket"): records.integer(v, "measured_peaks")
+            for b, v in measured.items()
+        }
+        streaks = (
+            records.integer(fields["grow_streak"], "grow_streak"),
+            records.integer(fields["shrink_streak"], "shrink_streak"),
+        )
+        limit = records.optional(fields["limit_bytes"], int, "limit_bytes")
+        self._micro, self._ceiling, self._measured, self._limit = micro, ceiling, peaks, limit
+        self._grow_streak, self._shrink_streak = streaks

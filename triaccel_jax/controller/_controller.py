@@ -1,24 +1,30 @@
 """``Controller``: the host-side loop that adapts batch size and precision (docs/design.md §5).
 
-The controller is one object that owns its state and changes it only in its own methods: the
-loop with its in-flight queue, the switches (grow, shrink, re-plan, ``set_policy``) taken at step
-boundaries, the out-of-memory rollback and retry, the learning rate, and the saved state. It asks
-pure decision functions and small state-owning parts for each decision (:mod:`._buckets` and
-:class:`._bucket_tracker.BucketTracker` for the bucket, :mod:`._out_of_memory` for the retry,
-:mod:`._learning_rate` for the rate, :func:`._replan.replan` for precision), compiles through
-:class:`._compiling.StepCompiler`, and is the only writer of the event log.
+The controller runs the loop with its in-flight queue, takes the switches (grow, shrink, re-plan,
+``set_policy``) at step boundaries, rolls back and retries after an out-of-memory error (one
+handler: :meth:`Controller._on_device`), and composes the saved state. Each decision's state
+lives in the part that decides, private and changed only by its methods, each with a
+``state_dict()`` of its own: :class:`._bucket_tracker.BucketTracker` (the bucket and its memory
+figures), :class:`._goodput_tracker.GoodputTracker` (noise scale, throughput, the goodput
+streak), :class:`._precision_schedule.PrecisionSchedule` (the plan, speed trials, a waiting
+re-plan) and :class:`._learning_rate.LearningRateScaling` (the tuned rate, the batch rule, the
+schedule clock). The decisions themselves are pure functions of measured figures
+(:mod:`._buckets`, :mod:`._goodput`, :mod:`._out_of_memory`, :func:`._replan.replan`,
+:mod:`._precision_speed`); the controller compiles through :class:`._compiling.StepCompiler`
+and is the only writer of the event log.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
+import copy
+import functools
 import math
 import time
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+from typing import TypeVar
 
 import jax
 import numpy as np
@@ -33,11 +39,12 @@ from triaccel_jax.controller import _compiling as compiling
 from triaccel_jax.controller import _config as config_lib
 from triaccel_jax.controller import _events as events_lib
 from triaccel_jax.controller import _feeding as feeding
-from triaccel_jax.controller import _goodput as goodput
+from triaccel_jax.controller import _goodput_tracker as goodput_tracker
 from triaccel_jax.controller import _learning_rate as learning_rate
 from triaccel_jax.controller import _logging as logging_lib
 from triaccel_jax.controller import _memory_probe as memory_probe
 from triaccel_jax.controller import _out_of_memory as out_of_memory
+from triaccel_jax.controller import _precision_schedule as precision_schedule
 from triaccel_jax.controller import _precision_speed as precision_speed
 from triaccel_jax.controller import _replan as replan_lib
 from triaccel_jax.controller import _sampler as sampler_lib
@@ -47,7 +54,7 @@ from triaccel_jax.policy import PrecisionPlan
 from triaccel_jax.policy import PrecisionPolicy
 from triaccel_jax.policy import carried_itemsize
 from triaccel_jax.policy import check_policy
-from triaccel_jax.transforms import LossScaling
+from triaccel_jax.transforms import LossScaleState
 from triaccel_jax.transforms import convert_state
 from triaccel_jax.transforms import mean_curvatures
 from triaccel_jax.transforms import signals
@@ -55,6 +62,20 @@ from triaccel_jax.transforms import unfused_reason
 from triaccel_jax.transforms import uses_triton
 
 StepInfo = events_lib.StepInfo
+ControllerCheckpoint = state_record.ControllerCheckpoint
+_T = TypeVar("_T")
+# What a saved state holds besides the identity: the controller's own fields and its parts'.
+_TOP_FIELDS = (
+    "step",
+    "last_loss",
+    "loss_scale",
+    "sampler",
+    "compiled_peaks",
+    "bucket",
+    "goodput",
+    "precision",
+    "learning_rate",
+)
 
 
 class Controller:
@@ -99,6 +120,11 @@ class Controller:
         ``(images, labels)``), or a callable ``indices -> batch`` with ``num_examples`` given.
       opt_state: the optimizer state; default ``tx.init(params)``.
       model_state: non-trained state the loss updates (see ``loss_fn``).
+      loss_scale: the dynamic loss scale's state to continue from; default
+        ``loss_scaling.init()``.
+      start_step: the steps already trained (e.g. a Flax train state's ``step``): the step
+        count starts there, and so do the per-step ``rng`` and the schedule of checks and
+        re-plans; default 0.
       probe: the memory probe; default :func:`triaccel_jax.controller.default_memory_probe`.
       policy: the starting precision policy (default all fp32 when re-planning).
       mesh: a ``jax.sharding.Mesh`` for data parallelism: batches are sharded over
@@ -113,23 +139,10 @@ class Controller:
         :class:`triaccel_jax.controller.ControllerConfig` (``min_batch``, ``max_batch``,
         ``batch_size``, ``target``, ``check_every``, ``replan_every``, ``lr_scaling``, ``seed``, ...).
 
-    Attributes:
-      params: the parameters after the last step.
-      opt_state: the optimizer state after the last step.
-      model_state: the non-trained state (e.g. BatchNorm statistics) after the last step.
-      loss_scale: the dynamic loss scale's state (``scale``, ``good_steps``,
-        ``skipped_steps``), updated only by steps that scale the loss.
-      policy: the precision policy in force (None when precision is not planned).
-      plan: the :class:`triaccel_jax.policy.PrecisionPlan` in force: the policy and the
-        planner's hysteresis streaks (None when there is no policy).
-      config: the :class:`triaccel_jax.controller.ControllerConfig`.
-      buckets: the allowed micro-batch sizes.
-      sampler: the :class:`triaccel_jax.controller.ElasticSampler` the batches come from.
-      events: the :class:`triaccel_jax.controller.Event` log.
-      step_count: steps completed.
-      timings: seconds spent running compiled steps (``"step"``, waiting for the device
-        included), compiling (``"compile"``), gathering batches (``"data"``) and in the
-        controller's own decisions and bookkeeping (``"control"``).
+    Its state is read through read-only properties (:attr:`params`, :attr:`opt_state`,
+    :attr:`model_state`, :attr:`loss_scale`, :attr:`policy`, :attr:`plan`, :attr:`step_count`,
+    :attr:`events`, ...) and changed only by its methods: :meth:`run`, :meth:`set_policy`,
+    :meth:`load_state_dict` and :meth:`restore` (a checkpoint's arrays and state).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -168,6 +181,8 @@ class Controller:
         *,
         opt_state: Any = None,
         model_state: Any = None,
+        loss_scale: LossScaleState | None = None,
+        start_step: int = 0,
         probe: memory_probe.MemoryProbe | None = None,
         policy: PrecisionPolicy | None = None,
         mesh: jax.sharding.Mesh | None = None,
@@ -181,7 +196,8 @@ class Controller:
             raise TypeError(
                 f"`tx` must be an optax.GradientTransformation, got {type(tx).__name__}"
             )
-        self.config = config = config_lib.resolve_config(config, settings)
+        start_step = validation.check_integer("start_step", start_step, 0)
+        self._config = config = config_lib.resolve_config(config, settings)
         if callback is not None:
             validation.check_callable("callback", callback)
         if faults is not None:
@@ -189,7 +205,7 @@ class Controller:
         self._faults = faults
         self._feeder = feeding.BatchFeeder(data, config.num_examples, mesh, config.data_axis)
         layout = config.layout(self._feeder.multiple)
-        self.buckets, self._global = layout.buckets, layout.global_batch
+        self._buckets, self._global = layout.buckets, layout.global_batch
         self._bucket = bucket_tracker.BucketTracker(
             layout.buckets,
             layout.start,
@@ -198,71 +214,61 @@ class Controller:
             patience=config.patience,
         )
         self._keep_global = config.keep_global_batch
-        self.sampler = sampler_lib.ElasticSampler(self._feeder.num_examples, seed=config.seed)
+        self._sampler = sampler_lib.ElasticSampler(self._feeder.num_examples, seed=config.seed)
         self._seed = config.seed
 
-        self.tx = tx
-        self.params = self._place(params)
-        self.opt_state = self._place(tx.init(self.params) if opt_state is None else opt_state)
-        self.model_state = self._place(model_state)
+        self._tx = tx
+        self._params = self._place(params)
+        self._opt_state = self._place(tx.init(self._params) if opt_state is None else opt_state)
+        self._model_state = self._place(model_state)
         # An optimizer that fused_update=True cannot fuse is refused here, not at the first step.
-        self._fused(self.opt_state)
+        self._fused(self._opt_state)
         if config.noise_estimator == "hessian":
             # Raises, naming the problem, when the optimizer holds no curvature to weight by.
-            mean_curvatures(self.opt_state, self.params)
-        self.loss_scale = self._place(config.loss_scaling.init())
+            mean_curvatures(self._opt_state, self._params)
+        self._loss_scale = self._place(
+            config.loss_scaling.init() if loss_scale is None else loss_scale
+        )
         self._loss = training.normalize_loss_fn(
             loss_fn, has_aux=config.has_aux, has_model_state=model_state is not None
         )
         self._in_flight = records.InFlight()
         self._compiler = compiling.StepCompiler(self._make_step)
-        # The step a re-plan came due at while a background compile was waiting (None: none
-        # waits); it runs as soon as that compile is taken.
-        self._replan_due_at: int | None = None
-        self._start_plan(policy)
-        self._lr = learning_rate.LearningRateScaling(
-            self.opt_state, config.lr_hyperparam, config.lr_scaling, layout.reference_batch
-        )
-        self.probe = memory_probe.prepare_probe(probe)
-        self._callback = logging_lib.logging_callback(callback)  # logs each step at DEBUG
-
-        self.step_count = 0
-        self._last_loss: float | None = None
-        self._noise = goodput.NoiseScale()
-        # The noise estimates after each of the last steps read: AdaScale's gain of a step comes
-        # from those of the step steps_in_flight + 1 before it (learning_rate.noise_before).
-        self._recent_noise: collections.deque[tuple[int, goodput.NoiseScale]] = collections.deque(
-            maxlen=config.steps_in_flight + 1
-        )
-        # Training progress in reference-batch steps, that a learning-rate schedule is evaluated
-        # at (schedule_progress); part of the training record and the saved state.
-        self._progress = 0.0
-        # Samples per second of the steps run at each (micro-batch, micro-batches, policy
-        # signature), smoothed; steps that compiled or ran out of memory are not counted.
-        self._throughput: dict[tuple[int, int, str], float] = {}
-        # precision_rule="speed": the lower-precision policy on trial (None: none), and whether
-        # a lower precision measured slower this run (then it is only taken where memory needs).
-        self._trial: precision_speed.PolicyTrial | None = None
-        self._lower_is_slower = False
         # XLA:CPU converts bf16 through float32 (the small CNN's bf16 step ran 2x slower, and
         # compiled 3-4x longer): no speed trial there unless asked for.
-        self._speed_trials = (
+        speed_trials = (
             config.speed_trials
             if config.speed_trials is not None
             else jax.default_backend() != "cpu"
         )
-        # The bucket goodput last chose to move to and at how many checks in a row.
-        self._goodput_streak: tuple[int | None, int] = (None, 0)
-        self.events: list[events_lib.Event] = []
-        self._train_state: tuple[Any, int] | None = None
-        self.timings = {"step": 0.0, "compile": 0.0, "data": 0.0, "control": 0.0}
+        self._precision = precision_schedule.PrecisionSchedule(speed_trials=speed_trials)
+        self._start_plan(policy)
+        self._lr = learning_rate.LearningRateScaling(
+            self._opt_state, config.lr_hyperparam, config.lr_scaling, layout.reference_batch
+        )
+        self._goodput = goodput_tracker.GoodputTracker(
+            decay=config.statistics_decay,
+            lag=config.steps_in_flight,
+            reference=layout.reference_batch,
+            margin=config.goodput_margin,
+            min_efficiency=config.min_efficiency,
+            model=config.throughput_model,
+            patience=config.patience,
+        )
+        self._probe = memory_probe.prepare_probe(probe)
+        self._callback = logging_lib.logging_callback(callback)  # logs each step at DEBUG
+
+        self._step_count = start_step
+        self._last_loss: float | None = None
+        self._events: list[events_lib.Event] = []
+        self._timings = {"step": 0.0, "compile": 0.0, "data": 0.0, "control": 0.0}
         self._check_loss_structure()
         self._log(
             "start",
             None,
             self.batch_size,
             f"controller created; {self._lr.rule()}",
-            buckets=list(self.buckets),
+            buckets=list(self._buckets),
             lr_rule=config.lr_scaling,
             reference_batch=self._lr.reference,
             tuned_learning_rate=self._lr.base_lr,
@@ -271,116 +277,95 @@ class Controller:
 
     def _start_plan(self, policy: PrecisionPolicy | None) -> None:
         """The starting plan: ``policy`` (all fp32 when re-planning), the moments converted."""
-        if self.config.replan_every is not None:
+        if self._config.replan_every is not None:
             # Raises, naming the problem, when the optimizer holds no triaccel state.
-            signals(self.opt_state)
-            policy = policy or PrecisionPolicy.uniform(self.params)
-        self.plan: PrecisionPlan | None = None
+            signals(self._opt_state)
+            policy = policy or PrecisionPolicy.uniform(self._params)
         self.set_policy(policy)
 
-    # -- public -----------------------------------------------------------------------------------
-
-    @classmethod
-    def from_train_state(
-        cls, loss_fn: Callable[..., Any], state: Any, data: Any, **kwargs: Any
-    ) -> Controller:
-        """A controller that trains a Flax train state; :attr:`train_state` gives it back.
-
-        Args:
-          loss_fn: as for :class:`Controller`; with a state that has ``batch_stats`` (e.g.
-            :class:`triaccel_jax.flax.TrainState`), the loss gets them as ``model_state=``.
-          state: a ``flax.training.train_state.TrainState`` or
-            :class:`triaccel_jax.flax.TrainState` (whose ``policy`` becomes the starting policy,
-            and whose loss scale and its rule the controller continues with).
-          data: as for :class:`Controller`.
-          **kwargs: the other arguments of :class:`Controller` (not ``params``, ``opt_state``
-            or ``model_state``, which come from ``state``).
-
-        Returns:
-          The controller.
-
-        Example:
-          >>> import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
-          >>> import triaccel_jax
-          >>> from triaccel_jax.flax import TrainState
-          >>> x = np.random.default_rng(0).normal(size=(128, 3)).astype(np.float32)
-          >>> model = nn.Dense(1)
-          >>> state = TrainState.create(
-          ...     apply_fn=model.apply,
-          ...     tx=triaccel_jax.triaccel(0.05),
-          ...     params=model.init(jax.random.key(0), x)["params"],
-          ... )
-          >>> def loss_fn(params, batch, *, policy, rng):
-          ...     return jnp.mean((state.apply_fn({"params": params}, batch) - 1.0) ** 2)
-          >>> controller = triaccel_jax.Controller.from_train_state(
-          ...     loss_fn,
-          ...     state,
-          ...     x,
-          ...     min_batch=32,
-          ...     max_batch=32,
-          ...     probe=triaccel_jax.BudgetMemoryProbe(2**30),
-          ... )
-          >>> _ = controller.run(5)
-          >>> int(controller.train_state.step)
-          5
-        """
-        if "params" in kwargs or "opt_state" in kwargs or "model_state" in kwargs:
-            raise TypeError("from_train_state takes params, opt_state and batch_stats from `state`")
-        kwargs.setdefault("policy", getattr(state, "policy", None))
-        if isinstance(getattr(state, "loss_scaling", None), LossScaling):
-            given = kwargs.get("config")
-            if isinstance(given, config_lib.ControllerConfig):
-                # The state's rule, unless the config sets one of its own.
-                if given.loss_scaling == LossScaling():
-                    kwargs["config"] = dataclasses.replace(given, loss_scaling=state.loss_scaling)
-            else:
-                kwargs.setdefault("loss_scaling", state.loss_scaling)
-        controller = cls(
-            loss_fn,
-            state.params,
-            state.tx,
-            data,
-            opt_state=state.opt_state,
-            model_state=getattr(state, "batch_stats", None),
-            **kwargs,
-        )
-        if getattr(state, "loss_scale", None) is not None:
-            controller.loss_scale = controller._place(state.loss_scale)
-        controller._train_state = (state, controller.step_count)
-        return controller
+    # -- the state, read-only ---------------------------------------------------------------------
 
     @property
-    def train_state(self) -> Any:
-        """The train state given to :meth:`from_train_state`, advanced to the current step.
+    def config(self) -> config_lib.ControllerConfig:
+        """The :class:`triaccel_jax.controller.ControllerConfig`."""
+        return self._config
 
-        It holds the params, optimizer state, batch statistics, loss scale and (for
-        :class:`triaccel_jax.flax.TrainState`) policy of the last step read. An injected learning
-        rate in its optimizer state is the tuned (reference-batch) rate: the controller's batch
-        scaling is its own and is applied again by whoever trains next, so that round trips do
-        not compound it.
-        """
-        if self._train_state is None:
-            raise AttributeError("this controller was not made with Controller.from_train_state")
-        template, start = self._train_state
-        self._flush()
-        changes = {
-            "step": template.step + (self.step_count - start),
-            "params": self.params,
-            "opt_state": self._lr.tuned(self.opt_state),
-        }
-        if getattr(template, "batch_stats", None) is not None:
-            changes["batch_stats"] = self.model_state
-        if getattr(template, "loss_scale", None) is not None:
-            changes["loss_scale"] = self.loss_scale
-        state = template.replace(**changes)
-        if hasattr(state, "with_policy"):  # triaccel_jax.flax.TrainState: rebuild the copy
-            state = state.with_policy(self.policy)
-        return state
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        """The optimizer."""
+        return self._tx
+
+    @property
+    def params(self) -> Any:
+        """The parameters after the last step dispatched."""
+        return self._params
+
+    @property
+    def opt_state(self) -> Any:
+        """The optimizer state after the last step dispatched (its injected learning rate, if
+        any, scaled for the batch in force)."""
+        return self._opt_state
+
+    @property
+    def tuned_opt_state(self) -> Any:
+        """:attr:`opt_state` holding the tuned (reference-batch) learning rate instead of the
+        batch-scaled one, for handing the state to whoever trains next: they apply their own
+        scaling once, so that round trips do not compound it."""
+        return self._lr.tuned(self._opt_state)
+
+    @property
+    def model_state(self) -> Any:
+        """The non-trained state (e.g. BatchNorm statistics) after the last step dispatched."""
+        return self._model_state
+
+    @property
+    def loss_scale(self) -> LossScaleState:
+        """The dynamic loss scale's state (``scale``, ``good_steps``, ``skipped_steps``), updated
+        only by steps that scale the loss."""
+        return self._loss_scale
+
+    @property
+    def plan(self) -> PrecisionPlan | None:
+        """The :class:`triaccel_jax.policy.PrecisionPlan` in force: the policy and the planner's
+        hysteresis streaks (None when there is no policy)."""
+        return self._precision.plan
 
     @property
     def policy(self) -> PrecisionPolicy | None:
         """The precision policy in force (None when precision is not planned)."""
-        return None if self.plan is None else self.plan.policy
+        return self._precision.policy
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The allowed micro-batch sizes."""
+        return self._buckets
+
+    @property
+    def sampler(self) -> sampler_lib.ElasticSampler:
+        """The :class:`triaccel_jax.controller.ElasticSampler` the batches come from."""
+        return self._sampler
+
+    @property
+    def probe(self) -> memory_probe.MemoryProbe:
+        """The memory probe."""
+        return self._probe
+
+    @property
+    def step_count(self) -> int:
+        """Steps completed (counted from ``start_step``)."""
+        return self._step_count
+
+    @property
+    def events(self) -> list[events_lib.Event]:
+        """The :class:`triaccel_jax.controller.Event` log (a copy)."""
+        return list(self._events)
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds spent running compiled steps (``"step"``, waiting for the device included),
+        compiling (``"compile"``), gathering batches (``"data"``) and in the controller's own
+        decisions and bookkeeping (``"control"``) (a copy)."""
+        return dict(self._timings)
 
     @property
     def batch_size(self) -> int:
@@ -404,7 +389,7 @@ class Controller:
     def noise_scale(self) -> float | None:
         """The smoothed simple gradient noise scale ``tr(Sigma) / |G|^2`` (McCandlish et al.,
         2018), measured from steps of several micro-batches; None before the first such step."""
-        return self._noise.simple
+        return self._goodput.noise_scale
 
     @property
     def schedule_progress(self) -> float:
@@ -418,7 +403,7 @@ class Controller:
         batch keeps its meaning in samples when the batch changes. A rolled-back step's
         progress is undone with it; :meth:`state_dict` saves it.
         """
-        return self._progress
+        return self._lr.progress
 
     @property
     def throughput(self) -> dict[tuple[int, int, str], float]:
@@ -428,12 +413,14 @@ class Controller:
         A measurement of this process on this machine: :meth:`state_dict` does not save it (a
         restarted run, perhaps elsewhere, measures again), and with several processes the
         decisions use the smallest over them."""
-        return dict(self._throughput)
+        return self._goodput.throughput
 
     @property
     def compile_pending(self) -> bool:
         """Whether a background compile (``compile_in_background``) is still to be taken."""
         return self._compiler.busy
+
+    # -- public -----------------------------------------------------------------------------------
 
     def wait_for_compile(self) -> bool:
         """Blocks until the background compile in progress (if any) is ready; the switch it
@@ -473,7 +460,7 @@ class Controller:
             raise ValueError(f"{unknown} are not buckets of this controller: {self.buckets}")
         for bucket in chosen:
             self._executable(bucket, self._num_micro(bucket))
-        compiled = self._compiler.peaks(self._policy_signature())
+        compiled = self._compiler.peaks(self._precision.signature)
         return {bucket: compiled.get(bucket) for bucket in chosen}
 
     def step(self) -> StepInfo:
@@ -493,7 +480,7 @@ class Controller:
         self._in_flight.take_finished()
         # A step's seconds run from the previous read: not from before this call.
         self._in_flight.last_finish = time.perf_counter()
-        window = self.config.steps_in_flight
+        window = self._config.steps_in_flight
         for _ in range(num_steps):
             self._dispatch()
             while len(self._in_flight.pending) > window:
@@ -515,99 +502,166 @@ class Controller:
             re-planned (``replan_every``).
         """
         if policy is not None:
-            check_policy(policy, self.params)
-        elif self.config.replan_every is not None:
+            check_policy(policy, self._params)
+        elif self._config.replan_every is not None:
             raise ValueError(
                 "set_policy(None) while precision is re-planned (replan_every="
-                f"{self.config.replan_every}): the planner needs a policy to start from; pass "
+                f"{self._config.replan_every}): the planner needs a policy to start from; pass "
                 "PrecisionPolicy.uniform(params) for all fp32"
             )
         self._flush()  # the switch belongs to the steps after it
         self._call_off_background()
         if policy is not None:
             # Only triaccel states hold per-leaf moment dtypes; any other state is kept as is.
-            self.opt_state = self._place(convert_state(self.opt_state, policy))
+            self._opt_state = self._place(convert_state(self._opt_state, policy))
         if policy != self.policy:
-            self._bucket.measured = {}  # measured peaks were for the old policy
-        self.plan = None if policy is None else PrecisionPlan(policy, {})
+            self._bucket.forget_measured()  # measured peaks were for the old policy
+        self._precision.set_policy(policy)
 
     def event_records(self) -> list[dict[str, Any]]:
         """The event log as flat dicts (``pandas.DataFrame(controller.event_records())``)."""
-        return events_lib.event_records(self.events)
+        return events_lib.event_records(self._events)
 
     def state_dict(self) -> dict[str, Any]:
         """The controller's own state as JSON-ready data, to save beside params and optimizer state.
 
-        It holds the bucket, ceiling, hysteresis counters, memory figures, policy and the
-        planner's pending streaks, the tuned learning rate and factor, the schedule progress and
-        the recent noise estimates AdaScale's gain comes from, loss scale, step counter and the
-        sampler's cursor; the per-step ``rng`` is derived from ``seed`` and the step, so
-        it is not saved. A controller restored with :meth:`load_state_dict` (and the params and
-        optimizer state of the same step) takes the same decisions.
+        It holds the step counter, the last loss, the loss scale, the sampler's cursor and the
+        compiled peaks, and the state of each part that decides: ``"bucket"`` (the bucket,
+        ceiling, hysteresis counters and memory figures), ``"goodput"`` (the noise estimates,
+        the recent ones AdaScale's gain comes from, and the goodput streak), ``"precision"``
+        (the policy and the planner's pending streaks) and ``"learning_rate"`` (the tuned rate,
+        the factor and the schedule progress). The per-step ``rng`` is derived from ``seed``
+        and the step, so it is not saved; nor is throughput, a measurement of this machine. A
+        controller restored with :meth:`load_state_dict` (and the params and optimizer state of
+        the same step) takes the same decisions.
         """
         self._flush()  # the state of the last step read, params and all
-        plan = self.plan
-        record = state_record.ControllerRecord(
-            step=self.step_count,
-            **self._bucket.record(),
-            compiled_peaks=self._compiler.peaks_record(),
-            last_loss=self._last_loss,
-            lr_factor=self._lr.factor,
-            loss_scale=self.loss_scale,
-            policy=self.policy,
-            pending=dict(plan.pending) if plan is not None else {},
-            sampler=self.sampler.state_dict(),
-            tuned_learning_rate=self._lr.base_lr,
-            noise_scale=(self._noise.grad_sq, self._noise.trace, self._noise.weight),
-            schedule_progress=self._progress,
-            recent_noise=tuple((step, *noise) for step, noise in self._recent_noise),
-        )
-        return state_record.to_state_dict(record, self._identity())
+        fields = {
+            "step": self._step_count,
+            "last_loss": self._last_loss,
+            "loss_scale": state_record.loss_scale_document(self._loss_scale),
+            "sampler": self._sampler.state_dict(),
+            "compiled_peaks": self._compiler.peaks_record(),
+            "bucket": self._bucket.state_dict(),
+            "goodput": self._goodput.state_dict(),
+            "precision": self._precision.state_dict(),
+            "learning_rate": self._lr.state_dict(),
+        }
+        return state_record.to_state_dict(fields, self._identity())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continues from :meth:`state_dict`'s output (same data, seed and buckets).
+        """Continues from :meth:`state_dict`'s output (same data, seed and buckets), with the
+        params and optimizer state in force.
 
         Raises:
           ValueError: the state is malformed or was saved by a controller configured differently;
             nothing is changed then.
         """
+        self._load(state, None)
+
+    def checkpoint_state(self) -> ControllerCheckpoint:
+        """What a checkpoint of this controller holds: the step, the training arrays, the policy
+        and :meth:`state_dict` (the steps in flight read first).
+
+        Example:
+          >>> import jax.numpy as jnp, numpy as np, triaccel_jax
+          >>> controller = triaccel_jax.Controller(
+          ...     lambda p, b: jnp.mean((b @ p - 1.0) ** 2),
+          ...     jnp.zeros(2),
+          ...     triaccel_jax.triaccel(0.05),
+          ...     np.ones((64, 2), np.float32),
+          ...     min_batch=8,
+          ...     max_batch=8,
+          ...     probe=triaccel_jax.BudgetMemoryProbe(2**30),
+          ... )
+          >>> _ = controller.run(3)
+          >>> checkpoint = controller.checkpoint_state()
+          >>> checkpoint.step, sorted(checkpoint.arrays), checkpoint.state["step"]
+          (3, ['model_state', 'opt_state', 'params'], 3)
+        """
+        state = self.state_dict()
+        arrays = {
+            "params": self._params,
+            "opt_state": self._opt_state,
+            "model_state": self._model_state,
+        }
+        return ControllerCheckpoint(self._step_count, arrays, self.policy, state)
+
+    def restore(self, arrays: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+        """Continues from a checkpoint: ``arrays`` as :meth:`checkpoint_state` gives them
+        (``params``, ``opt_state``, ``model_state``) and ``state`` from :meth:`state_dict`.
+
+        Raises:
+          ValueError: ``arrays`` lacks one of its three entries or does not have the structure
+            of the controller's, or ``state`` is malformed or was saved by a controller
+            configured differently; nothing is changed then.
+        """
+        missing = sorted({"params", "opt_state", "model_state"} - set(arrays))
+        if missing:
+            raise ValueError(f"restore: `arrays` has no {missing}")
+        for name, mine in (("params", self._params), ("model_state", self._model_state)):
+            given: Any = jax.tree.structure(arrays[name])  # a jaxlib PyTreeDef: no stubs
+            if given != jax.tree.structure(mine):
+                raise ValueError(
+                    f"restore: `arrays[{name!r}]` has the structure {given}, this controller's "
+                    f"is {jax.tree.structure(mine)}"
+                )
+        self._load(state, arrays)
+
+    def _load(self, state: Mapping[str, Any], arrays: Mapping[str, Any] | None) -> None:
+        """Loads ``state`` (and ``arrays``, when given): every part reads its own fields into a
+        copy of itself, and the copies are taken only when all of them have read theirs."""
         self._flush()
-        record = state_record.from_state_dict(state, self._identity())
-        opt_state = self.opt_state
-        if record.policy is not None:
-            record.policy.check_matches(self.params)
-            # The moments were converted to the starting policy when this controller was made.
-            opt_state = self._place(convert_state(self.opt_state, record.policy))
-        loss_scale = self._place(record.loss_scale)
+        state = state_record.from_state_dict(state, self._identity())
+        fields = state_record.fields(state, None, dict.fromkeys(_TOP_FIELDS))
+        step = state_record.integer(fields["step"], "step", 0)
+        last_loss = state_record.optional(fields["last_loss"], float, "last_loss")
+        loss_scale = self._place(state_record.loss_scale(fields["loss_scale"]))
+        # Copies read the saved fields; the controller takes them once all have read theirs.
+        bucket, goodput_part = copy.copy(self._bucket), copy.copy(self._goodput)
+        precision, lr = copy.copy(self._precision), copy.copy(self._lr)
+        bucket.load_state_dict(fields["bucket"])
+        goodput_part.load_state_dict(fields["goodput"])
+        precision.load_state_dict(fields["precision"])
+        lr.load_state_dict(fields["learning_rate"])
+        params = self._params if arrays is None else self._place(arrays["params"])
+        opt_state = self._opt_state if arrays is None else arrays["opt_state"]
+        policy = precision.policy
+        if policy is not None:
+            policy.check_matches(params)
+            # Moments not in the saved policy's dtypes are converted to them (a no-op for a
+            # checkpoint's, saved under that policy).
+            opt_state = convert_state(opt_state, policy)
+        opt_state = self._place(opt_state)
+        compiled_peaks = {
+            str(signature): {
+                str(state_record.integer(b, "compiled_peaks bucket")): state_record.integer(
+                    v, "compiled_peaks"
+                )
+                for b, v in state_record.mapping(peaks, "compiled_peaks").items()
+            }
+            for signature, peaks in state_record.mapping(
+                fields["compiled_peaks"], "compiled_peaks"
+            ).items()
+        }
         # Everything is read and checked (the sampler checks its own state before taking it):
         # nothing below raises.
-        self.sampler.load_state_dict(record.sampler)
+        self._sampler.load_state_dict(fields["sampler"])
+        self._compiler.load_peaks_record(compiled_peaks)
         self._call_off_background()
-        self.step_count, self._last_loss = record.step, record.last_loss
-        self._noise = goodput.NoiseScale(*record.noise_scale)
-        self._recent_noise.clear()
-        self._recent_noise.extend(
-            (step, goodput.NoiseScale(*noise)) for step, *noise in record.recent_noise
-        )
-        self._progress = record.schedule_progress
-        self._lr.restore_tuned(record.tuned_learning_rate)
-        self._bucket.restore(record)
-        self._compiler.load_peaks_record(record.compiled_peaks)
-        self.loss_scale, self.opt_state = loss_scale, opt_state
-        if record.policy is not None:
-            self.plan = PrecisionPlan(record.policy, record.pending)
-        if self._train_state is not None:
-            # The train state given to from_train_state is the saved step's: its step counter
-            # already counts the steps the record does.
-            self._train_state = (self._train_state[0], self.step_count)
-        self._log("restore", None, self.step_count, "controller state loaded")
+        self._bucket, self._goodput, self._precision, self._lr = bucket, goodput_part, precision, lr
+        self._step_count, self._last_loss = step, last_loss
+        self._params, self._opt_state, self._loss_scale = params, opt_state, loss_scale
+        if arrays is not None:
+            self._model_state = self._place(arrays["model_state"])
+        self._log("restore", None, self._step_count, "controller state loaded")
         self._set_learning_rate(self.batch_size)
 
     def _identity(self) -> dict[str, Any]:
         """What a saved state must share with this controller to be loaded into it."""
         return {
             "seed": self._seed,
-            "buckets": list(self.buckets),
+            "buckets": list(self._buckets),
             "keep_global_batch": self._keep_global,
         }
 
@@ -621,11 +675,11 @@ class Controller:
         the synchronous retry.
         """
         # A switch made at this boundary belongs to this step's record and its StepInfo.
-        first_event = len(self.events)
+        first_event = len(self._events)
         self._take_background_compile()  # a grow or re-plan whose compile is ready switches now
-        count = self.step_count
-        check_due = count > 0 and count % self.config.check_every == 0
-        replan_due = self.config.replan_due(count)
+        count = self._step_count
+        check_due = count > 0 and count % self._config.check_every == 0
+        replan_due = self._config.replan_due(count)
         if check_due or replan_due:
             self._flush()  # the checks read what the queued steps produce
         # The controller's own work: what follows, less any compile a check runs.
@@ -635,14 +689,31 @@ class Controller:
             self._check_memory()
         if replan_due:
             self._replan()
-        indices = self.sampler.take(self.batch_size)
+        indices = self._sampler.take(self.batch_size)
         micro = self._bucket.micro
-        num_micro = self._num_micro(micro, len(indices))
-        self._set_learning_rate(len(indices))  # the rate of the samples this step trains
-        pending = records.PendingStep(
-            count,
+        pending = self._pending(count, indices, micro, first_event)
+        self._timings["control"] += time.perf_counter() - start - (self._device_seconds() - spent)
+        out, error = self._on_device(lambda: self._dispatch_step(pending))
+        if error is not None:
+            self._flush()
+            self._recover([pending], error)
+            return
+        assert out is not None  # ran without an error
+        for leaf in jax.tree.leaves(out.metrics):
+            leaf.copy_to_host_async()  # the read a step later then finds the figures on the host
+        self._take_outputs(out, len(indices))
+        self._in_flight.pending.append(pending._replace(metrics=out.metrics))
+
+    def _pending(
+        self, step: int, indices: np.ndarray, micro: int, first_event: int
+    ) -> records.PendingStep:
+        """Step ``step`` of ``indices`` at bucket ``micro``, at the rate of its own samples, from
+        the training state in force."""
+        self._set_learning_rate(len(indices))
+        return records.PendingStep(
+            step,
             indices,
-            num_micro,
+            self._num_micro(micro, len(indices)),
             micro,
             self._lr.rate(),
             self._lr.update_multiplier(),
@@ -650,41 +721,20 @@ class Controller:
             None,
             first_event,
         )
-        self.timings["control"] += time.perf_counter() - start - (self._device_seconds() - spent)
-        try:
-            out = self._dispatch_step(pending)
-        except jax.errors.JaxRuntimeError as error:
-            if not out_of_memory.is_out_of_memory(error):
-                raise
-            self._flush()
-            self._on_out_of_memory(micro, [f"{num_micro}x{micro}"], error)
-            self._rerun(pending, last=True)
-            return
-        for leaf in jax.tree.leaves(out.metrics):
-            leaf.copy_to_host_async()  # the read a step later then finds the figures on the host
-        self._take_outputs(out)
-        self.step_count += 1
-        self._progress += self._lr.progress_increment(len(indices))
-        self._in_flight.pending.append(pending._replace(metrics=out.metrics))
 
     def _finish_oldest(self) -> None:
         """Reads the oldest queued step; an out-of-memory error rolls back to the record it
         started from and re-runs it and every step queued after it, in order."""
         flight = self._in_flight
         oldest = flight.pending[0]
-        try:
-            metrics = self._read(oldest)
-        except jax.errors.JaxRuntimeError as error:
-            if not out_of_memory.is_out_of_memory(error):
-                raise
+        metrics, error = self._on_device(lambda: self._read(oldest))
+        if error is not None:
             queued = list(flight.pending)
             flight.pending.clear()
             self._restore(oldest.before)
-            self.step_count = oldest.step
-            self._on_out_of_memory(oldest.micro, [f"{oldest.num_micro}x{oldest.micro}"], error)
-            for step in queued:
-                self._rerun(step, last=step is queued[-1])
+            self._recover(queued, error)
             return
+        assert metrics is not None  # read without an error
         flight.pending.popleft()
         self._deliver(oldest, metrics)
 
@@ -692,6 +742,29 @@ class Controller:
         """Reads every queued step, oldest first."""
         while self._in_flight.pending:
             self._finish_oldest()
+
+    def _on_device(self, call: Callable[[], _T]) -> tuple[_T | None, BaseException | None]:
+        """``call()``'s result, or XLA's out-of-memory error it raised: the one place such an
+        error is caught (any other error passes through).
+
+        Returns:
+          ``(result, None)``, or ``(None, error)`` on ``RESOURCE_EXHAUSTED``.
+        """
+        try:
+            return call(), None
+        except jax.errors.JaxRuntimeError as error:
+            if not out_of_memory.is_out_of_memory(error):
+                raise
+            return None, error
+
+    def _recover(self, steps: Sequence[records.PendingStep], error: BaseException) -> None:
+        """After ``steps[0]`` ran out of memory: charges the error to the bucket it ran at and
+        re-runs ``steps``, in order, from the state in force (the caller rolled back to it)."""
+        failed = steps[0]
+        self._step_count = failed.step  # the error belongs to the step that failed
+        self._on_out_of_memory(failed.micro, [f"{failed.num_micro}x{failed.micro}"], error)
+        for step in steps:
+            self._rerun(step, last=step is steps[-1])
 
     def _rerun(self, step: records.PendingStep, *, last: bool) -> None:
         """Re-runs ``step`` on its samples from the state in force, synchronously, shrinking the
@@ -703,31 +776,23 @@ class Controller:
         Raises:
           OutOfMemoryError: the step ran out of memory at the smallest bucket.
         """
-        self.step_count = step.step
+        self._step_count = step.step
         tried = [f"{step.num_micro}x{step.micro}"]
+
+        def attempt_at(attempt: records.PendingStep) -> tuple[Any, dict[str, float]]:
+            out = self._dispatch_step(attempt)
+            return out, self._read(attempt._replace(metrics=out.metrics))
+
         while True:
-            micro = self._bucket.micro
-            self._set_learning_rate(len(step.indices))
-            attempt = step._replace(
-                num_micro=self._num_micro(micro, len(step.indices)),
-                micro=micro,
-                learning_rate=self._lr.rate(),
-                update_scale=self._lr.update_multiplier(),
-                before=self._record(),
-            )
-            try:
-                out = self._dispatch_step(attempt)
-                metrics = self._read(attempt._replace(metrics=out.metrics))
-            except jax.errors.JaxRuntimeError as error:
-                if not out_of_memory.is_out_of_memory(error):
-                    raise
-                tried.append(f"{attempt.num_micro}x{micro}")
-                self._on_out_of_memory(micro, tried, error)
-                continue
-            break
-        self._take_outputs(out)
-        self.step_count += 1
-        self._progress += self._lr.progress_increment(len(step.indices))
+            attempt = self._pending(step.step, step.indices, self._bucket.micro, step.first_event)
+            ran, error = self._on_device(functools.partial(attempt_at, attempt))
+            if error is None:
+                break
+            tried.append(f"{attempt.num_micro}x{attempt.micro}")
+            self._on_out_of_memory(attempt.micro, tried, error)
+        assert ran is not None  # ran without an error
+        out, metrics = ran
+        self._take_outputs(out, len(step.indices))
         if last:
             self._set_learning_rate(self.batch_size)
         self._deliver(attempt, metrics)
@@ -746,7 +811,7 @@ class Controller:
         executable = self._executable(step.micro, step.num_micro)
         start = time.perf_counter()
         batch = self._feeder.device_batch(step.indices, step.num_micro, step.micro)
-        self.timings["data"] += time.perf_counter() - start
+        self._timings["data"] += time.perf_counter() - start
         start = time.perf_counter()
         try:
             if self._faults is not None:
@@ -754,16 +819,16 @@ class Controller:
                     out_of_memory.FaultSite("dispatch", step.step, step.micro, step.num_micro)
                 )
             return executable(
-                self.params,
-                self.opt_state,
-                self.model_state,
+                self._params,
+                self._opt_state,
+                self._model_state,
                 batch,
                 np.int32(step.step),
                 np.float32(step.update_scale),
-                self.loss_scale,
+                self._loss_scale,
             )
         finally:
-            self.timings["step"] += time.perf_counter() - start
+            self._timings["step"] += time.perf_counter() - start
 
     def _read(self, step: records.PendingStep) -> dict[str, float]:
         """``step``'s metrics as floats: a transfer that waits for the step to finish."""
@@ -773,42 +838,33 @@ class Controller:
                 self._faults(out_of_memory.FaultSite("read", step.step, step.micro, step.num_micro))
             return {k: float(v) for k, v in jax.device_get(step.metrics).items()}
         finally:
-            self.timings["step"] += time.perf_counter() - start
+            self._timings["step"] += time.perf_counter() - start
 
     def _deliver(self, step: records.PendingStep, metrics: dict[str, float]) -> None:
-        """The bookkeeping of a step whose metrics are read: loss, :class:`StepInfo`, callback."""
+        """The bookkeeping of a step whose metrics are read: loss, measurements, :class:`StepInfo`,
+        callback."""
         start = time.perf_counter()
         flight = self._in_flight
         # A non-finite loss is a step the loss scaling skipped: it changed nothing, and the
         # planner's relative budget needs a finite loss, so the last finite one is kept.
         if math.isfinite(metrics["loss"]):
             self._last_loss = metrics["loss"]
-        begin, end = flight.event_span(step, len(self.events))
-        events = tuple(self.events[begin:end])
+        begin, end = flight.event_span(step, len(self._events))
+        events = tuple(self._events[begin:end])
         seconds = start - flight.last_finish
-        decay = self.config.statistics_decay
         # With noise_estimator="hessian" the norms are curvature-weighted (B_noise); they are 0
         # until the optimizer's first curvature estimate, which carries no estimate.
-        prefix = "curvature_" if self.config.noise_estimator == "hessian" else ""
+        prefix = "curvature_" if self._config.noise_estimator == "hessian" else ""
+        norms = None
         if metrics.get(f"{prefix}micro_grad_sq_norm", 0.0) > 0.0:
-            self._noise = goodput.update_noise_scale(
-                self._noise,
-                grad_sq_norm=metrics[f"{prefix}grad_sq_norm"],
-                micro_grad_sq_norm=metrics[f"{prefix}micro_grad_sq_norm"],
-                batch=len(step.indices),
-                micro=self._measured_micro(step),
-                decay=decay,
-            )
-        self._recent_noise.append((step.step, self._noise))
+            norms = (metrics[f"{prefix}grad_sq_norm"], metrics[f"{prefix}micro_grad_sq_norm"])
+        self._goodput.observe_noise(
+            step.step, norms, batch=len(step.indices), micro=self._measured_micro(step)
+        )
         if seconds > 0 and not any(e.kind in ("compile", "oom") for e in events):
-            signature = self._signature_of(step.before.plan)
-            key = (step.micro, step.num_micro, signature)
-            rate = len(step.indices) / seconds
-            old = self._throughput.get(key)
-            self._throughput[key] = rate if old is None else decay * old + (1.0 - decay) * rate
-            trial = self._trial
-            if trial is not None and (trial.micro, trial.num_micro, trial.signature) == key:
-                self._trial = trial.add(len(step.indices), seconds)
+            key = (step.micro, step.num_micro, precision_schedule.signature_of(step.before.plan))
+            self._goodput.observe_throughput(key, samples=len(step.indices), seconds=seconds)
+            self._precision.time_trial(key, len(step.indices), seconds)
         info = events_lib.StepInfo(
             step.step + 1,
             len(step.indices),
@@ -822,11 +878,11 @@ class Controller:
             step.indices,
             step.learning_rate,
             step.update_scale,
-            self._noise.simple,
+            self._goodput.noise_scale,
         )
         flight.last_finish = start
         flight.finished.append(info)
-        self.timings["control"] += time.perf_counter() - start
+        self._timings["control"] += time.perf_counter() - start
         if self._callback is not None:
             self._callback(info)
 
@@ -834,30 +890,33 @@ class Controller:
 
     def _record(self) -> records.TrainingRecord:
         return records.TrainingRecord(
-            self.params,
-            self.opt_state,
-            self.model_state,
-            self.loss_scale,
-            self.plan,
+            self._params,
+            self._opt_state,
+            self._model_state,
+            self._loss_scale,
+            self._precision.plan,
             self._bucket.micro,
-            self._progress,
+            self._lr.progress,
         )
 
     def _restore(self, record: records.TrainingRecord) -> None:
         """Rolls back to ``record`` whole: a switch taken after it was made is undone with it."""
-        self.params, self.opt_state = record.params, record.opt_state
-        self.model_state, self.loss_scale = record.model_state, record.loss_scale
-        if record.plan != self.plan:
-            self._bucket.measured = {}  # measured peaks were for the policy undone
-        self.plan = record.plan
-        self._bucket.micro = record.micro
-        self._progress = record.progress
-        self._lr.invalidate()  # the restored state holds the record's rate, not the current one
+        self._params, self._opt_state = record.params, record.opt_state
+        self._model_state, self._loss_scale = record.model_state, record.loss_scale
+        if record.plan != self._precision.plan:
+            self._bucket.forget_measured()  # measured peaks were for the policy undone
+        self._precision.set_plan(record.plan)
+        self._bucket.move_to(record.micro)
+        # The restored state holds the record's rate and schedule count, not the current ones.
+        self._lr.rewind(record.progress)
 
-    def _take_outputs(self, out: training.StepOutput) -> None:
+    def _take_outputs(self, out: training.StepOutput, samples: int) -> None:
+        """Takes a dispatched step's outputs as the state in force and counts the step."""
         # Replacing the state frees the previous step's buffers, as in any training loop.
-        self.params, self.opt_state = out.params, out.opt_state
-        self.model_state, self.loss_scale = out.model_state, out.loss_scale
+        self._params, self._opt_state = out.params, out.opt_state
+        self._model_state, self._loss_scale = out.model_state, out.loss_scale
+        self._step_count += 1
+        self._lr.advance(samples)
 
     # -- switches and decisions -------------------------------------------------------------------
 
@@ -870,19 +929,19 @@ class Controller:
         """
         self._judge_trial()
         micro = self._bucket.micro
-        reading = self.probe.read(batch_size=micro)
+        reading = self._probe.read(batch_size=micro)
         peak, limit = agreement.agree_on_memory(reading.peak_bytes, reading.limit_bytes)
-        state = (self.params, self.opt_state, self.model_state)
+        state = (self._params, self._opt_state, self._model_state)
         decision = self._bucket.check(
             peak,
             limit,
-            compiled_peaks=self._compiler.peaks(self._policy_signature()),
-            fixed_bytes=self._bucket.fixed_bytes(state, self.params),
+            compiled_peaks=self._compiler.peaks(self._precision.signature),
+            fixed_bytes=self._bucket.fixed_bytes(state, self._params),
         )
         chosen: dict[str, Any] = {}
-        if self._trial is not None and decision.kind != "shrink":
+        if self._precision.trial is not None and decision.kind != "shrink":
             return  # a precision trial is timed at its own batch: the bucket holds until judged
-        if self.config.moves_by_goodput and decision.kind != "shrink":
+        if self._config.moves_by_goodput and decision.kind != "shrink":
             decision, chosen = self._goodput_decision(decision)
         if decision.kind == "keep" or (decision.kind == "grow" and self._compiler.busy):
             return
@@ -894,7 +953,7 @@ class Controller:
         key = (decision.bucket, self._num_micro(decision.bucket), self.policy)
         if (
             decision.kind == "grow"
-            and self.config.compile_in_background
+            and self._config.compile_in_background
             and key not in self._compiler
         ):
             self._compiler.start(key, decision.reason, figures)
@@ -911,7 +970,7 @@ class Controller:
             if self._refuse_grow(decision.bucket):
                 return
         self._log(decision.kind, micro, decision.bucket, decision.reason, **figures)
-        self._bucket.micro = decision.bucket
+        self._bucket.move_to(decision.bucket)
 
     def _goodput_decision(
         self, memory: buckets_lib.BucketDecision
@@ -922,44 +981,25 @@ class Controller:
         micro = self._bucket.micro
         cap = memory.bucket if memory.kind == "grow" else micro
         ceiling = self._bucket.ceiling
-        allowed = [b for b in self.buckets if b <= cap and (ceiling is None or b < ceiling)]
+        allowed = [b for b in self._buckets if b <= cap and (ceiling is None or b < ceiling)]
         if micro not in allowed:
             allowed = sorted({*allowed, micro})
-        signature = self._policy_signature()
-        local = [self._throughput.get((b, self._num_micro(b), signature)) for b in self.buckets]
-        # Every host decides alike: the step goes at the pace of the slowest.
-        agreed = agreement.agree_on_rates(local)
-        throughput = {
-            b: rate for b, rate in zip(self.buckets, agreed, strict=True) if rate is not None
-        }
-        choice = goodput.choose_by_goodput(
+        signature = self._precision.signature
+        move = self._goodput.decide(
             micro,
             allowed,
-            noise_scale=self._noise.simple,
-            throughput=throughput,
-            reference=self._lr.reference,
-            margin=self.config.goodput_margin,
-            min_efficiency=self.config.min_efficiency,
-            model=self.config.throughput_model,
+            {b: (b, self._num_micro(b), signature) for b in self._buckets},
+            memory_grows=memory.kind == "grow",
             measurable=self._measures_noise(micro),
         )
-        kind = "keep" if choice.bucket == micro else "grow" if choice.bucket > micro else "shrink"
-        figures = {"noise_scale": self._noise.simple, "goodput": choice.figures}
-        # Hysteresis, as for memory's moves: a move must be chosen at `patience` checks in a row
-        # (measured throughput wobbles, and every move may cost a compile). A grow into what
-        # memory has just allowed already waited for memory's own streak.
-        moving = kind != "keep" and not (kind == "grow" and memory.kind == "grow")
-        wanted, streak = self._goodput_streak
-        streak = streak + 1 if moving and wanted == choice.bucket else int(moving)
-        self._goodput_streak = (choice.bucket, streak) if moving else (None, 0)
-        if moving and streak < self.config.patience:
-            return memory._replace(kind="keep", bucket=micro), figures
-        self._goodput_streak = (None, 0)
-        return memory._replace(kind=kind, bucket=choice.bucket, reason=choice.reason), figures
+        if move.bucket == micro:
+            return memory._replace(kind="keep", bucket=micro), move.figures
+        kind = "grow" if move.bucket > micro else "shrink"
+        return memory._replace(kind=kind, bucket=move.bucket, reason=move.reason), move.figures
 
     def _refuse_grow(self, bucket: int) -> bool:
         """Logs a ``"reject"`` and returns True when ``bucket``'s compiled peak is too high."""
-        compiled = self._compiler.peaks(self._policy_signature())
+        compiled = self._compiler.peaks(self._precision.signature)
         refused = self._bucket.over_high_water(bucket, compiled)
         if refused is None:
             return False
@@ -989,28 +1029,27 @@ class Controller:
         while another background compile waits runs as soon as that one is taken.
         """
         if self._compiler.busy:
-            if self._replan_due_at is None and not for_memory:
-                self._replan_due_at = self.step_count
+            if not for_memory:
+                self._precision.defer(self._step_count)
             return False
-        speed = self.config.precision_rule == "speed"
-        if speed and self._trial is not None and not for_memory:
+        speed = self._config.precision_rule == "speed"
+        if speed and self._precision.trial is not None and not for_memory:
             return False  # the trial's verdict comes first
-        due = self.step_count if self._replan_due_at is None else self._replan_due_at
-        self._replan_due_at = None
+        due = self._precision.take_due(self._step_count)
         assert self.policy is not None  # re-planning starts from a policy
         micro = self._bucket.micro
-        figures: dict[str, Any] = {"precision_rule": self.config.precision_rule}
+        figures: dict[str, Any] = {"precision_rule": self._config.precision_rule}
         savings = None
         if speed:
             peak = self._known_peaks().get(micro)
             needed = precision_speed.savings_needed(
                 self.policy,
-                self.params,
+                self._params,
                 peak_bytes=peak,
                 limit_bytes=self._bucket.limit,
-                target=self.config.target,
+                target=self._config.target,
             )
-            if for_memory or self._lower_is_slower or not self._speed_trials:
+            if for_memory or not self._precision.tries_for_speed:
                 savings = needed
             num_micro = self._num_micro(micro)
             figures.update(
@@ -1019,23 +1058,23 @@ class Controller:
                 limit_bytes=self._bucket.limit,
                 samples_per_second={
                     signature: rate
-                    for (m, n, signature), rate in self._throughput.items()
+                    for (m, n, signature), rate in self._goodput.throughput.items()
                     if (m, n) == (micro, num_micro)
                 },
             )
         result = replan_lib.replan(
-            self.opt_state,
-            self.params,
-            self.plan,
+            self._opt_state,
+            self._params,
+            self._precision.plan,
             loss=self._last_loss,
-            planner=self.config.planner,
+            planner=self._config.planner,
             # The first plan leaves the all-fp32 start at once: hysteresis guards against
             # flipping back and forth between plans, and there is no earlier plan yet.
-            hysteresis=not (self.config.is_first_replan(due) or for_memory),
+            hysteresis=not (self._config.is_first_replan(due) or for_memory),
             savings_needed=savings,
         )
         if not result.changed:
-            self.plan = result.plan  # the hysteresis streaks move on
+            self._precision.set_plan(result.plan)  # the hysteresis streaks move on
             return False
         figures.update(leaves_by_dtype=result.leaves_by_dtype, loss=self._last_loss)
         reason = "the planner chose another policy"
@@ -1047,7 +1086,7 @@ class Controller:
             figures["speed_trial"] = True
             reason = "the accuracy budget allows lower precision: a trial times it against fp32"
         key = (micro, self._num_micro(micro), result.plan.policy)
-        if self.config.compile_in_background and key not in self._compiler:
+        if self._config.compile_in_background and key not in self._compiler:
             self._compiler.start(key, reason, figures, plan=result.plan, opt_state=result.opt_state)
             self._log(
                 "replan_decided",
@@ -1063,39 +1102,26 @@ class Controller:
     def _lower_precision_for_memory(self) -> bool:
         """With ``precision_rule="speed"`` and precision planned: a re-plan for memory before a
         shrink; True when it switched (or started compiling) a policy that saves bytes."""
-        if self.config.precision_rule != "speed" or self.config.replan_every is None:
+        if self._config.precision_rule != "speed" or self._config.replan_every is None:
             return False
         return self._replan(for_memory=True)
 
     def _judge_trial(self) -> None:
         """Keeps a lower-precision trial's policy when its steps measured faster, else goes back
-        to the policy before it (:func:`._precision_speed.judge_trial`)."""
-        trial = self._trial
-        if trial is None:
+        to the policy before it (:meth:`._precision_schedule.PrecisionSchedule.judge_trial`)."""
+        judged = self._precision.judge_trial(
+            micro=self._bucket.micro,
+            min_steps=self._config.check_every,
+            margin=self._config.goodput_margin,
+            rate=self._goodput.rate,
+        )
+        if judged is None:
             return
-        if self._policy_signature() != trial.signature:
-            self._trial = None  # a rollback, set_policy or a load left the trial's policy
-            return
-        moved = self._bucket.micro != trial.micro
-        if trial.steps < self.config.check_every and not moved:
-            return
-        incumbent = None
-        if not moved:
-            key = (trial.micro, trial.num_micro, trial.previous_signature)
-            incumbent = self._throughput.get(key)
-        # Every host keeps or leaves the trial alike: each rate is the slowest process's.
-        trial_rate, incumbent = agreement.agree_on_rates([trial.rate, incumbent])
-        if trial_rate is not None and trial.rate is not None:
-            trial = trial._replace(seconds=trial.samples / trial_rate)
-        verdict = precision_speed.judge_trial(trial, incumbent, self.config.goodput_margin)
-        self._trial = None
+        trial, verdict = judged
         new = trial.signature if verdict.keep else trial.previous_signature
         self._log("precision_trial", trial.signature, new, verdict.reason, **verdict.figures)
-        if verdict.keep:
-            return
-        if incumbent is not None:
-            self._lower_is_slower = True
-        self._switch_policy(trial.previous, verdict.reason, verdict.figures)
+        if not verdict.keep:
+            self._switch_policy(trial.previous, verdict.reason, verdict.figures)
 
     def _switch_policy(
         self, plan: PrecisionPlan, reason: str, figures: dict, *, opt_state: Any = None
@@ -1105,19 +1131,13 @@ class Controller:
         assert self.policy is not None  # re-planning starts from a policy
         self._log("replan", self.policy.signature, plan.policy.signature, reason, **figures)
         if opt_state is None:
-            opt_state = convert_state(self.opt_state, plan.policy)
-        self.opt_state = self._place(opt_state)
+            opt_state = convert_state(self._opt_state, plan.policy)
+        self._opt_state = self._place(opt_state)
         if figures.get("speed_trial"):
             micro = self._bucket.micro
-            self._trial = precision_speed.PolicyTrial(
-                self.plan,
-                self._policy_signature(),
-                self._signature_of(plan),
-                micro,
-                self._num_micro(micro),
-            )
-        self.plan = plan
-        self._bucket.measured = {}
+            self._precision.start_trial(self._precision.plan, plan, micro, self._num_micro(micro))
+        self._precision.set_plan(plan)
+        self._bucket.forget_measured()
 
     def _take_background_compile(self) -> None:
         """At a step boundary: when a background compile is ready, makes its switch (or refuses
@@ -1136,8 +1156,8 @@ class Controller:
             still_holds = job.switch and policy == self.policy and bucket > self._bucket.micro
             if still_holds and not self._refuse_grow(bucket):
                 self._log("grow", self._bucket.micro, bucket, job.reason, **job.figures)
-                self._bucket.micro = bucket
-        if self._replan_due_at is not None:
+                self._bucket.move_to(bucket)
+        if self._precision.waiting:
             self._flush()  # a re-plan reads what the queued steps produce
             self._replan()
 
@@ -1145,13 +1165,12 @@ class Controller:
         """Forgets a background compile's switch and a re-plan waiting for it (``set_policy``
         and ``load_state_dict`` set the state themselves)."""
         self._compiler.cancel()
-        self._replan_due_at = None
-        self._trial = None
+        self._precision.call_off()
 
     def _on_out_of_memory(self, micro: int, tried: list[str], error: BaseException) -> None:
         """Charges an out-of-memory error to ``micro``, the bucket its step ran at."""
         decision = self._bucket.retry_after_out_of_memory(
-            micro, step=self.step_count, tried=tried, error=error
+            micro, step=self._step_count, tried=tried, error=error
         )
         self._log("oom", micro, decision.bucket, decision.reason, ceiling=decision.ceiling)
         self._compiler.call_off_grow()  # a grow decided before the error is not taken
@@ -1166,56 +1185,12 @@ class Controller:
         about 1%). A rate change is logged only when the batch changes with it, not for each
         move of AdaScale's gain: :class:`StepInfo` carries each step's rate or factor.
         """
-        noise = learning_rate.noise_before(
-            self._recent_noise, self.step_count, self.config.steps_in_flight
-        )
-        if not self._lr.is_current(samples, noise):
-            change = self._lr.follow(self.opt_state, samples, noise)
-            if change.new != change.old and samples != change.old_batch:
-                self._log_learning_rate(change, samples, noise)
-            if self._lr.base_lr is not None:
-                self.opt_state = self._place(change.opt_state)
-        if self._lr.moves_schedule:
-            self.opt_state = self._place(self._lr.at_progress(self.opt_state, self._progress))
-
-    def _log_learning_rate(
-        self,
-        change: learning_rate.LearningRateChange,
-        samples: int,
-        noise: goodput.NoiseScale | None,
-    ) -> None:
-        """Logs a batch's change of the rate (``"learning_rate"``, the rate itself, where the
-        state holds it) or of the update's factor (``"update_scale"``)."""
-        rule = f"{self.config.lr_scaling} rule"
-        figures: dict[str, Any] = {
-            "factor": change.new,
-            "batch": samples,
-            "reference_batch": self._lr.reference,
-        }
-        if self.config.lr_scaling == "adascale":
-            rule = f"AdaScale gain (S = {samples / self._lr.reference:.4g})"
-            figures["noise_scale"] = None if noise is None else noise.simple
-        old_rate, new_rate = self._lr.rate(change.old), self._lr.rate(change.new)
-        if old_rate is not None and new_rate is not None:
-            # The rate itself, so that a log reader sees what the optimizer really uses.
-            self._log(
-                "learning_rate",
-                old_rate,
-                new_rate,
-                f"{rule} for batch {samples}: {self._lr.base_lr:.4g} (tuned at reference batch "
-                f"{self._lr.reference}) x {change.new:.4g}",
-                tuned_learning_rate=self._lr.base_lr,
-                **figures,
-            )
-        else:
-            self._log(
-                "update_scale",
-                change.old,
-                change.new,
-                f"{rule} for batch {samples} against reference batch {self._lr.reference}; the "
-                "rate is not an injected constant, so the update is multiplied instead",
-                **figures,
-            )
+        noise = self._goodput.noise_before(self._step_count)
+        opt_state, event = self._lr.for_step(self._opt_state, samples, noise)
+        if event is not None:
+            self._log(event.kind, event.old, event.new, event.reason, **event.figures)
+        if opt_state is not self._opt_state:
+            self._opt_state = self._place(opt_state)
 
     # -- compiling --------------------------------------------------------------------------------
 
@@ -1232,22 +1207,22 @@ class Controller:
         step takes, default the one in force)."""
         micro, num_micro, policy = key
         if opt_state is None:
-            opt_state = self.opt_state
+            opt_state = self._opt_state
         step = training.make_train_step(
             self._loss,
-            self.tx,
+            self._tx,
             policy=policy,
             num_micro=num_micro,
             seed=self._seed,
-            loss_scaling=training.loss_scaling_for(policy, self.config.loss_scaling, opt_state),
+            loss_scaling=training.loss_scaling_for(policy, self._config.loss_scaling, opt_state),
             fused=self._fused(opt_state),
             split=self._splits(micro, num_micro),
-            noise_weights="curvature" if self.config.noise_estimator == "hessian" else None,
+            noise_weights="curvature" if self._config.noise_estimator == "hessian" else None,
         )
         args = training.abstract_step_arguments(
-            (self.params, opt_state, self.model_state),
+            (self._params, opt_state, self._model_state),
             self._feeder.abstract_batch(num_micro, micro),
-            self.loss_scale,
+            self._loss_scale,
         )
         return step, args
 
@@ -1257,11 +1232,11 @@ class Controller:
         Raises:
           ValueError: ``fused_update=True`` and the optimizer cannot be fused (reason named).
         """
-        setting = self.config.fused_update
+        setting = self._config.fused_update
         if setting is None:
-            return uses_triton(self.tx, opt_state)
+            return uses_triton(self._tx, opt_state)
         if setting:
-            reason = unfused_reason(self.tx, opt_state)
+            reason = unfused_reason(self._tx, opt_state)
             if reason is not None:
                 raise ValueError(f"fused_update=True, but the optimizer cannot be fused: {reason}")
         return bool(setting)
@@ -1275,7 +1250,7 @@ class Controller:
         signature = "none" if policy is None else policy.signature
         if new.peak_bytes is not None and num_micro == self._num_micro(micro):
             self._compiler.record_peak(signature, micro, new.peak_bytes)
-        self.timings["compile"] += new.seconds
+        self._timings["compile"] += new.seconds
         self._log(
             "compile",
             None,
@@ -1314,21 +1289,14 @@ class Controller:
         """Whether a step runs its one micro-batch as two halves, to measure the noise scale
         (``ControllerConfig.splits_steps``); an odd micro-batch cannot be halved and runs whole,
         without an estimate."""
-        return self.config.splits_steps and num_micro == 1 and micro % 2 == 0
+        return self._config.splits_steps and num_micro == 1 and micro % 2 == 0
 
     def _known_peaks(self) -> dict[int, int]:
         """Peak bytes per bucket under the current policy (see ``BucketTracker.known_peaks``)."""
-        return self._bucket.known_peaks(self._compiler.peaks(self._policy_signature()))
-
-    def _policy_signature(self) -> str:
-        return self._signature_of(self.plan)
-
-    @staticmethod
-    def _signature_of(plan: PrecisionPlan | None) -> str:
-        return "none" if plan is None else plan.policy.signature
+        return self._bucket.known_peaks(self._compiler.peaks(self._precision.signature))
 
     def _device_seconds(self) -> float:
-        return self.timings["step"] + self.timings["compile"] + self.timings["data"]
+        return self._timings["step"] + self._timings["compile"] + self._timings["data"]
 
     def _place(self, tree: Any) -> Any:
         return self._feeder.place(tree)
@@ -1336,11 +1304,13 @@ class Controller:
     def _check_loss_structure(self) -> None:
         batch = self._feeder.abstract_batch(1, self._bucket.micro)
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
-        training.check_loss_structure(self._loss, self.params, self.model_state, batch, self.policy)
+        training.check_loss_structure(
+            self._loss, self._params, self._model_state, batch, self.policy
+        )
 
     def _log(self, kind: str, old: Any, new: Any, reason: str, **figures: Any) -> None:
-        self.events.append(events_lib.Event(self.step_count, kind, old, new, reason, figures))
-        logging_lib.log_event(self.events[-1])
+        self._events.append(events_lib.Event(self._step_count, kind, old, new, reason, figures))
+        logging_lib.log_event(self._events[-1])
 
 
 def _lowers(before: PrecisionPolicy, after: PrecisionPolicy) -> bool:

@@ -40,7 +40,6 @@ own ``scale_by_schedule`` count, which advances one per step: the controller can
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import Any
 from typing import NamedTuple
 
@@ -49,6 +48,7 @@ import jax.numpy as jnp
 import optax
 
 from triaccel_jax.controller import _goodput as goodput
+from triaccel_jax.controller import _state_record as records
 
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 # AdaScale's gain is rounded to the nearest power of (1 + ADASCALE_RESOLUTION), i.e. to within
@@ -223,37 +223,6 @@ def round_gain(gain: float, scale: float) -> float:
     return min(max(rounded, low), high)
 
 
-def noise_before(
-    recent: Iterable[tuple[int, goodput.NoiseScale]], step: int, lag: int
-) -> goodput.NoiseScale | None:
-    """The noise estimates AdaScale's gain for ``step`` is taken from: those after the latest
-    step read at or before ``step - 1 - lag`` (None if none is).
-
-    With ``lag`` the steps in flight, that step has always been read when ``step`` is
-    dispatched, however the run is cut into calls: the gain is the same in every run of the
-    same steps (a flush that reads more steps early does not change it).
-
-    Args:
-      recent: ``(step, estimates after it)`` for the last steps read, in step order.
-      step: the step about to run.
-      lag: the steps in flight (``ControllerConfig.steps_in_flight``).
-
-    Example:
-      >>> from triaccel_jax.controller._goodput import NoiseScale
-      >>> from triaccel_jax.controller._learning_rate import noise_before
-      >>> recent = [(3, NoiseScale(1.0, 1.0, 0.1)), (4, NoiseScale(2.0, 2.0, 0.2))]
-      >>> noise_before(recent, 6, 1).weight, noise_before(recent, 5, 1).weight
-      (0.2, 0.1)
-      >>> noise_before(recent, 4, 1) is None
-      True
-    """
-    chosen = None
-    for done, noise in recent:
-        if done <= step - 1 - lag:
-            chosen = noise
-    return chosen
-
-
 class LearningRateChange(NamedTuple):
     """A change of the learning-rate factor: before, after, the state carrying the rate, and
     the batch the factor before was for (None at the start)."""
@@ -264,8 +233,25 @@ class LearningRateChange(NamedTuple):
     old_batch: int | None = None
 
 
+class RateEvent(NamedTuple):
+    """A change of the rate (or of the update's factor) for the controller's event log: the
+    event's kind (``"learning_rate"`` or ``"update_scale"``), old and new values, reason and
+    figures."""
+
+    kind: str
+    old: float
+    new: float
+    reason: str
+    figures: dict[str, Any]
+
+
 class LearningRateScaling:
-    """Keeps the learning rate a function of the batch size, and a schedule advancing by samples.
+    """The learning rate's one owner: the tuned rate, the batch rule and the schedule clock.
+
+    It keeps the rate a function of the batch size and a schedule advancing by samples; the
+    controller asks it for each step's rate (:meth:`for_step`), adds each step's progress
+    (:meth:`advance`) and saves it (:meth:`state_dict`, the ``"learning_rate"`` part of the
+    controller's state). Its state is private and changed only by its methods.
 
     Args:
       opt_state: the optimizer state, searched for the injected rate ``hyperparam``.
@@ -274,14 +260,6 @@ class LearningRateScaling:
       scaling: ``"sqrt"``, ``"linear"``, ``"adascale"`` or ``"none"`` (the module's docstring
         gives each rule and its reference).
       reference: the batch size the rate (or schedule) was tuned for.
-
-    Attributes:
-      base_lr: the tuned rate, when the state holds it as a constant (else None: the step
-        multiplies the update by :attr:`factor`).
-      factor: the factor in force.
-      batch: the batch the factor in force is for (None before the first).
-      moves_schedule: whether the rate is a plain schedule inside ``optax.inject_hyperparams``
-        whose count the controller sets from the training progress (:meth:`at_progress`).
 
     Example:
       >>> import optax
@@ -295,7 +273,7 @@ class LearningRateScaling:
     """
 
     def __init__(self, opt_state: Any, hyperparam: str | None, scaling: str, reference: int):
-        self.hyperparam, self.scaling, self.reference = hyperparam, scaling, reference
+        self._hyperparam, self._scaling, self._reference = hyperparam, scaling, reference
         found = None
         if hyperparam is not None:
             try:
@@ -306,12 +284,46 @@ class LearningRateScaling:
                 # Nothing to scale; an ambiguous rate's schedule is left to count steps.
         self._found = found
         constant = found is not None and not found.scheduled and scaling != "none"
-        self.base_lr = found.value if found is not None and constant else None
-        self.moves_schedule = found is not None and found.movable
-        self.factor = 1.0
-        self.batch: int | None = None
-        # Whether the state may hold a rate other than base_lr * factor (after restore_tuned).
+        self._base_lr = found.value if found is not None and constant else None
+        self._moves_schedule = found is not None and found.movable
+        self._factor = 1.0
+        self._batch: int | None = None
+        # Training progress in reference-batch steps: the clock a schedule is evaluated at.
+        self._progress = 0.0
+        # Whether the state may hold a rate other than base_lr * factor (after a restore).
         self._stale = False
+
+    @property
+    def base_lr(self) -> float | None:
+        """The tuned rate, when the state holds it as a constant (else None: the step
+        multiplies the update by :attr:`factor`)."""
+        return self._base_lr
+
+    @property
+    def factor(self) -> float:
+        """The factor in force."""
+        return self._factor
+
+    @property
+    def reference(self) -> int:
+        """The batch the rate (or schedule) was tuned at."""
+        return self._reference
+
+    @property
+    def scaling(self) -> str:
+        """The batch rule: ``"sqrt"``, ``"linear"``, ``"adascale"`` or ``"none"``."""
+        return self._scaling
+
+    @property
+    def moves_schedule(self) -> bool:
+        """Whether the rate is a plain schedule inside ``optax.inject_hyperparams`` whose count
+        follows the training progress (:meth:`at_progress`)."""
+        return self._moves_schedule
+
+    @property
+    def progress(self) -> float:
+        """Training progress in reference-batch steps (the schedule's clock)."""
+        return self._progress
 
     def rule(self) -> str:
         """The rule in words: what follows the batch, by which formula, from which reference,
@@ -333,21 +345,21 @@ class LearningRateScaling:
             "linear": "(batch / {r})",
             "adascale": "r, AdaScale's gain (tr(Sigma) + |G|^2) / (tr(Sigma) / S + |G|^2) with "
             "S = batch / {r}, r = 1 until the gradient noise is measured",
-        }.get(self.scaling)
+        }.get(self._scaling)
         if formula is None:
             text = "learning rate not scaled with the batch (lr_scaling='none')"
         else:
-            formula = formula.format(r=self.reference)
-            if self.base_lr is not None:
+            formula = formula.format(r=self._reference)
+            if self._base_lr is not None:
                 text = (
-                    f"learning rate {self.base_lr:.4g}, tuned at the reference batch "
-                    f"{self.reference}, scaled by the {self.scaling} rule: {self.base_lr:.4g} x "
+                    f"learning rate {self._base_lr:.4g}, tuned at the reference batch "
+                    f"{self._reference}, scaled by the {self._scaling} rule: {self._base_lr:.4g} x "
                     f"{formula}"
                 )
             else:
                 text = (
-                    f"the update is multiplied by {formula} ({self.scaling} rule, reference "
-                    f"batch {self.reference}): the optimizer holds no injected constant learning "
+                    f"the update is multiplied by {formula} ({self._scaling} rule, reference "
+                    f"batch {self._reference}): the optimizer holds no injected constant learning "
                     "rate (a schedule, or no optax.inject_hyperparams) to write the scaled rate "
                     "into"
                 )
@@ -356,11 +368,13 @@ class LearningRateScaling:
     def _schedule_rule(self) -> str:
         """How a learning-rate schedule advances, in words ('' for an injected constant)."""
         found = self._found
-        if self.moves_schedule:
-            per_step = "the gain r" if self.scaling == "adascale" else f"samples / {self.reference}"
+        if self._moves_schedule:
+            per_step = (
+                "the gain r" if self._scaling == "adascale" else f"samples / {self._reference}"
+            )
             return (
                 f"; the injected learning-rate schedule, tuned at the reference batch "
-                f"{self.reference}, advances by samples: each step it is evaluated at "
+                f"{self._reference}, advances by samples: each step it is evaluated at "
                 f"floor(progress), the progress growing by {per_step} per step"
             )
         if found is not None and found.scheduled:
@@ -379,26 +393,28 @@ class LearningRateScaling:
     def rate(self, factor: float | None = None) -> float | None:
         """The learning rate at ``factor`` (default: the factor in force), or None when the rate
         is not an injected constant (then only the factor is known)."""
-        if self.base_lr is None:
+        if self._base_lr is None:
             return None
-        return self.base_lr * (self.factor if factor is None else factor)
+        return self._base_lr * (self._factor if factor is None else factor)
 
     def factor_for(self, batch: int, noise: goodput.NoiseScale | None = None) -> float:
         """The factor for ``batch``; with ``"adascale"``, the gain from ``noise`` (the smoothed
         estimates, None before any), rounded (:func:`round_gain`)."""
-        if self.scaling == "adascale":
-            scale = batch / self.reference
+        if self._scaling == "adascale":
+            scale = batch / self._reference
             return round_gain(adascale_gain(scale, noise), scale)
-        return lr_factor(batch, self.reference, self.scaling)
+        return lr_factor(batch, self._reference, self._scaling)
 
     def update_multiplier(self) -> float:
         """What the compiled step multiplies the update by: 1 when the rate is written instead."""
-        return 1.0 if self.base_lr is not None else self.factor
+        return 1.0 if self._base_lr is not None else self._factor
 
     def is_current(self, batch: int, noise: goodput.NoiseScale | None = None) -> bool:
         """Whether the state already holds the rate for ``batch`` (nothing to write)."""
         return (
-            not self._stale and batch == self.batch and self.factor_for(batch, noise) == self.factor
+            not self._stale
+            and batch == self._batch
+            and self.factor_for(batch, noise) == self._factor
         )
 
     def follow(
@@ -406,47 +422,126 @@ class LearningRateScaling:
     ) -> LearningRateChange:
         """Sets the factor for ``batch`` (and ``noise``, with ``"adascale"``); returns it with
         ``opt_state`` holding the scaled rate."""
-        old, old_batch = self.factor, self.batch
-        self.factor, self.batch, self._stale = self.factor_for(batch, noise), batch, False
-        if self.base_lr is not None:
-            assert self.hyperparam is not None  # base_lr is only found under a named hyperparam
-            opt_state = set_hyperparam(opt_state, self.hyperparam, self.base_lr * self.factor)
-        return LearningRateChange(old, self.factor, opt_state, old_batch)
+        old, old_batch = self._factor, self._batch
+        self._factor, self._batch, self._stale = self.factor_for(batch, noise), batch, False
+        if self._base_lr is not None:
+            assert self._hyperparam is not None  # base_lr is only found under a named hyperparam
+            opt_state = set_hyperparam(opt_state, self._hyperparam, self._base_lr * self._factor)
+        return LearningRateChange(old, self._factor, opt_state, old_batch)
 
-    def progress_increment(self, samples: int) -> float:
-        """What a step of ``samples`` adds to the training progress, in reference-batch steps:
+    def for_step(
+        self, opt_state: Any, samples: int, noise: goodput.NoiseScale | None = None
+    ) -> tuple[Any, RateEvent | None]:
+        """``opt_state`` set for a step of ``samples``: the scaled rate written when it changes
+        (:meth:`follow`) and a schedule's count set from the progress (:meth:`at_progress`).
+
+        Args:
+          opt_state: the optimizer state in force.
+          samples: the step's samples.
+          noise: the estimates AdaScale's gain comes from (None before any).
+
+        Returns:
+          ``(opt_state, event)``: ``event`` describes a change of the rate that came with a
+          change of batch, for the event log (None otherwise: a move of AdaScale's gain alone is
+          not logged, each step's rate is in its :class:`StepInfo`).
+        """
+        if self.is_current(samples, noise):
+            return self.at_progress(opt_state), None
+        change = self.follow(opt_state, samples, noise)
+        event = None
+        if change.new != change.old and samples != change.old_batch:
+            event = self._describe(change, samples, noise)
+        return self.at_progress(change.opt_state), event
+
+    def _describe(
+        self, change: LearningRateChange, samples: int, noise: goodput.NoiseScale | None
+    ) -> RateEvent:
+        """A batch's change of the rate (``"learning_rate"``, the rate itself, where the state
+        holds it) or of the update's factor (``"update_scale"``), in words and figures."""
+        rule = f"{self._scaling} rule"
+        figures: dict[str, Any] = {
+            "factor": change.new,
+            "batch": samples,
+            "reference_batch": self._reference,
+        }
+        if self._scaling == "adascale":
+            rule = f"AdaScale gain (S = {samples / self._reference:.4g})"
+            figures["noise_scale"] = None if noise is None else noise.simple
+        old_rate, new_rate = self.rate(change.old), self.rate(change.new)
+        if old_rate is not None and new_rate is not None:
+            # The rate itself, so that a log reader sees what the optimizer really uses.
+            return RateEvent(
+                "learning_rate",
+                old_rate,
+                new_rate,
+                f"{rule} for batch {samples}: {self._base_lr:.4g} (tuned at reference batch "
+                f"{self._reference}) x {change.new:.4g}",
+                {"tuned_learning_rate": self._base_lr, **figures},
+            )
+        return RateEvent(
+            "update_scale",
+            change.old,
+            change.new,
+            f"{rule} for batch {samples} against reference batch {self._reference}; the "
+            "rate is not an injected constant, so the update is multiplied instead",
+            figures,
+        )
+
+    def advance(self, samples: int) -> None:
+        """Adds a step of ``samples`` to the training progress, in reference-batch steps:
         ``samples / reference``, or with ``"adascale"`` the gain in force (AdaScale's
-        scale-invariant iterations). Call after :meth:`follow` for the step."""
-        if self.scaling == "adascale":
-            return self.factor
-        return samples / self.reference
+        scale-invariant iterations). Call after :meth:`for_step` for the step."""
+        self._progress += self._factor if self._scaling == "adascale" else samples / self._reference
 
-    def at_progress(self, opt_state: Any, progress: float) -> Any:
+    def at_progress(self, opt_state: Any) -> Any:
         """``opt_state`` whose next update evaluates the learning-rate schedule at
         ``floor(progress)`` (:func:`set_schedule_count`); ``opt_state`` itself when the rate is
         not a schedule the controller moves. A part in 10^9 absorbs the rounding of a sum of
         fractions (three steps of a third of the reference count as one reference step)."""
-        if not self.moves_schedule:
+        if not self._moves_schedule:
             return opt_state
-        assert self.hyperparam is not None  # a schedule is only found under a named hyperparam
-        return set_schedule_count(opt_state, self.hyperparam, math.floor(progress + 1e-9))
+        assert self._hyperparam is not None  # a schedule is only found under a named hyperparam
+        return set_schedule_count(opt_state, self._hyperparam, math.floor(self._progress + 1e-9))
 
-    def invalidate(self) -> None:
-        """Marks the state's rate as unknown (a rollback restored an older state), so that the
-        next :meth:`is_current` is False and the rate is written again."""
+    def rewind(self, progress: float) -> None:
+        """Goes back to ``progress`` (a rollback restored an older optimizer state): the state's
+        rate is then unknown, so the next :meth:`for_step` writes it again."""
+        self._progress = progress
         self._stale = True
 
-    def restore_tuned(self, tuned: float | None) -> None:
-        """Takes ``tuned`` (a saved state's tuned rate) as the rate to scale, when this
-        controller writes an injected constant rate: the optimizer state it was given holds that
-        rate already scaled for the saved batch, and scaling it again would compound."""
-        if tuned is not None and self.base_lr is not None:
-            self.base_lr = float(tuned)
-            self._stale = True
+    def state_dict(self) -> dict[str, Any]:
+        """The tuned rate (None when the state holds no injected constant rate), the factor in
+        force (for reading: it follows the batch) and the schedule progress, JSON-ready."""
+        return {
+            "tuned_learning_rate": self._base_lr,
+            "factor": self._factor,
+            "schedule_progress": self._progress,
+        }
+
+    def load_state_dict(self, state: Any) -> None:
+        """Continues from :meth:`state_dict`'s output.
+
+        The saved tuned rate is the one scaled from here on, when this owner writes an injected
+        constant rate: the optimizer state given with the saved state holds that rate already
+        scaled for the saved batch, and scaling it again would compound.
+
+        Raises:
+          ValueError: the state is malformed (the field named); nothing is changed then.
+        """
+        fields = records.fields(state, "learning_rate", self.state_dict())
+        tuned = records.optional(fields["tuned_learning_rate"], float, "tuned_learning_rate")
+        records.number(fields["factor"], "factor")
+        progress = records.number(
+            fields["schedule_progress"], "schedule_progress", finite_at_least=0.0
+        )
+        if tuned is not None and self._base_lr is not None:
+            self._base_lr = tuned
+        self._progress = progress
+        self._stale = True
 
     def tuned(self, opt_state: Any) -> Any:
         """``opt_state`` holding the tuned (reference-batch) rate, for handing the state back."""
-        if self.base_lr is None:
+        if self._base_lr is None:
             return opt_state
-        assert self.hyperparam is not None  # base_lr is only found under a named hyperparam
-        return set_hyperparam(opt_state, self.hyperparam, self.base_lr)
+        assert self._hyperparam is not None  # base_lr is only found under a named hyperparam
+        return set_hyperparam(opt_state, self._hyperparam, self._base_lr)

@@ -406,7 +406,10 @@ def make_train_step(
     Args:
       loss_fn: a loss normalised by :func:`normalize_loss_fn`.
       tx: the optimizer. Extra-args transforms also get ``loss_fn=`` (a loss of the params on
-        the first micro-batch, unscaled), which Hutchinson's estimator needs and others ignore.
+        the first micro-batch, unscaled), which Hutchinson's estimator needs and others ignore;
+        a transform inside ``optax.masked`` or ``optax.multi_transform`` may call it on its own
+        leaves with ``optax.MaskedNode`` for the others, which take this step's params
+        (:func:`triaccel_jax.transforms.unmask`).
       policy: the precision policy (static), passed to the loss function.
       num_micro: micro-batches per step; ``batch`` leaves have a leading axis of that size.
       seed: the loss's ``rng`` is ``fold_in(key(seed), step)``, then folded with the
@@ -567,7 +570,13 @@ def make_train_step(
             micro_norms = one(params, model_state, side_half, rng, scale, weights)[3]
         extra: dict[str, Any] = {}
         if takes_extra:
-            extra["loss_fn"] = lambda p: loss_fn(p, new_model_state, whole, policy, rng)[0]
+            # A loss of the whole params: under optax.masked / multi_transform the inner
+            # transform differentiates it at its own leaves (MaskedNode for the others), and the
+            # leaves it leaves out are this step's params, constants of its estimate.
+            def loss_of(p):
+                return loss_fn(transforms.unmask(p, params), new_model_state, whole, policy, rng)[0]
+
+            extra["loss_fn"] = loss_of
         out = apply_gradients(
             tx,
             grads,
