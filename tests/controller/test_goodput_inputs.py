@@ -1,0 +1,102 @@
+"""The goodput batch's inputs and how its moves are handled, through the controller: throughput
+read from sums of its own steps, the reference batch as the floor, a goodput shrink that is not
+memory pressure, and every figure goodput decides from kept in the saved state."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax.numpy as jnp
+
+import triaccel_jax
+from triaccel_jax import PrecisionPolicy
+from triaccel_jax.controller import _goodput_tracker
+
+
+def test_a_fixed_buckets_throughput_is_the_samples_per_second_of_its_own_steps(make_controller):
+    # A callback that takes 20 ms every fifth step (a logger, an evaluation): the steps' times
+    # vary, and a mean of per-step rates reads several times the loop's real rate.
+    def slow_every_fifth(info):
+        if info.step % 5 == 0:
+            time.sleep(0.02)
+
+    controller = make_controller(
+        batch_rule="memory",
+        min_batch=32,
+        max_batch=32,
+        measure_noise_scale=True,
+        callback=slow_every_fifth,
+    )
+    controller.run(10)  # compiled and warm
+    start = time.perf_counter()
+    infos = controller.run(60)
+    wall = time.perf_counter() - start
+    truth = sum(i.batch_size for i in infos) / wall
+    ((key, figure),) = controller.throughput.items()
+    assert key[0] == 32
+    assert 0.7 * truth <= figure <= 1.3 * truth, (figure, truth)
+
+
+def test_the_goodput_batch_never_goes_below_the_reference_batch(make_controller):
+    # Each sample costs a (32768-wide) layer, so throughput is about flat in the batch and a
+    # batch below the reference one looks better per second to an efficiency above 1.
+    wide = jnp.ones((8, 32768), jnp.float32) / 64
+
+    def per_sample_cost(params, batch, *, policy, rng):
+        features = jnp.mean(jnp.tanh(batch["x"] @ wide), axis=1, keepdims=True)
+        hidden = jnp.tanh(batch["x"] @ params["w1"] + features)
+        return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+    controller = make_controller(
+        loss_fn=per_sample_cost,
+        min_batch=8,
+        max_batch=128,
+        batch_size=32,
+        probe=triaccel_jax.BudgetMemoryProbe(2**34),
+    )
+    infos = controller.run(120)
+    assert min(i.batch_size for i in infos) >= 32, [
+        e for e in controller.events if e.kind != "compile"
+    ]
+
+
+def _always_shrink(original):
+    """A goodput decision that always takes the bucket below (wrapping the tracker's own)."""
+
+    def decide(tracker, current, allowed, *args, **kwargs):
+        move = original(tracker, current, allowed, *args, **kwargs)
+        below = [b for b in allowed if b < current]
+        if not below:
+            return move
+        return move._replace(bucket=below[-1], reason="goodput chose a smaller batch")
+
+    return decide
+
+
+def test_a_goodput_shrink_is_taken_and_is_not_memory_pressure(make_controller, monkeypatch):
+    monkeypatch.setattr(
+        _goodput_tracker.GoodputTracker,
+        "decide",
+        _always_shrink(_goodput_tracker.GoodputTracker.decide),
+    )
+    controller = make_controller(
+        batch_size=32, replan_every=1000, probe=triaccel_jax.BudgetMemoryProbe(2**34)
+    )
+    policy = PrecisionPolicy.uniform(controller.params, "bf16")
+    controller.set_policy(policy)
+    controller.run(6)
+    shrinks = [e for e in controller.events if e.kind == "shrink"]
+    assert shrinks and shrinks[0].new < 32, controller.events
+    assert not [e for e in controller.events if e.kind == "replan"], controller.events
+    assert controller.policy == policy  # the user's bf16 policy is kept
+
+
+def test_every_figure_goodput_decides_from_is_saved_and_restored(make_controller):
+    controller = make_controller(batch_size=16, max_batch=64)
+    controller.run(30)
+    state = json.loads(json.dumps(controller.state_dict()))
+    resumed = make_controller(batch_size=16, max_batch=64, params=controller.params)
+    resumed.load_state_dict(state)
+    assert resumed.throughput == controller.throughput and controller.throughput
+    assert resumed.noise_scale == controller.noise_scale
