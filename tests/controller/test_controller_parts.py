@@ -213,23 +213,22 @@ def test_each_part_saves_its_own_state_and_reads_it_back():
     assert again.state_dict() == tracker.state_dict()
     assert (again.micro, again.limit, again.known_peaks({})) == (8, 1000, {8: 300})
 
-    options = dict(
-        decay=0.5, lag=1, reference=8, margin=0.0, min_efficiency=0.5, model="linear", patience=2
-    )
+    options = dict(horizon=1000, lag=1, reference=8, margin=0.05, critical_multiple=1.0)
     goodput = GoodputTracker(**options)
     for step in range(3):
         goodput.observe_noise(step, (3.0 + step, 9.0), batch=32, micro=8)
-    goodput.observe_throughput((8, 1, "none"), samples=8, seconds=0.1)
+    for _ in range(30):
+        goodput.observe_throughput((8, 1, "none"), seconds=0.01)
     keys = {b: (b, 1, "none") for b in (8, 16)}
-    move = goodput.decide(8, [8, 16], keys, memory_grows=False, measurable=True)
-    assert move.bucket == 8  # the move waits for its streak, which is saved
+    move = goodput.decide(8, [8, 16], keys, measurable=True)
+    assert move.bucket == 16 and move.figures["decision"] == "explore"  # a trial, saved
     restored = GoodputTracker(**options)
     restored.load_state_dict(_through_json(goodput.state_dict()))
     assert restored.state_dict() == goodput.state_dict()
-    assert restored.state_dict()["streak"] == [16, 1]
-    assert restored.noise_scale == goodput.noise_scale and restored.throughput == {}
-    assert restored.decide(8, [8, 16], keys, memory_grows=False, measurable=True).bucket == 8
-    assert goodput.decide(8, [8, 16], keys, memory_grows=False, measurable=True).bucket == 16
+    assert restored.state_dict()["trial"] == [8, 16]
+    assert restored.noise_scale == goodput.noise_scale
+    assert restored.throughput == goodput.throughput
+    assert restored.noise_before(3) == goodput.noise_before(3)
 
     policy = PrecisionPolicy.uniform({"w": jnp.ones((4, 4))}, "bf16")
     schedule = PrecisionSchedule(speed_trials=False)
@@ -256,11 +255,12 @@ def test_a_part_refuses_a_malformed_state_naming_the_field_and_keeps_its_own():
     with pytest.raises(ValueError, match="has no 'limit_bytes'"):
         tracker.load_state_dict({k: v for k, v in before.items() if k != "limit_bytes"})
     assert tracker.state_dict() == before
-    goodput = GoodputTracker(
-        decay=0.5, lag=1, reference=8, margin=0.0, min_efficiency=0.5, model="linear", patience=2
-    )
-    with pytest.raises(ValueError, match="streak"):
-        goodput.load_state_dict({**goodput.state_dict(), "streak": [8]})
+    goodput = GoodputTracker(horizon=1000, lag=1, reference=8, margin=0.0, critical_multiple=1.0)
+    with pytest.raises(ValueError, match="trial"):
+        goodput.load_state_dict({**goodput.state_dict(), "trial": [8]})
+    with pytest.raises(ValueError, match="step_times"):
+        goodput.load_state_dict({**goodput.state_dict(), "step_times": [[8, 1, "none", 2]]})
+    assert goodput.state_dict()["trial"] is None
 
 
 def test_the_loss_scale_keeps_its_dtypes_through_json():

@@ -1,4 +1,4 @@
-"""The goodput batch rule on figures with intervals (controller/_goodput_rule.py), alone and in a
+"""The goodput batch rule on figures with intervals (controller/_goodput.py), alone and in a
 simulated run of the measurement loop: step times summed per size and fitted, the noise scale
 averaged per sample, a decision every few steps."""
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from triaccel_jax.controller._goodput_rule import decide_batch
+from triaccel_jax.controller._goodput import decide_batch
 from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
 from triaccel_jax.controller._noise_scale import observe_noise
 from triaccel_jax.controller._throughput import StepTimes
@@ -43,7 +43,7 @@ def test_the_reference_batch_is_the_floor():
     assert all(f["efficiency"] <= 1.0 for f in decision.figures.values())
 
 
-def test_the_critical_batch_caps_growth_at_the_noise_scales_lower_end():
+def test_the_critical_batch_caps_growth():
     gpu = exact(0.010, 1e-6)  # throughput rises steeply up to every size here
     decision = decide_batch(
         32, BUCKETS, noise_scale=200.0, noise_interval=(140.0, 260.0), times=gpu, reference=32
@@ -177,10 +177,11 @@ def direction_changes(trace):
 @pytest.mark.parametrize("seed", range(5))
 def test_on_a_gpu_like_device_the_batch_grows_to_the_best_goodput_and_stays(seed):
     # 10 ms a step plus 2 us a sample, each step's time off by 5%; noise scale 300: the best
-    # allowed goodput is at 256 (the cap at the noise scale's lower end keeps 512 out).
+    # allowed goodput is at 256 (the cap at the noise scale keeps 512 out while its estimate
+    # stays under 512).
     trace = simulate(0.010, 2e-6, 300.0, seed=seed, jitter=0.05)
     assert direction_changes(trace) <= 1
-    assert trace[-1] in (128, 256)
+    assert trace[-1] in (128, 256, 512)
     assert sum(b >= 128 for b in trace) > len(trace) // 2
 
 

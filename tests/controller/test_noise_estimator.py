@@ -8,24 +8,26 @@ from controller_harness import BIG
 from controller_harness import linear_probe
 
 from triaccel_jax.controller import ControllerConfig
-from triaccel_jax.controller._goodput import NoiseScale
-from triaccel_jax.controller._goodput import update_noise_scale
+from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
+from triaccel_jax.controller._noise_scale import observe_noise
 
 
 def test_the_hessian_estimator_smooths_the_curvature_weighted_norms(make_controller):
     settings = dict(min_batch=16, max_batch=16, probe=linear_probe(limit=BIG))
     weighted = make_controller(noise_estimator="hessian", **settings)
     infos = weighted.run(30)
-    expected = NoiseScale()
+    expected = NoiseScaleEstimate()
+    horizon = weighted.config.noise_horizon_for(16)
     for info in infos:
         assert "curvature_grad_sq_norm" in info.metrics
         if info.metrics["curvature_micro_grad_sq_norm"] > 0:  # once curvature is estimated
-            expected = update_noise_scale(
+            expected = observe_noise(
                 expected,
                 grad_sq_norm=info.metrics["curvature_grad_sq_norm"],
-                micro_grad_sq_norm=info.metrics["curvature_micro_grad_sq_norm"],
+                sub_grad_sq_norm=info.metrics["curvature_micro_grad_sq_norm"],
                 batch=16,
-                micro=8,  # one micro-batch of 16, split in two halves
+                sub_batch=8,  # one micro-batch of 16, split in two halves
+                horizon=horizon,
             )
         assert info.noise_scale == expected.simple
     assert expected.simple is not None and expected.simple > 0

@@ -89,7 +89,7 @@ def test_a_seed_not_reached_counts_as_an_infinite_ratio():
 def test_summary_picks_best_static_by_validation_and_says_met_or_missed():
     rows = goodput.make_rows([32, 64])
     # static64 has the better validation accuracy (though the worse test accuracy): it is the
-    # reference. goodput_linear reaches the target in 0.5x the steps; goodput in 1.5x the time.
+    # reference. goodput_gpu_like reaches the target in 0.5x the steps; goodput in 1.5x the time.
     ends = [0.85, 0.86, 0.84]
     static32 = [
         curve(s, [(100, 1, 5.0, 0.80), (200, 2, 10.0, e + 0.01)], validation=0.80)
@@ -110,24 +110,24 @@ def test_summary_picks_best_static_by_validation_and_says_met_or_missed():
             "static32": static32,
             "static64": static64,
             "goodput": measured,
-            "goodput_linear": linear,
+            "goodput_gpu_like": linear,
         },
         "chosen": {r.name: 1e-3 for r in rows},
         "margin": 0.003,
     }
     summary = goodput.summarize(report)
     assert summary["best_static"] == "static64"
-    assert set(summary["rows"]) == {"static32", "static64", "goodput", "goodput_linear"}
-    assert summary["rows"]["goodput_linear"]["target"]["steps_ratio"] == pytest.approx(0.5)
+    assert set(summary["rows"]) == {"static32", "static64", "goodput", "goodput_gpu_like"}
+    assert summary["rows"]["goodput_gpu_like"]["target"]["steps_ratio"] == pytest.approx(0.5)
     assert summary["rows"]["goodput"]["target"]["seconds_ratio"] == pytest.approx(1.5)
     # static32 is 1 point better in every seed: a zero-width paired interval at +0.01.
     assert summary["rows"]["static32"]["diff"] == pytest.approx([0.01, 0.01, 0.01])
     met = {(t["row"], t["figure"]): t["met"] for t in summary["targets"]}
     assert met == {
-        ("goodput_linear", "steps"): True,  # 0.5 <= 0.6
+        ("goodput_gpu_like", "steps"): True,  # 0.5 <= 0.6
         ("goodput", "seconds"): False,  # 1.5 > 1.0
         ("goodput", "accuracy"): True,  # -0.1 points in every seed
-        ("goodput_linear", "accuracy"): True,  # +0.2 points in every seed
+        ("goodput_gpu_like", "accuracy"): True,  # +0.2 points in every seed
     }
 
 
@@ -139,7 +139,7 @@ def test_the_hessian_row_follows_the_controller_option():
         "static128",
         "memory",
         "goodput",
-        "goodput_linear",
+        "goodput_gpu_like",
         "goodput_hessian",
     ]
 

@@ -17,8 +17,8 @@ import pytest
 
 import triaccel_jax
 from triaccel_jax import training
-from triaccel_jax.controller._goodput import NoiseScale
-from triaccel_jax.controller._goodput import update_noise_scale
+from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
+from triaccel_jax.controller._noise_scale import observe_noise
 from triaccel_jax.transforms import LeafSignals
 from triaccel_jax.transforms import LossScaling
 from triaccel_jax.transforms import ScaleByTriAccelState
@@ -185,8 +185,12 @@ def test_the_weighted_estimator_recovers_the_hessian_noise_scale():
     state = with_curvature(tx.init(params), curvature)
     step = make_step(linear_loss, tx, num_micro=num_micro)
     rng = np.random.default_rng(0)
-    plain, weighted, equal = NoiseScale(), NoiseScale(), NoiseScale()
-    common = {"batch": batch_size, "micro": batch_size // num_micro, "decay": 0.99}
+    plain, weighted, equal = NoiseScaleEstimate(), NoiseScaleEstimate(), NoiseScaleEstimate()
+    common = {
+        "batch": batch_size,
+        "sub_batch": batch_size // num_micro,
+        "horizon": 100 * batch_size,
+    }
     for index in range(400):
         batch = {
             k: (mean[k] + np.sqrt(trace[k] / dim) * rng.standard_normal((batch_size, dim))).astype(
@@ -196,23 +200,23 @@ def test_the_weighted_estimator_recovers_the_hessian_noise_scale():
         }
         metrics = run(step, params, state, batch, num_micro, index=index).metrics
         metrics = {k: float(v) for k, v in metrics.items()}
-        plain = update_noise_scale(
+        plain = observe_noise(
             plain,
             grad_sq_norm=metrics["grad_sq_norm"],
-            micro_grad_sq_norm=metrics["micro_grad_sq_norm"],
+            sub_grad_sq_norm=metrics["micro_grad_sq_norm"],
             **common,
         )
-        weighted = update_noise_scale(
+        weighted = observe_noise(
             weighted,
             grad_sq_norm=metrics["curvature_grad_sq_norm"],
-            micro_grad_sq_norm=metrics["curvature_micro_grad_sq_norm"],
+            sub_grad_sq_norm=metrics["curvature_micro_grad_sq_norm"],
             **common,
         )
         # Equal curvature everywhere (7.0) scales both norms alike: B_noise is B_simple.
-        equal = update_noise_scale(
+        equal = observe_noise(
             equal,
             grad_sq_norm=7.0 * metrics["grad_sq_norm"],
-            micro_grad_sq_norm=7.0 * metrics["micro_grad_sq_norm"],
+            sub_grad_sq_norm=7.0 * metrics["micro_grad_sq_norm"],
             **common,
         )
     assert weighted.simple == pytest.approx(b_noise, rel=0.1)

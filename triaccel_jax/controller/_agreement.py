@@ -57,3 +57,23 @@ def agree_on_rates(rates: Sequence[float | None]) -> list[float | None]:
     local = np.array([_MISSING if r is None else r for r in rates], np.float32)
     gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(rates))
     return [None if (column < 0).any() else float(column.min()) for column in gathered.T]
+
+
+def agree_on_choice(values: Sequence[int]) -> list[int]:
+    """Process 0's ``values`` on every process (identity with one process).
+
+    A decision that rests on figures each host measures with its own noise (the spread of its
+    step times) is taken once, by process 0, and applied everywhere: the positions must mean the
+    same on every host.
+
+    Example:
+      >>> from triaccel_jax.controller._agreement import agree_on_choice
+      >>> agree_on_choice([64, 2])  # one process: the values themselves
+      [64, 2]
+    """
+    if jax.process_count() == 1:
+        return list(values)
+    from jax.experimental import multihost_utils
+
+    chosen = multihost_utils.broadcast_one_to_all(np.array(values, np.int32))
+    return [int(v) for v in np.asarray(chosen)]

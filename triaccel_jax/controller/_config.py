@@ -9,6 +9,8 @@ controller's parts read their settings from one place.
 from __future__ import annotations
 
 import dataclasses
+import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
@@ -18,11 +20,16 @@ from triaccel_jax.controller import _buckets as buckets_lib
 from triaccel_jax.precision import PlannerConfig
 from triaccel_jax.transforms import LossScaling
 
-LR_SCALINGS = ("sqrt", "linear", "adascale", "none")
+LR_SCALINGS = ("sqrt_adascale", "adascale", "sqrt", "linear", "none")
+# The rules whose factor is AdaScale's gain (or its square root): the goodput rule's own.
+GAIN_RULES = ("adascale", "sqrt_adascale")
 BATCH_RULES = ("memory", "goodput")
-NOISE_ESTIMATORS = ("simple", "hessian")
+NOISE_ESTIMATORS = ("simple", "hessian", "preconditioned")
+# The step's weighted norms each estimator reads (make_train_step's `noise_weights`).
+NOISE_WEIGHTS = {"simple": None, "hessian": "curvature", "preconditioned": "preconditioned"}
 PRECISION_RULES = ("speed", "memory")
-THROUGHPUT_MODELS = ("measured", "linear")
+# The default noise horizon, in steps of the reference batch (see ControllerConfig.noise_horizon).
+NOISE_HORIZON_STEPS = 200
 
 
 class BatchLayout(NamedTuple):
@@ -59,11 +66,12 @@ class ControllerConfig:
         batch size).
       lr_scaling: how the learning rate follows the batch (docs/design.md §5):
 
-        * ``"sqrt"`` (the default, for Adam-like optimizers): lr x sqrt(batch / reference), the
-          square-root scaling rule (Malladi et al., 2022, "On the SDEs and Scaling Rules for
-          Adaptive Gradient Algorithms", arXiv 2205.10287; Granziol et al., 2022, "Learning
-          Rates as a Function of Batch Size");
-        * ``"linear"``: lr x (batch / reference) (Goyal et al., 2017, for SGD);
+        * ``"sqrt_adascale"`` (the default, for Adam-like optimizers): lr x sqrt(r), the square
+          root of AdaScale's gain below: the square-root rule for adaptive methods (Malladi et
+          al., 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms", arXiv
+          2205.10287) applied to the batch's statistical worth ``r = S * E(B)``, which is the
+          goodput rule's efficiency model (AdaptDL scales Adam this way); schedules advance by
+          ``r`` per step;
         * ``"adascale"`` (for SGD-like optimizers): lr x r, AdaScale's gain ``r = (tr(Sigma) +
           |G|^2) / (tr(Sigma) / S + |G|^2)`` with ``S = batch / reference``, from the smoothed
           gradient-noise estimates (Johnson et al., 2020, "AdaScale SGD", ICML); r = 1 before
@@ -74,12 +82,17 @@ class ControllerConfig:
           (as ``measure_noise_scale``). With
           ``keep_global_batch``, S = global_batch / reference_batch is fixed (1 by default: set
           a smaller ``reference_batch`` for a gain);
+        * ``"sqrt"``: lr x sqrt(batch / reference), the square-root rule on the batch alone;
+        * ``"linear"``: lr x (batch / reference) (Goyal et al., 2017, for SGD);
         * ``"none"``: the rate is left alone.
+
+        The last three ignore the gradient noise, which the goodput batch rule's efficiency
+        model assumes the rate follows: with ``batch_rule="goodput"`` they are warned about.
 
         A schedule given as the injected rate (``optax.inject_hyperparams(opt)(learning_rate=
         schedule)``) is taken as tuned at the reference batch, in reference-batch steps: it
         advances by training progress, ``samples / reference_batch`` per step (or ``r`` per step
-        with ``"adascale"``), not by steps
+        with the AdaScale rules), not by steps
         (:attr:`triaccel_jax.Controller.schedule_progress`), and the rule's factor multiplies
         the update. A schedule given to the optimizer itself (``optax.adam(schedule)``) counts
         optax's own steps: the controller cannot move it.
@@ -121,18 +134,22 @@ class ControllerConfig:
         (:func:`triaccel_jax.transforms.uses_triton`: a ``triaccel`` optimizer on CUDA whose
         ``TriAccelConfig.impl`` selects it); True: always (an error if the optimizer cannot be
         fused); False: never.
-      statistics_decay: decay of the moving averages of the measured training statistics:
-        the gradient noise scale (from steps of several micro-batches) and each step's
-        throughput, in [0, 1).
+      noise_horizon: the samples over which the gradient noise scale's averages forget: each
+        step of ``B`` samples decays them by ``exp(-B / noise_horizon)``, so the memory is the
+        same whatever the batch (docs/design.md §5.3). None (the default): 200 steps of the
+        reference batch.
       measure_noise_scale: run a step of one micro-batch as two halves accumulated like
         micro-batches (the update is the same), so that every step measures the gradient noise
         scale; steps of several micro-batches always do. A step of one odd-sized micro-batch
         runs whole and carries no estimate (with ``batch_rule="goodput"`` and no estimate yet,
         the batch then moves to the next bucket memory allows, to measure it there).
       batch_rule: how the bucket moves at a memory check. ``"goodput"`` (the default): to the
-        bucket of highest goodput (measured throughput x statistical efficiency from the
-        gradient noise scale, Pollux) among those memory allows, at most the critical batch; it
-        measures the noise scale every step (as ``measure_noise_scale``). ``"memory"``: to the
+        bucket of highest goodput (throughput from a model fitted to the timed steps x
+        statistical efficiency from the gradient noise scale, Pollux) among those memory allows,
+        no smaller than the reference batch and no larger than ``critical_multiple`` noise
+        scales, moving only when the gain's lower confidence bound beats ``goodput_margin``
+        (docs/design.md §5.3); it measures the noise scale every step (as
+        ``measure_noise_scale``). ``"memory"``: to the
         largest bucket memory allows. Memory stays the cap either way, and out-of-memory
         recovery is the same. With ``keep_global_batch`` the batch is fixed and the micro-batch
         follows memory whatever the rule.
@@ -147,16 +164,18 @@ class ControllerConfig:
         a timed trial. None (the default): on accelerators, not on a CPU, where XLA converts
         bf16 through float32 (the small CNN's bf16 step measured 2x slower there, and its
         compile took 3-4x longer, so a trial only costs time); True or False forces it.
-      min_efficiency: the lowest statistical efficiency a goodput bucket may have, in (0, 1]
-        (0.5: at most the critical batch).
-      throughput_model: how goodput rates a bucket not measured yet: ``"measured"`` (explore
-        one bucket at a time along the measured trend) or ``"linear"`` (samples per second in
-        proportion to the batch: statistical efficiency alone decides).
+      critical_multiple: the goodput batch's cap, in noise scales: 1 (the default) keeps it at
+        most about the critical batch (McCandlish et al., 2018), > 0.
+      assumed_step_time: ``(fixed_seconds, seconds_per_sample)``: goodput decides with this
+        model of step time instead of the one fitted to the measured steps, e.g. a GPU's to
+        study the statistics alone on a CPU; None (the default): measured.
       noise_estimator: the gradient noise scale goodput and ``StepInfo.noise_scale`` use:
         ``"simple"`` (the default), ``B_simple = tr(Sigma) / |G|^2``; ``"hessian"``, ``B_noise =
         tr(H Sigma) / (G^T H G)`` with each leaf's norms weighted by its mean curvature from the
         optimizer's store (McCandlish et al., 2018, eq. 2.8; it needs an optimizer that holds
-        curvature, such as :func:`triaccel_jax.triaccel`).
+        curvature, such as :func:`triaccel_jax.triaccel`); ``"preconditioned"``, the noise of
+        Adam's preconditioned gradient ``g / (sqrt(nu) + eps)`` (AdaptDL's measure for Adam; it
+        needs an optimizer that holds Adam's ``nu``).
 
     Example:
       >>> from triaccel_jax.controller import ControllerConfig
@@ -178,7 +197,7 @@ class ControllerConfig:
     max_batch: int = 512
     batch_size: int | None = None
     reference_batch: int | None = None
-    lr_scaling: str = "sqrt"
+    lr_scaling: str = "sqrt_adascale"
     lr_hyperparam: str | None = "learning_rate"
     keep_global_batch: bool = False
     global_batch: int | None = None
@@ -195,12 +214,12 @@ class ControllerConfig:
     steps_in_flight: int = 1
     compile_in_background: bool = False
     fused_update: bool | None = None
-    statistics_decay: float = 0.95
+    noise_horizon: int | None = None
     measure_noise_scale: bool = False
     batch_rule: str = "goodput"
     goodput_margin: float = 0.05
-    min_efficiency: float = 0.5
-    throughput_model: str = "measured"
+    critical_multiple: float = 1.0
+    assumed_step_time: tuple[float, float] | None = None
     precision_rule: str = "speed"
     speed_trials: bool | None = None
     noise_estimator: str = "simple"
@@ -221,22 +240,43 @@ class ControllerConfig:
                 raise ValueError("`first_replan` needs `replan_every` (precision is not planned)")
         validation.check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         validation.check_choice("batch_rule", self.batch_rule, BATCH_RULES)
-        validation.check_choice("throughput_model", self.throughput_model, THROUGHPUT_MODELS)
         validation.check_choice("precision_rule", self.precision_rule, PRECISION_RULES)
         validation.check_choice("noise_estimator", self.noise_estimator, NOISE_ESTIMATORS)
-        if self.noise_estimator == "hessian" and self.lr_scaling == "adascale":
+        if self.noise_estimator == "hessian" and self.lr_scaling in GAIN_RULES:
             raise ValueError(
-                "lr_scaling='adascale' takes its gain from the plain gradient variance, and "
-                "noise_estimator='hessian' measures a curvature-weighted one: use "
-                "noise_estimator='simple' with AdaScale"
+                f"lr_scaling={self.lr_scaling!r} takes AdaScale's gain from the plain gradient "
+                "variance, and noise_estimator='hessian' measures a curvature-weighted one: use "
+                "noise_estimator='simple' or 'preconditioned' with AdaScale's gain, or "
+                "lr_scaling='sqrt'"
+            )
+        if self.moves_by_goodput and self.lr_scaling not in GAIN_RULES:
+            warnings.warn(
+                f"batch_rule='goodput' with lr_scaling={self.lr_scaling!r}: goodput moves the "
+                "batch by a statistical efficiency that assumes the learning rate follows "
+                "AdaScale's gain (lr_scaling='sqrt_adascale' for Adam-like optimizers, "
+                "'adascale' for SGD-like ones); this rule does not, so a move may not pay what "
+                "goodput predicts",
+                UserWarning,
+                stacklevel=3,
             )
         validation.check_in_range("goodput_margin", self.goodput_margin, 0.0, float("inf"))
         validation.check_in_range(
-            "min_efficiency", self.min_efficiency, 0.0, 1.0, low_inclusive=False
+            "critical_multiple", self.critical_multiple, 0.0, float("inf"), low_inclusive=False
         )
-        validation.check_in_range(
-            "statistics_decay", self.statistics_decay, 0.0, 1.0, high_inclusive=False
-        )
+        if self.noise_horizon is not None:
+            validation.check_integer("noise_horizon", self.noise_horizon, 1)
+        if self.assumed_step_time is not None:
+            assumed = self.assumed_step_time
+            if not (
+                isinstance(assumed, tuple)
+                and len(assumed) == 2
+                and all(isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in assumed)
+                and assumed[0] + assumed[1] > 0
+            ):
+                raise ValueError(
+                    "`assumed_step_time` must be (fixed_seconds, seconds_per_sample), two finite "
+                    f"numbers >= 0 not both 0, got {assumed!r}"
+                )
         if self.speed_trials not in (None, True, False):
             raise ValueError(
                 f"`speed_trials` must be None, True or False, got {self.speed_trials!r}"
@@ -255,6 +295,12 @@ class ControllerConfig:
                     f"e.g. {name}={kind.__name__}(...), got {type(value).__name__}"
                 )
 
+    def noise_horizon_for(self, reference_batch: int) -> int:
+        """The noise horizon in samples: ``noise_horizon``, or 200 reference batches."""
+        if self.noise_horizon is not None:
+            return self.noise_horizon
+        return NOISE_HORIZON_STEPS * reference_batch
+
     @property
     def moves_by_goodput(self) -> bool:
         """Whether goodput moves the batch (``batch_rule="goodput"`` and a batch free to move)."""
@@ -264,7 +310,7 @@ class ControllerConfig:
     def splits_steps(self) -> bool:
         """Whether a step of one (even) micro-batch runs as two halves, to measure the noise
         scale (``measure_noise_scale``, goodput batch moves or AdaScale's gain need it)."""
-        return self.measure_noise_scale or self.moves_by_goodput or self.lr_scaling == "adascale"
+        return self.measure_noise_scale or self.moves_by_goodput or self.lr_scaling in GAIN_RULES
 
     def replan_due(self, step: int) -> bool:
         """Whether a re-plan is due before ``step`` (steps done so far).

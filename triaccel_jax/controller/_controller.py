@@ -247,13 +247,12 @@ class Controller:
             self._opt_state, config.lr_hyperparam, config.lr_scaling, layout.reference_batch
         )
         self._goodput = goodput_tracker.GoodputTracker(
-            decay=config.statistics_decay,
+            horizon=config.noise_horizon_for(layout.reference_batch),
             lag=config.steps_in_flight,
             reference=layout.reference_batch,
             margin=config.goodput_margin,
-            min_efficiency=config.min_efficiency,
-            model=config.throughput_model,
-            patience=config.patience,
+            critical_multiple=config.critical_multiple,
+            assumed_step_time=config.assumed_step_time,
         )
         self._probe = memory_probe.prepare_probe(probe)
         self._callback = logging_lib.logging_callback(callback)  # logs each step at DEBUG
@@ -387,9 +386,14 @@ class Controller:
 
     @property
     def noise_scale(self) -> float | None:
-        """The smoothed simple gradient noise scale ``tr(Sigma) / |G|^2`` (McCandlish et al.,
-        2018), measured from steps of several micro-batches; None before the first such step."""
+        """The gradient noise scale ``tr(Sigma) / |G|^2`` (McCandlish et al., 2018), averaged
+        per sample over ``noise_horizon`` samples; None before the first step that measures it."""
         return self._goodput.noise_scale
+
+    @property
+    def noise_interval(self) -> tuple[float, float] | None:
+        """The 95% interval of :attr:`noise_scale`, or None before two estimates."""
+        return self._goodput.noise_interval
 
     @property
     def schedule_progress(self) -> float:
@@ -408,11 +412,11 @@ class Controller:
     @property
     def throughput(self) -> dict[tuple[int, int, str], float]:
         """Measured samples per second by ``(micro-batch, micro-batches, policy signature)``:
-        a moving average over the steps run there, compiles and out-of-memory retries excluded.
+        the samples of the steps timed there over their seconds (sums, not a mean of per-step
+        rates), the first step after a move, compiles and out-of-memory retries left out.
 
-        A measurement of this process on this machine: :meth:`state_dict` does not save it (a
-        restarted run, perhaps elsewhere, measures again), and with several processes the
-        decisions use the smallest over them."""
+        :meth:`state_dict` saves the sums, so a resumed run decides from them as the
+        uninterrupted one would; with several processes the decisions use the slowest."""
         return self._goodput.throughput
 
     @property
@@ -852,9 +856,11 @@ class Controller:
         begin, end = flight.event_span(step, len(self._events))
         events = tuple(self._events[begin:end])
         seconds = start - flight.last_finish
-        # With noise_estimator="hessian" the norms are curvature-weighted (B_noise); they are 0
-        # until the optimizer's first curvature estimate, which carries no estimate.
-        prefix = "curvature_" if self._config.noise_estimator == "hessian" else ""
+        # With noise_estimator="hessian" the norms are curvature-weighted (B_noise), 0 until the
+        # optimizer's first curvature estimate, which carries no estimate; "preconditioned"
+        # weighs them by Adam's second moment.
+        weights = config_lib.NOISE_WEIGHTS[self._config.noise_estimator]
+        prefix = "" if weights is None else f"{weights}_"
         norms = None
         if metrics.get(f"{prefix}micro_grad_sq_norm", 0.0) > 0.0:
             norms = (metrics[f"{prefix}grad_sq_norm"], metrics[f"{prefix}micro_grad_sq_norm"])
@@ -863,7 +869,7 @@ class Controller:
         )
         if seconds > 0 and not any(e.kind in ("compile", "oom") for e in events):
             key = (step.micro, step.num_micro, precision_schedule.signature_of(step.before.plan))
-            self._goodput.observe_throughput(key, samples=len(step.indices), seconds=seconds)
+            self._goodput.observe_throughput(key, seconds=seconds)
             self._precision.time_trial(key, len(step.indices), seconds)
         info = events_lib.StepInfo(
             step.step + 1,
@@ -939,16 +945,18 @@ class Controller:
             fixed_bytes=self._bucket.fixed_bytes(state, self._params),
         )
         chosen: dict[str, Any] = {}
-        if self._precision.trial is not None and decision.kind != "shrink":
+        # Memory pressure is memory's shrink alone: a move goodput chose, down included, is not.
+        memory_shrink = decision.kind == "shrink"
+        if self._precision.trial is not None and not memory_shrink:
             return  # a precision trial is timed at its own batch: the bucket holds until judged
-        if self._config.moves_by_goodput and decision.kind != "shrink":
+        if self._config.moves_by_goodput and not memory_shrink:
             decision, chosen = self._goodput_decision(decision)
         if decision.kind == "keep" or (decision.kind == "grow" and self._compiler.busy):
             return
-        if decision.kind == "shrink" and self._lower_precision_for_memory():
+        if memory_shrink and self._lower_precision_for_memory():
             return  # memory is relieved by precision first (precision_rule="speed")
         if decision.kind == "shrink":
-            self._compiler.call_off_grow()  # a grow decided before memory tightened is not taken
+            self._compiler.call_off_grow()  # a grow decided before is not taken
         figures = {"peak_bytes": self._known_peaks().get(micro), "limit_bytes": limit, **chosen}
         key = (decision.bucket, self._num_micro(decision.bucket), self.policy)
         if (
@@ -988,8 +996,7 @@ class Controller:
         move = self._goodput.decide(
             micro,
             allowed,
-            {b: (b, self._num_micro(b), signature) for b in self._buckets},
-            memory_grows=memory.kind == "grow",
+            {b: (b, self._num_micro(b), signature) for b in allowed},
             measurable=self._measures_noise(micro),
         )
         if move.bucket == micro:
@@ -1217,7 +1224,7 @@ class Controller:
             loss_scaling=training.loss_scaling_for(policy, self._config.loss_scaling, opt_state),
             fused=self._fused(opt_state),
             split=self._splits(micro, num_micro),
-            noise_weights="curvature" if self._config.noise_estimator == "hessian" else None,
+            noise_weights=config_lib.NOISE_WEIGHTS[self._config.noise_estimator],
         )
         args = training.abstract_step_arguments(
             (self._params, opt_state, self._model_state),
@@ -1286,10 +1293,12 @@ class Controller:
         return num_micro > 1 or self._splits(micro, num_micro)
 
     def _splits(self, micro: int, num_micro: int) -> bool:
-        """Whether a step runs its one micro-batch as two halves, to measure the noise scale
-        (``ControllerConfig.splits_steps``); an odd micro-batch cannot be halved and runs whole,
+        """Whether a step measures the noise scale on halves of its one micro-batch
+        (``ControllerConfig.splits_steps``): the halves are taken within each device's shard, so
+        a micro-batch with an odd number of samples on a device cannot be halved and runs
         without an estimate."""
-        return self._config.splits_steps and num_micro == 1 and micro % 2 == 0
+        per_device = micro // self._feeder.multiple
+        return self._config.splits_steps and num_micro == 1 and per_device % 2 == 0
 
     def _known_peaks(self) -> dict[int, int]:
         """Peak bytes per bucket under the current policy (see ``BucketTracker.known_peaks``)."""

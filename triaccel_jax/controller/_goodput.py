@@ -1,26 +1,33 @@
-"""Goodput: how much training a batch size buys per second, from the gradient noise scale.
+"""Goodput: the batch the training progress per second is highest at, on figures with intervals.
 
-A step of ``B`` samples made of micro-batches of ``b`` gives two squared gradient norms for free:
-``|g_b|^2`` (the mean over micro-batches of each one's squared norm) and ``|g_B|^2`` (the squared
-norm of their average). Since ``E|g_b|^2 = |G|^2 + tr(Sigma) / b`` for a batch of ``b`` samples,
-the two are unbiased estimates of the true gradient's squared norm and of the per-sample gradient
-variance (McCandlish et al., 2018, "An Empirical Model of Large-Batch Training", appendix A):
+Goodput is throughput times statistical efficiency (Pollux, Qiao et al., 2021):
+``goodput(B) = throughput(B) * E(B)`` with ``E(B) = (B_noise + B0) / (B_noise + B)`` against the
+reference batch ``B0`` the learning rate was tuned at. Both factors are estimates: the throughput
+from the fitted step-time model (:mod:`._throughput`), the noise scale from the per-sample
+averages (:mod:`._noise_scale`), each with an uncertainty. The rule:
 
-    |G|^2     ~ (B |g_B|^2 - b |g_b|^2) / (B - b)
-    tr(Sigma) ~ (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
+* **Candidates.** The batch sizes memory allows, no smaller than the reference batch (below it
+  the efficiency model extrapolates to progress per sample above 1, which no measurement
+  supports; AdaptDL never goes below its initial batch either), and no larger than
+  ``critical_multiple * B_noise`` (about the critical batch, beyond which more samples buy
+  little: McCandlish et al., 2018, §2.2). The batch in force is always a candidate.
+* **Measure first.** While the batch in force's own throughput is not *known* (a relative
+  standard deviation above ``margin / (2 z)``, 1.5% by default: two known sizes whose goodputs
+  differ by twice the margin are then told apart by the lower bound), nothing moves: every gain
+  is relative to it.
+* **Move** to the candidate of the highest goodput when the lower confidence bound of its gain
+  over the batch in force beats ``margin``: its throughput at the lower end, the present one at
+  the upper end, and the noise scale at the end of its interval least favourable to the move.
+* **Explore** otherwise: the nearest candidate whose throughput is not yet known (never
+  measured, measured over too few steps, or measured while the model's fit has drifted) is tried
+  when the upper bound of its gain beats ``margin`` (the optimistic prior of :mod:`._throughput`
+  makes an unmeasured larger size hopeful). Its measurement then decides the trial: once known,
+  it is kept if its goodput beats the size it left by the margin, and the run goes back
+  otherwise. A size once known is not explored again, so on steady figures the batch changes
+  direction at most once.
 
-Each is smoothed by an exponential moving average before the ratio is taken (the ratio of the
-means, not the mean of the ratios, which is biased and noisy), and their ratio is the simple noise
-scale ``B_simple = tr(Sigma) / |G|^2``: the batch at which a step is about half as useful per sample
-as at batch 1, about the critical batch. Pollux's statistical efficiency of batch ``B`` against a
-reference ``B0`` follows from it (Qiao et al., 2021, "Pollux", eq. 5):
-
-    E(B) = (B_noise + B0) / (B_noise + B)
-
-the fraction of a sample's worth of progress a sample brings at ``B``; goodput is throughput (samples
-per second) times ``E(B)``. Everything here is a pure function of measured figures, kept as Python
-floats on the host: the norms are computed inside the compiled step, and the smoothing costs a few
-float operations per step.
+The rule never shrinks the batch because the noise scale fell: shrinking is for memory (the
+controller's memory rule and out-of-memory retries).
 """
 
 from __future__ import annotations
@@ -31,241 +38,188 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from triaccel_jax._src import validation
+from triaccel_jax.controller._throughput import StepTimes
+from triaccel_jax.controller._throughput import fit_step_time
 
 
-class NoiseScale(NamedTuple):
-    """The smoothed estimates behind the gradient noise scale.
+class BatchDecision(NamedTuple):
+    """What :func:`decide_batch` decided.
 
     Attributes:
-      grad_sq: EMA of the unbiased estimates of ``|G|^2`` (bias not yet corrected).
-      trace: EMA of the unbiased estimates of ``tr(Sigma)`` (bias not yet corrected).
-      weight: ``1 - decay**n`` after ``n`` estimates: what the EMAs are divided by.
+      batch: the batch to train at (the one in force when nothing clears the bar).
+      kind: ``"stay"``, ``"move"`` (a gain whose lower bound clears the margin), ``"explore"``
+        (a size whose throughput is not known well enough, tried because it may gain: the batch
+        in force is then on trial), or, deciding a trial, ``"keep"`` (the batch in force stays)
+        or ``"revert"`` (back to the batch the trial left).
+      reason: why, in words, for the event log.
+      figures: per candidate: efficiency, throughput and its standard deviation, goodput, and
+        the gain over the batch in force with its lower and upper bounds.
     """
 
-    grad_sq: float = 0.0
-    trace: float = 0.0
-    weight: float = 0.0
-
-    @property
-    def simple(self) -> float | None:
-        """``B_simple = tr(Sigma) / |G|^2``, or None before the first estimate.
-
-        ``inf`` while the smoothed ``|G|^2`` is not positive (the gradient is all noise: no
-        batch is too large); 0 while ``tr(Sigma)`` is not positive.
-        """
-        if self.weight == 0.0:
-            return None
-        grad_sq, trace = self.grad_sq / self.weight, self.trace / self.weight
-        if grad_sq <= 0.0:
-            return math.inf
-        return max(trace, 0.0) / grad_sq
-
-
-def update_noise_scale(
-    state: NoiseScale,
-    *,
-    grad_sq_norm: float,
-    micro_grad_sq_norm: float,
-    batch: int,
-    micro: int,
-    decay: float = 0.95,
-) -> NoiseScale:
-    """Folds one step's two squared gradient norms into the smoothed estimates.
-
-    Args:
-      state: the estimates so far (``NoiseScale()`` to start).
-      grad_sq_norm: ``|g_B|^2``, the squared norm of the step's gradient over ``batch`` samples.
-      micro_grad_sq_norm: ``|g_b|^2``, the mean of the micro-batches' squared norms.
-      batch: the step's samples ``B``.
-      micro: the micro-batch ``b``; a step of one micro-batch (``micro == batch``) carries no
-        estimate and leaves ``state`` unchanged.
-      decay: the EMA's decay, in [0, 1).
-
-    Returns:
-      The new :class:`NoiseScale` (``state`` itself when the step carries no estimate or a norm
-      is not finite, as after a skipped loss-scaled step).
-
-    Example:
-      >>> from triaccel_jax.controller._goodput import NoiseScale, update_noise_scale
-      >>> # |G|^2 = 1, tr(Sigma) = 64: |g_8|^2 = 1 + 64/8 = 9, |g_32|^2 = 1 + 64/32 = 3.
-      >>> state = update_noise_scale(
-      ...     NoiseScale(), grad_sq_norm=3.0, micro_grad_sq_norm=9.0, batch=32, micro=8
-      ... )
-      >>> round(state.simple, 6)
-      64.0
-
-    References:
-      McCandlish et al., 2018, "An Empirical Model of Large-Batch Training", appendix A.
-    """
-    validation.check_in_range("decay", decay, 0.0, 1.0, high_inclusive=False)
-    if micro >= batch or not (math.isfinite(grad_sq_norm) and math.isfinite(micro_grad_sq_norm)):
-        return state
-    grad_sq = (batch * grad_sq_norm - micro * micro_grad_sq_norm) / (batch - micro)
-    trace = (micro_grad_sq_norm - grad_sq_norm) / (1.0 / micro - 1.0 / batch)
-    return NoiseScale(
-        decay * state.grad_sq + (1.0 - decay) * grad_sq,
-        decay * state.trace + (1.0 - decay) * trace,
-        decay * state.weight + (1.0 - decay),
-    )
+    batch: int
+    kind: str
+    reason: str
+    figures: dict[int, dict[str, float]]
 
 
 def efficiency(batch: int, noise_scale: float, reference: int) -> float:
-    """Pollux's statistical efficiency of ``batch`` against ``reference``: ``(B_noise + B0) /
-    (B_noise + B)``, the progress per sample at ``batch`` relative to ``reference``.
-
-    Example:
-      >>> from triaccel_jax.controller._goodput import efficiency
-      >>> efficiency(64, 64.0, 8), efficiency(8, 64.0, 8), efficiency(64, float("inf"), 8)
-      (0.5625, 1.0, 1.0)
-
-    References:
-      Qiao et al., 2021, "Pollux: Co-adaptive Cluster Scheduling for Goodput-Optimized Deep
-      Learning", eq. 5.
-    """
+    """Pollux's statistical efficiency ``(B_noise + B0) / (B_noise + B)`` (1 at infinite noise)."""
     if math.isinf(noise_scale):
         return 1.0
     return (noise_scale + reference) / (noise_scale + batch)
 
 
-class GoodputChoice(NamedTuple):
-    """What :func:`choose_by_goodput` decided.
-
-    Attributes:
-      bucket: the bucket to train at (the current one when nothing beats it by the margin).
-      reason: why, in words, for the event log.
-      figures: per bucket considered, its efficiency, throughput (measured or modelled) and
-        goodput, for the event log.
-    """
-
-    bucket: int
-    reason: str
-    figures: dict[int, dict[str, float | str]]
-
-
-def choose_by_goodput(
+def decide_batch(
     current: int,
     allowed: Sequence[int],
     *,
     noise_scale: float | None,
-    throughput: Mapping[int, float],
+    noise_interval: tuple[float, float] | None,
+    times: Mapping[int, StepTimes],
     reference: int,
     margin: float = 0.05,
-    min_efficiency: float = 0.5,
-    model: str = "measured",
-    measurable: bool = True,
-) -> GoodputChoice:
-    """The bucket of highest goodput (throughput x statistical efficiency) memory allows.
-
-    A bucket is a candidate when memory allows it (``allowed``, the current bucket among them)
-    and its efficiency is at least ``min_efficiency`` (0.5: at most the critical batch,
-    ``B <= B_noise + 2 B0``). Its throughput is the measured one where there is one; otherwise
-    ``model`` says: ``"measured"`` explores one bucket at a time: the unmeasured bucket next to
-    the measured ones is modelled by the trend of the two nearest measured buckets (a power law
-    through them), or, with one measured bucket, with samples per second in proportion to the
-    batch (the hopeful guess, so that it is tried); buckets beyond it are not candidates yet,
-    and once tried its measurement decides, so exploration goes on only while throughput rises;
-    ``"linear"`` takes every bucket's samples per second in proportion to its batch, measured
-    or not (an under-used accelerator: statistical efficiency alone decides). The best candidate is chosen when its goodput beats the current bucket's by
-    ``margin``.
+    critical_multiple: float = 1.0,
+    z: float = 1.645,
+    trial_from: int | None = None,
+) -> BatchDecision:
+    """The batch of highest goodput that the figures' intervals support.
 
     Args:
-      current: the bucket in force.
-      allowed: the buckets memory allows, ascending (the current one among them).
-      noise_scale: the gradient noise scale, or None before it is measured (then nothing moves).
-      throughput: measured samples per second by bucket (under the policy in force).
-      reference: the batch the learning rate was tuned at (Pollux's ``B0``).
-      margin: relative goodput gain a move needs, >= 0.
-      min_efficiency: the lowest statistical efficiency a bucket may have, in (0, 1].
-      model: ``"measured"`` or ``"linear"`` (see above).
-      measurable: whether a step at ``current`` measures the noise scale (a step of one odd
-        micro-batch cannot be split in halves and does not). Without a noise scale, an
-        unmeasurable bucket gives way to the next larger allowed bucket, where it is measured;
-        a measurable one waits for its estimate.
+      current: the batch in force.
+      allowed: the batch sizes memory allows, ascending, ``current`` among them.
+      noise_scale: the gradient noise scale's estimate, or None before it is measured (then the
+        batch stays).
+      noise_interval: its ``(low, high)`` interval, or None (taken as the point estimate).
+      times: the timed steps of each batch size (under the policy in force); the step-time
+        model is fitted to them (:func:`~triaccel_jax.controller._throughput.fit_step_time`). A
+        size is *known* by its own steps (see above); gains are predicted by the model.
+      reference: ``B0``, the batch the learning rate was tuned at: the floor.
+      margin: the relative goodput gain a move needs, >= 0.
+      critical_multiple: the cap on the batch in units of the noise scale, > 0.
+      z: the standard normal quantile of the bounds (1.645: one-sided 95%).
+      trial_from: while the batch in force is on trial (an exploration not yet decided), the
+        batch the run left for it; None otherwise. Once the batch in force is known, the trial
+        is decided: ``"keep"`` when its goodput beats ``trial_from``'s by the margin, else
+        ``"revert"`` to ``trial_from``.
 
     Returns:
-      A :class:`GoodputChoice`.
+      A :class:`BatchDecision`.
 
     Example:
-      >>> from triaccel_jax.controller._goodput import choose_by_goodput
-      >>> # Noise scale 100 and throughput rising with the batch: grow to 128, not to 256
-      >>> # (efficiency (100 + 16) / (100 + 256) = 0.33 < 0.5).
-      >>> choose_by_goodput(
-      ...     16,
-      ...     (16, 32, 64, 128, 256),
-      ...     noise_scale=100.0,
-      ...     throughput={16: 1000.0},
-      ...     reference=16,
-      ...     model="linear",
-      ... ).bucket
-      128
+      >>> from triaccel_jax.controller._goodput import decide_batch
+      >>> from triaccel_jax.controller._throughput import StepTimes
+      >>> # A GPU-like device: 10 ms a step plus 0.01 ms a sample, timed over 100 steps at 32 and
+      >>> # 64 with no jitter; noise scale 500.
+      >>> seconds = {b: 0.010 + 0.00001 * b for b in (32, 64)}
+      >>> gpu = {b: StepTimes(100, 100 * t, 100 * t * t) for b, t in seconds.items()}
+      >>> decide_batch(
+      ...     32,
+      ...     (32, 64, 128, 256, 512, 1024),
+      ...     noise_scale=500.0,
+      ...     noise_interval=(400.0, 600.0),
+      ...     times=gpu,
+      ...     reference=32,
+      ... ).batch
+      256
 
     References:
-      Qiao et al., 2021, "Pollux", §3 (goodput); McCandlish et al., 2018 (the critical batch).
+      Qiao et al., 2021, "Pollux", §3-4 (goodput, the fitted throughput model); McCandlish et al.,
+      2018, "An Empirical Model of Large-Batch Training" (the critical batch).
     """
     validation.check_in_range("margin", margin, 0.0, math.inf)
-    validation.check_in_range("min_efficiency", min_efficiency, 0.0, 1.0, low_inclusive=False)
-    validation.check_choice("model", model, ("measured", "linear"))
+    validation.check_in_range(
+        "critical_multiple", critical_multiple, 0.0, math.inf, low_inclusive=False
+    )
+    validation.check_in_range("z", z, 0.0, math.inf)
     if current not in allowed:
-        raise ValueError(f"the current bucket {current} must be among the allowed {allowed}")
-    larger = [b for b in allowed if b > current]
-    if noise_scale is None and not measurable and larger:
-        return GoodputChoice(
-            larger[0],
-            f"a step of micro-batch {current} cannot measure the noise scale (it cannot be "
-            f"split in halves): to {larger[0]} to measure it",
+        raise ValueError(f"the batch in force {current} must be among the allowed {tuple(allowed)}")
+    step_time = fit_step_time(times)
+    if noise_scale is None or step_time is None:
+        return BatchDecision(
+            current, "stay", "the noise scale or step time is not measured yet", {}
+        )
+    low, high = noise_interval if noise_interval is not None else (noise_scale, noise_scale)
+    cap = max(reference, critical_multiple * noise_scale)
+    candidates = [b for b in allowed if reference <= b <= cap]
+    for kept in (current, trial_from):
+        if kept is not None and kept in allowed and kept not in candidates:
+            candidates.append(kept)
+    # Known: a relative spread at which two known sizes whose goodputs differ by twice the margin
+    # are told apart by the lower bound (2m - z sqrt(2) m / (2 z) > m).
+    known = margin / (2.0 * z) if z > 0 else math.inf
+
+    def is_known(batch: int) -> bool:
+        own = times.get(batch, StepTimes())
+        return own.steps > 0 and math.sqrt(own.variance_of_mean) <= known * own.mean
+
+    rate_now, sd_now = step_time.throughput(current)
+    if not is_known(current):
+        # Every comparison is against the batch in force: it is measured first, so that no move
+        # (an exploration's return included) rests on a few steps' timing.
+        return BatchDecision(
+            current,
+            "stay",
+            f"measuring {current}: its {times.get(current, StepTimes()).steps} timed steps do "
+            f"not yet give its throughput within {known:.1%}",
             {},
         )
-    if noise_scale is None or current not in throughput:
-        return GoodputChoice(current, "the noise scale or throughput is not measured yet", {})
-    figures: dict[int, dict[str, float | str]] = {}
-    measured = sorted(throughput)
-    position = {bucket: i for i, bucket in enumerate(allowed)}
-    known = [position[b] for b in measured if b in position]
-    for bucket in allowed:
-        if model == "linear":
-            rate, source = throughput[current] * bucket / current, "in proportion to the batch"
-        elif bucket in throughput:
-            rate, source = throughput[bucket], "measured"
-        elif min(abs(position[bucket] - i) for i in known) == 1:
-            rate, source = _extrapolate(bucket, throughput)
-        else:
-            continue  # not a candidate before the bucket next to it is measured
-        eff = efficiency(bucket, noise_scale, reference)
-        figures[bucket] = {
+    figures: dict[int, dict[str, float]] = {}
+    for batch in sorted(candidates):
+        rate, sd = step_time.throughput(batch)
+        eff = efficiency(batch, noise_scale, reference)
+        # The efficiency ratio at the noise scale least (and most) favourable to this batch.
+        ratios = [
+            efficiency(batch, n, reference) / efficiency(current, n, reference) for n in (low, high)
+        ]
+        gain = rate * eff / (rate_now * efficiency(current, noise_scale, reference)) - 1.0
+        spread = math.hypot(sd / rate, sd_now / rate_now) if batch != current else 0.0
+        figures[batch] = {
             "efficiency": eff,
             "samples_per_second": rate,
+            "samples_per_second_sd": sd,
             "goodput": rate * eff,
-            "throughput_from": source,
+            "gain": gain,
+            "gain_low": rate / rate_now * (1.0 - z * spread) * min(ratios) - 1.0,
+            "gain_high": rate / rate_now * (1.0 + z * spread) * max(ratios) - 1.0,
         }
-    present = float(figures[current]["goodput"])
-    candidates = [b for b in figures if float(figures[b]["efficiency"]) >= min_efficiency]
-    if current not in candidates:
-        candidates.append(current)
-    best = max(candidates, key=lambda b: (float(figures[b]["goodput"]), -abs(b - current)))
-    gain = float(figures[best]["goodput"]) / present - 1.0 if present > 0 else math.inf
-    if best == current or gain <= margin:
-        return GoodputChoice(
-            current,
-            f"goodput {present:.4g} samples/s at {current} is within {margin:.0%} of the best",
+    if trial_from is not None and trial_from in figures:
+        gain = 1.0 / (1.0 + figures[trial_from]["gain"]) - 1.0  # the trial's over where it left
+        if gain > margin:
+            return BatchDecision(
+                current, "keep", f"the trial of {current} beats {trial_from} by {gain:.0%}", figures
+            )
+        return BatchDecision(
+            trial_from,
+            "revert",
+            f"the trial of {current} gains {gain:.0%} over {trial_from}, not {margin:.0%}: back",
             figures,
         )
-    return GoodputChoice(
-        best,
-        f"goodput {float(figures[best]['goodput']):.4g} at {best} beats {present:.4g} at "
-        f"{current} by {gain:.0%} (noise scale {noise_scale:.4g}, efficiency "
-        f"{float(figures[best]['efficiency']):.2f})",
+    movable = [b for b in figures if b != current and figures[b]["gain_low"] > margin]
+    if movable:
+        best = max(movable, key=lambda b: figures[b]["goodput"])
+        f = figures[best]
+        return BatchDecision(
+            best,
+            "move",
+            f"goodput at {best} beats {current} by {f['gain']:.0%} (at least "
+            f"{f['gain_low']:.0%}; noise scale {noise_scale:.4g} in [{low:.4g}, {high:.4g}])",
+            figures,
+        )
+    # The nearest first, the larger on a tie: growth is what an unmeasured size may offer.
+    for batch in sorted((b for b in figures if b != current), key=lambda b: (abs(b - current), -b)):
+        f = figures[batch]
+        if not is_known(batch) and f["gain_high"] > margin:
+            return BatchDecision(
+                batch,
+                "explore",
+                f"throughput at {batch} is not known within {known:.1%} and its goodput may "
+                f"beat {current}'s by up to {f['gain_high']:.0%}: measuring it",
+                figures,
+            )
+    return BatchDecision(
+        current,
+        "stay",
+        f"no batch beats {current}'s goodput by {margin:.0%} at the lower bound "
+        f"(noise scale {noise_scale:.4g} in [{low:.4g}, {high:.4g}], cap {cap:.4g})",
         figures,
     )
-
-
-def _extrapolate(bucket: int, throughput: Mapping[int, float]) -> tuple[float, str]:
-    """Samples per second at an unmeasured ``bucket``: along the power law through the two
-    nearest measured buckets, or in proportion to the batch from the one measured."""
-    nearest = sorted(throughput, key=lambda b: (abs(b - bucket), b))
-    first = nearest[0]
-    if len(nearest) < 2:
-        return throughput[first] * bucket / first, f"in proportion to the batch from {first}"
-    second = nearest[1]
-    slope = math.log(throughput[first] / throughput[second]) / math.log(first / second)
-    rate = throughput[first] * (bucket / first) ** slope
-    return rate, f"the trend through {min(first, second)} and {max(first, second)}"

@@ -1,21 +1,21 @@
-"""``GoodputTracker``: the figures goodput decides from, and the streak its moves wait for.
+"""``GoodputTracker``: the figures goodput decides from, and the trial a move may be on.
 
-It holds what the controller measures for goodput (docs/design.md §5), private and changed only by
-its own methods: the smoothed gradient noise scale and its recent history (AdaScale's gain reads
-it), samples per second per (micro-batch, micro-batches, policy), and the hysteresis streak of a
-goodput move. Each step read is folded in (:meth:`GoodputTracker.observe_noise`,
+It holds what the controller measures for goodput (docs/design.md §5.3), private and changed only
+by its own methods: the gradient noise scale averaged per sample with its interval
+(:mod:`._noise_scale`) and its recent history (AdaScale's gain reads it), the sums of the timed
+steps at each (micro-batch, micro-batches, policy) (:mod:`._throughput`), and the trial an
+exploring move is on. Each step read is folded in (:meth:`GoodputTracker.observe_noise`,
 :meth:`GoodputTracker.observe_throughput`); at a memory check :meth:`GoodputTracker.decide` asks
-the pure :func:`._goodput.choose_by_goodput`. How the noise is smoothed and how a bucket's
-throughput is estimated live here alone, so a change to either stays in this module.
+the pure :func:`._goodput.decide_batch`.
 
-The noise estimates and the streak are saved (:meth:`GoodputTracker.state_dict`, the ``"goodput"``
-part of the controller's state); throughput is a measurement of this process on this machine and
-is measured again after a restart.
+Everything it holds is saved (:meth:`GoodputTracker.state_dict`, the ``"goodput"`` part of the
+controller's state), so that a resumed run decides as the uninterrupted one would.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -24,19 +24,24 @@ from typing import NamedTuple
 from triaccel_jax.controller import _agreement as agreement
 from triaccel_jax.controller import _goodput as goodput
 from triaccel_jax.controller import _state_record as records
+from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
+from triaccel_jax.controller._noise_scale import observe_noise
+from triaccel_jax.controller._throughput import StepTimes
 
 # (micro-batch, micro-batches per step, policy signature): where a throughput was measured.
 ThroughputKey = tuple[int, int, str]
+
+# Timed steps an assumed step-time model stands for at each size: enough to count as known.
+_ASSUMED_STEPS = 10_000
 
 
 class GoodputMove(NamedTuple):
     """What :meth:`GoodputTracker.decide` decided.
 
     Attributes:
-      bucket: the bucket to train at (the current one to stay, or while a move waits for its
-        streak).
+      bucket: the bucket to train at (the current one to stay).
       reason: why, in words, for the event log.
-      figures: ``{"noise_scale", "goodput"}`` for the event log.
+      figures: ``{"noise_scale", "noise_interval", "decision", "goodput"}`` for the event log.
     """
 
     bucket: int
@@ -45,83 +50,85 @@ class GoodputMove(NamedTuple):
 
 
 class GoodputTracker:
-    """The noise scale, throughput and streak behind ``batch_rule="goodput"``.
+    """The noise scale, step times and trial behind ``batch_rule="goodput"``.
 
     Args:
-      decay: the moving averages' decay (``ControllerConfig.statistics_decay``).
+      horizon: the samples over which the noise averages forget (``ControllerConfig.
+        noise_horizon``).
       lag: steps in flight (``ControllerConfig.steps_in_flight``): AdaScale's gain of a step
         comes from the estimates of the step ``lag + 1`` before it (:meth:`noise_before`).
-      reference: the batch the learning rate was tuned at (Pollux's ``B0``).
-      margin, min_efficiency, model: as for :func:`._goodput.choose_by_goodput`.
-      patience: checks in a row a move must be chosen at before it is taken.
+      reference: the batch the learning rate was tuned at (Pollux's ``B0``): the floor.
+      margin, critical_multiple: as for :func:`._goodput.decide_batch`.
+      assumed_step_time: ``(fixed_seconds, seconds_per_sample)``: decide with this step-time
+        model instead of the measured one (a study of the statistics alone); None: measured.
 
     Example:
       >>> from triaccel_jax.controller._goodput_tracker import GoodputTracker
       >>> tracker = GoodputTracker(
-      ...     decay=0.0,
+      ...     horizon=1e6,
       ...     lag=1,
-      ...     reference=8,
+      ...     reference=32,
       ...     margin=0.05,
-      ...     min_efficiency=0.5,
-      ...     model="linear",
-      ...     patience=1,
+      ...     critical_multiple=1.0,
+      ...     assumed_step_time=(0.010, 1e-5),  # a GPU-like device
       ... )
-      >>> # |G|^2 = 1, tr(Sigma) = 64: |g_8|^2 = 1 + 64/8 = 9, |g_32|^2 = 1 + 64/32 = 3.
-      >>> tracker.observe_noise(0, (3.0, 9.0), batch=32, micro=8)
-      >>> tracker.observe_throughput((32, 1, "none"), samples=32, seconds=0.1)
+      >>> # |G|^2 = 1, tr(Sigma) = 256: |g_16|^2 = 1 + 256/16 = 17, |g_32|^2 = 1 + 256/32 = 9.
+      >>> for step in range(3):
+      ...     tracker.observe_noise(step, (9.0, 17.0), batch=32, micro=16)
       >>> round(tracker.noise_scale, 6)
-      64.0
-      >>> move = tracker.decide(
-      ...     32,
-      ...     [32, 64],
-      ...     {32: (32, 1, "none"), 64: (64, 1, "none")},
-      ...     memory_grows=False,
-      ...     measurable=True,
-      ... )
-      >>> move.bucket
-      64
-      >>> tracker.noise_before(1) is None, tracker.noise_before(2).weight
-      (True, 1.0)
+      256.0
+      >>> keys = {b: (b, 1, "none") for b in (32, 64, 128, 256)}
+      >>> tracker.decide(32, [32, 64, 128, 256], keys, measurable=True).bucket
+      256
     """
 
     def __init__(
         self,
         *,
-        decay: float,
+        horizon: float,
         lag: int,
         reference: int,
         margin: float,
-        min_efficiency: float,
-        model: str,
-        patience: int,
+        critical_multiple: float,
+        assumed_step_time: tuple[float, float] | None = None,
     ) -> None:
-        self._decay, self._lag, self._reference = decay, lag, reference
-        self._margin, self._min_efficiency, self._model = margin, min_efficiency, model
-        self._patience = patience
-        self._noise = goodput.NoiseScale()
+        self._horizon, self._lag, self._reference = horizon, lag, reference
+        self._margin, self._critical_multiple = margin, critical_multiple
+        self._assumed = assumed_step_time
+        self._noise = NoiseScaleEstimate()
         # The estimates after each of the last steps read, AdaScale's gain reads them.
-        self._recent: collections.deque[tuple[int, goodput.NoiseScale]] = collections.deque(
+        self._recent: collections.deque[tuple[int, NoiseScaleEstimate]] = collections.deque(
             maxlen=lag + 1
         )
-        self._throughput: dict[ThroughputKey, float] = {}
-        # The bucket goodput last chose to move to, and at how many checks in a row.
-        self._streak: tuple[int | None, int] = (None, 0)
+        self._times: dict[ThroughputKey, StepTimes] = {}
+        # The key of the last step read: a step at another key is the first after a move.
+        self._last_key: ThroughputKey | None = None
+        # (the bucket a trial left, the bucket on trial), while an exploration is undecided.
+        self._trial: tuple[int, int] | None = None
 
     @property
     def noise_scale(self) -> float | None:
-        """The smoothed simple noise scale ``B_simple``, or None before the first estimate."""
+        """The simple noise scale ``B_simple`` averaged per sample, or None before any estimate."""
         return self._noise.simple
 
     @property
+    def noise_interval(self) -> tuple[float, float] | None:
+        """The noise scale's 95% interval, or None before two estimates."""
+        return self._noise.interval()
+
+    @property
     def throughput(self) -> dict[ThroughputKey, float]:
-        """Samples per second measured at each key, smoothed (a copy)."""
-        return dict(self._throughput)
+        """Samples per second at each key: the samples of its timed steps over their seconds."""
+        return {key: rate for key in self._times if (rate := self.rate(key)) is not None}
 
     def rate(self, key: ThroughputKey) -> float | None:
-        """The smoothed samples per second measured at ``key``, or None."""
-        return self._throughput.get(key)
+        """The samples per second measured at ``key`` (their sums' ratio), or None."""
+        times = self._times.get(key)
+        if times is None or times.steps == 0 or times.seconds <= 0.0:
+            return None
+        return times.steps * key[0] * key[1] / times.seconds
 
-    def noise_before(self, step: int) -> goodput.NoiseScale | None:
+    def noise_before(self, step: int) -> NoiseScaleEstimate | None:
         """The estimates AdaScale's gain for ``step`` is taken from: those after the latest step
         read at or before ``step - 1 - lag`` (None if none is).
 
@@ -141,23 +148,24 @@ class GoodputTracker:
         """Folds step ``step``'s squared gradient norms ``(|g_B|^2, |g_b|^2)`` in (None: the
         step carries no estimate) and records the estimates after it."""
         if norms is not None:
-            self._noise = goodput.update_noise_scale(
+            self._noise = observe_noise(
                 self._noise,
                 grad_sq_norm=norms[0],
-                micro_grad_sq_norm=norms[1],
+                sub_grad_sq_norm=norms[1],
                 batch=batch,
-                micro=micro,
-                decay=self._decay,
+                sub_batch=micro,
+                horizon=self._horizon,
             )
         self._recent.append((step, self._noise))
 
-    def observe_throughput(self, key: ThroughputKey, *, samples: int, seconds: float) -> None:
-        """Folds a step of ``samples`` in ``seconds`` at ``key`` into the moving average."""
-        rate = samples / seconds
-        old = self._throughput.get(key)
-        self._throughput[key] = (
-            rate if old is None else self._decay * old + (1 - self._decay) * rate
-        )
+    def observe_throughput(self, key: ThroughputKey, *, seconds: float) -> None:
+        """Adds a step of ``seconds`` at ``key`` to its sums; the first step read at a key after
+        steps at another (the first after a move, when pipelines and caches are cold) is left
+        out. Steps that compiled or re-ran after an out-of-memory error are not given here."""
+        first = key != self._last_key
+        self._last_key = key
+        if not first and math.isfinite(seconds) and seconds > 0.0:
+            self._times[key] = self._times.get(key, StepTimes()).add(seconds)
 
     def decide(
         self,
@@ -165,101 +173,171 @@ class GoodputTracker:
         allowed: Sequence[int],
         keys: Mapping[int, ThroughputKey],
         *,
-        memory_grows: bool,
         measurable: bool,
     ) -> GoodputMove:
-        """The bucket of highest goodput among ``allowed`` (:func:`._goodput.choose_by_goodput`),
-        taken once chosen at ``patience`` checks in a row.
+        """The bucket of highest goodput among ``allowed`` that the figures' intervals support
+        (:func:`._goodput.decide_batch`).
 
         Args:
           current: the bucket in force (among ``allowed``).
           allowed: the buckets memory allows, ascending.
-          keys: for each bucket, the key its steps' throughput is measured under.
-          memory_grows: whether memory's own decision grows to the largest allowed bucket: a
-            grow there already waited for memory's streak.
-          measurable: whether a step at ``current`` measures the noise scale.
+          keys: for each bucket, the key its steps' times are kept under.
+          measurable: whether a step at ``current`` measures the noise scale; without a noise
+            scale an unmeasurable bucket gives way to the next larger allowed one.
         """
-        buckets = sorted(keys)
-        # Every host decides alike: the step goes at the pace of the slowest.
-        agreed = agreement.agree_on_rates([self._throughput.get(keys[b]) for b in buckets])
-        rates = {b: rate for b, rate in zip(buckets, agreed, strict=True) if rate is not None}
-        choice = goodput.choose_by_goodput(
+        if self._trial is not None and self._trial[1] != current:
+            self._trial = None  # the trial's move was not taken (memory refused it)
+        larger = [b for b in allowed if b > current]
+        if self._noise.simple is None and not measurable and larger:
+            return GoodputMove(
+                larger[0],
+                f"a step of micro-batch {current} cannot measure the noise scale (it cannot be "
+                f"halved on every device): to {larger[0]} to measure it",
+                {},
+            )
+        times = self._agreed_times(keys)
+        decision = goodput.decide_batch(
             current,
             allowed,
             noise_scale=self._noise.simple,
-            throughput=rates,
+            noise_interval=self._noise.interval(),
+            times=times,
             reference=self._reference,
             margin=self._margin,
-            min_efficiency=self._min_efficiency,
-            model=self._model,
-            measurable=measurable,
+            critical_multiple=self._critical_multiple,
+            trial_from=None if self._trial is None else self._trial[0],
         )
-        figures = {"noise_scale": self._noise.simple, "goodput": choice.figures}
-        # Hysteresis, as for memory's moves: a move must be chosen at `patience` checks in a row
-        # (measured throughput wobbles, and every move may cost a compile).
-        moving = choice.bucket != current and not (choice.bucket > current and memory_grows)
-        wanted, streak = self._streak
-        streak = streak + 1 if moving and wanted == choice.bucket else int(moving)
-        self._streak = (choice.bucket, streak) if moving else (None, 0)
-        if moving and streak < self._patience:
-            return GoodputMove(current, choice.reason, figures)
-        self._streak = (None, 0)
-        return GoodputMove(choice.bucket, choice.reason, figures)
+        # Each host's step times carry its own noise: process 0 decides for every host.
+        kinds = ("stay", "move", "explore", "keep", "revert")
+        bucket, kind_index = agreement.agree_on_choice([decision.batch, kinds.index(decision.kind)])
+        decision = decision._replace(batch=bucket, kind=kinds[kind_index])
+        if decision.kind == "explore":
+            self._trial = (current, decision.batch)
+        elif decision.kind in ("keep", "revert"):
+            self._trial = None
+        figures = {
+            "noise_scale": self._noise.simple,
+            "noise_interval": self._noise.interval(),
+            "decision": decision.kind,
+            "goodput": decision.figures,
+        }
+        return GoodputMove(decision.batch, decision.reason, figures)
+
+    def _agreed_times(self, keys: Mapping[int, ThroughputKey]) -> dict[int, StepTimes]:
+        """The step times of each bucket, as every process agrees on them (the pace of the
+        slowest: each process's sums are scaled to the agreed mean)."""
+        if self._assumed is not None:
+            fixed, per_sample = self._assumed
+            return {
+                b: StepTimes(
+                    _ASSUMED_STEPS,
+                    _ASSUMED_STEPS * (fixed + per_sample * b),
+                    _ASSUMED_STEPS * (fixed + per_sample * b) ** 2,
+                )
+                for b in keys
+            }
+        buckets = sorted(keys)
+        local = [self.rate(keys[b]) for b in buckets]
+        agreed = agreement.agree_on_rates(local)
+        times = {}
+        for bucket, mine, common in zip(buckets, local, agreed, strict=True):
+            if mine is None or common is None:
+                continue
+            own = self._times[keys[bucket]]
+            slower = mine / common  # >= 1 on the slowest process's pace
+            times[bucket] = StepTimes(own.steps, own.seconds * slower, own.seconds_sq * slower**2)
+        return times
 
     def state_dict(self) -> dict[str, Any]:
-        """The noise estimates ``[|G|^2, tr(Sigma), weight]``, the recent ones ``[step, |G|^2,
-        tr(Sigma), weight]`` and the streak ``[bucket or null, count]``, JSON-ready."""
+        """The noise averages, the recent ones ``[step, *averages]``, the step-time sums
+        ``[micro, micro-batches, policy, steps, seconds, seconds_sq]``, the last key timed and
+        the trial ``[from, to]`` (or null), JSON-ready."""
         return {
-            "noise_scale": list(self._noise),
+            "noise": list(self._noise),
             "recent_noise": [[step, *noise] for step, noise in self._recent],
-            "streak": list(self._streak),
+            "step_times": [[*key, *times] for key, times in self._times.items()],
+            "last_key": None if self._last_key is None else list(self._last_key),
+            "trial": None if self._trial is None else list(self._trial),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continues from :meth:`state_dict`'s output (throughput is measured afresh).
+        """Continues from :meth:`state_dict`'s output.
 
         Raises:
           ValueError: the state is malformed (the field named); nothing is changed then.
         """
         fields = records.fields(state, "goodput", self.state_dict())
-        noise = goodput.NoiseScale(*_three_floats(fields["noise_scale"], "noise_scale"))
+        noise = _noise(fields["noise"], "noise")
         recent = _recent_noise(fields["recent_noise"])
-        streak = fields["streak"]
-        if not isinstance(streak, list | tuple) or len(streak) != 2:
-            raise ValueError(f"controller state: `streak` must be [bucket, count], got {streak!r}")
-        wanted = None if streak[0] is None else records.integer(streak[0], "streak bucket", 1)
-        count = records.integer(streak[1], "streak count", 0)
-        self._noise, self._streak = noise, (wanted, count)
-        self._recent = collections.deque(
-            ((step, goodput.NoiseScale(*figures)) for step, *figures in recent),
-            maxlen=self._lag + 1,
+        times = _step_times(fields["step_times"])
+        last_key = None if fields["last_key"] is None else _key(fields["last_key"], "last_key")
+        trial = fields["trial"]
+        if trial is not None:
+            if not isinstance(trial, list | tuple) or len(trial) != 2:
+                raise ValueError(f"controller state: `trial` must be [from, to], got {trial!r}")
+            trial = (records.integer(trial[0], "trial", 1), records.integer(trial[1], "trial", 1))
+        self._noise, self._times, self._last_key, self._trial = noise, times, last_key, trial
+        self._recent = collections.deque(recent, maxlen=self._lag + 1)
+
+
+_NOISE_FIELDS = len(NoiseScaleEstimate._fields)
+
+
+def _noise(value: Any, name: str) -> NoiseScaleEstimate:
+    if not isinstance(value, list | tuple) or len(value) != _NOISE_FIELDS:
+        raise ValueError(
+            f"controller state: `{name}` must hold {_NOISE_FIELDS} numbers "
+            f"({', '.join(NoiseScaleEstimate._fields)}), got {value!r}"
         )
+    *floats, samples = value
+    g, t, gg, tt, cross, weight, weight_sq = (records.number(v, name) for v in floats)
+    return NoiseScaleEstimate(
+        g, t, gg, tt, cross, weight, weight_sq, records.integer(samples, name, 0)
+    )
 
 
-def _three_floats(value: Any, name: str) -> tuple[float, float, float]:
-    if not isinstance(value, list | tuple) or len(value) != 3:
-        raise ValueError(f"controller state: `{name}` must hold 3 numbers, got {value!r}")
-    first, second, third = (records.number(v, name) for v in value)
-    return first, second, third
-
-
-def _recent_noise(value: Any) -> list[tuple[int, float, float, float]]:
-    """Saved recent noise estimates: ``[step, |G|^2, tr(Sigma), weight]`` entries, the steps
-    increasing."""
+def _recent_noise(value: Any) -> list[tuple[int, NoiseScaleEstimate]]:
+    """Saved recent noise estimates: ``[step, *averages]`` entries, the steps increasing."""
     if not isinstance(value, list | tuple):
         raise ValueError(f"controller state: `recent_noise` must be a list, got {value!r}")
-    entries: list[tuple[int, float, float, float]] = []
+    entries: list[tuple[int, NoiseScaleEstimate]] = []
     for entry in value:
-        if not isinstance(entry, list | tuple) or len(entry) != 4 or isinstance(entry[0], bool):
+        if not isinstance(entry, list | tuple) or not entry or isinstance(entry[0], bool):
             raise ValueError(
-                "controller state: each `recent_noise` entry must be [step, |G|^2, tr(Sigma), "
-                f"weight], got {entry!r}"
+                f"controller state: each `recent_noise` entry must be [step, *averages], got "
+                f"{entry!r}"
             )
         step = records.integer(entry[0], "recent_noise step")
         if entries and step <= entries[-1][0]:
             raise ValueError(
                 f"controller state: `recent_noise` steps must be increasing integers, got {value!r}"
             )
-        grad_sq, trace, weight = _three_floats(entry[1:], "recent_noise")
-        entries.append((step, grad_sq, trace, weight))
+        entries.append((step, _noise(list(entry[1:]), "recent_noise")))
     return entries
+
+
+def _key(value: Any, name: str) -> ThroughputKey:
+    if not isinstance(value, list | tuple) or len(value) != 3 or not isinstance(value[2], str):
+        raise ValueError(
+            f"controller state: `{name}` must be [micro, micro-batches, policy], got {value!r}"
+        )
+    return (records.integer(value[0], name, 1), records.integer(value[1], name, 1), value[2])
+
+
+def _step_times(value: Any) -> dict[ThroughputKey, StepTimes]:
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"controller state: `step_times` must be a list, got {value!r}")
+    times = {}
+    for entry in value:
+        if not isinstance(entry, list | tuple) or len(entry) != 6:
+            raise ValueError(
+                "controller state: each `step_times` entry must be [micro, micro-batches, "
+                f"policy, steps, seconds, seconds_sq], got {entry!r}"
+            )
+        key = _key(entry[:3], "step_times")
+        steps = records.integer(entry[3], "step_times steps", 0)
+        seconds, squares = (records.number(v, "step_times seconds") for v in entry[4:])
+        if seconds < 0.0 or squares < 0.0:
+            raise ValueError(f"controller state: `step_times` seconds must be >= 0, got {entry!r}")
+        times[key] = StepTimes(steps, seconds, squares)
+    return times

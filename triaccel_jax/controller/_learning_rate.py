@@ -4,7 +4,7 @@ that advance by samples.
 When the batch changes, the learning rate follows it against the ``reference`` batch it was
 tuned at (``lr_scaling``):
 
-* ``"sqrt"`` (the default; for Adam-like optimizers): lr x sqrt(batch / reference). The square-root
+* ``"sqrt"``: lr x sqrt(batch / reference). The square-root
   rule keeps an adaptive method's SDE approximation when the batch grows by ``kappa``: the rate
   grows by sqrt(kappa) (and ``1 - beta`` by ``kappa``, which the controller leaves alone) (Malladi
   et al., 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms", NeurIPS,
@@ -19,6 +19,10 @@ tuned at (``lr_scaling``):
   from the controller's smoothed gradient-noise estimates (:mod:`._goodput`), bias-corrected. It
   is ``S`` (linear scaling) where the gradient is all noise and 1 where there is none; it is 1
   before the noise is measured and lies in [1, S] (in [S, 1] for a batch under the reference).
+* ``"sqrt_adascale"`` (the default; for Adam-like optimizers): lr x sqrt(r), the square root of
+  AdaScale's gain, the square-root rule applied to the batch's statistical worth ``r = S * E(B)``
+  (the goodput rule's efficiency); a schedule advances by ``r`` per step, as with
+  ``"adascale"``.
 * ``"none"``: the rate is left as it is.
 
 The controller scales the rate by writing it into the state of ``optax.inject_hyperparams``,
@@ -47,8 +51,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from triaccel_jax.controller import _goodput as goodput
 from triaccel_jax.controller import _state_record as records
+from triaccel_jax.controller._config import GAIN_RULES
+from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
 
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 # AdaScale's gain is rounded to the nearest power of (1 + ADASCALE_RESOLUTION), i.e. to within
@@ -167,7 +172,7 @@ def lr_factor(batch: int, reference: int, scaling: str) -> float:
     return rules[scaling]
 
 
-def adascale_gain(scale: float, noise: goodput.NoiseScale | None) -> float:
+def adascale_gain(scale: float, noise: NoiseScaleEstimate | None) -> float:
     """AdaScale's gain for a batch ``scale`` times the reference, from smoothed noise estimates.
 
     ``r = (tr(Sigma) + |G|^2) / (tr(Sigma) / S + |G|^2)`` with ``S = scale`` and the estimates
@@ -178,17 +183,17 @@ def adascale_gain(scale: float, noise: goodput.NoiseScale | None) -> float:
 
     Args:
       scale: ``S``, the batch over the reference batch.
-      noise: the smoothed estimates (:class:`triaccel_jax.controller._goodput.NoiseScale`), or
-        None before any.
+      noise: the averaged estimates
+        (:class:`triaccel_jax.controller._noise_scale.NoiseScaleEstimate`), or None before any.
 
     Example:
-      >>> from triaccel_jax.controller._goodput import NoiseScale
+      >>> from triaccel_jax.controller._noise_scale import NoiseScaleEstimate as Noise
       >>> from triaccel_jax.controller._learning_rate import adascale_gain
-      >>> adascale_gain(4.0, None), adascale_gain(4.0, NoiseScale(1.0, 0.0, 1.0))
+      >>> adascale_gain(4.0, None), adascale_gain(4.0, Noise(grad_sq=1.0, trace=0.0, weight=1.0))
       (1.0, 1.0)
-      >>> adascale_gain(4.0, NoiseScale(0.0, 1.0, 1.0))  # all noise: linear scaling
+      >>> adascale_gain(4.0, Noise(grad_sq=0.0, trace=1.0, weight=1.0))  # all noise: linear
       4.0
-      >>> adascale_gain(4.0, NoiseScale(0.5, 1.0, 0.5))  # |G|^2 = 1, tr(Sigma) = 2: 3 / 1.5
+      >>> adascale_gain(4.0, Noise(grad_sq=0.5, trace=1.0, weight=0.5))  # |G|^2 1, tr 2: 3 / 1.5
       2.0
 
     References:
@@ -345,6 +350,9 @@ class LearningRateScaling:
             "linear": "(batch / {r})",
             "adascale": "r, AdaScale's gain (tr(Sigma) + |G|^2) / (tr(Sigma) / S + |G|^2) with "
             "S = batch / {r}, r = 1 until the gradient noise is measured",
+            "sqrt_adascale": "sqrt(r), the square root of AdaScale's gain r = (tr(Sigma) + "
+            "|G|^2) / (tr(Sigma) / S + |G|^2) with S = batch / {r}, r = 1 until the gradient "
+            "noise is measured",
         }.get(self._scaling)
         if formula is None:
             text = "learning rate not scaled with the batch (lr_scaling='none')"
@@ -370,7 +378,7 @@ class LearningRateScaling:
         found = self._found
         if self._moves_schedule:
             per_step = (
-                "the gain r" if self._scaling == "adascale" else f"samples / {self._reference}"
+                "the gain r" if self._scaling in GAIN_RULES else f"samples / {self._reference}"
             )
             return (
                 f"; the injected learning-rate schedule, tuned at the reference batch "
@@ -397,19 +405,27 @@ class LearningRateScaling:
             return None
         return self._base_lr * (self._factor if factor is None else factor)
 
-    def factor_for(self, batch: int, noise: goodput.NoiseScale | None = None) -> float:
-        """The factor for ``batch``; with ``"adascale"``, the gain from ``noise`` (the smoothed
-        estimates, None before any), rounded (:func:`round_gain`)."""
-        if self._scaling == "adascale":
+    @property
+    def gain(self) -> float:
+        """AdaScale's gain in force (with ``"adascale"`` or ``"sqrt_adascale"``): the progress a
+        step makes, in reference-batch steps."""
+        return self._factor if self._scaling == "adascale" else self._factor**2
+
+    def factor_for(self, batch: int, noise: NoiseScaleEstimate | None = None) -> float:
+        """The factor for ``batch``; with ``"adascale"``, the gain from ``noise`` (the averaged
+        estimates, None before any), rounded (:func:`round_gain`); with ``"sqrt_adascale"`` its
+        square root."""
+        if self._scaling in GAIN_RULES:
             scale = batch / self._reference
-            return round_gain(adascale_gain(scale, noise), scale)
+            gain = round_gain(adascale_gain(scale, noise), scale)
+            return gain if self._scaling == "adascale" else math.sqrt(gain)
         return lr_factor(batch, self._reference, self._scaling)
 
     def update_multiplier(self) -> float:
         """What the compiled step multiplies the update by: 1 when the rate is written instead."""
         return 1.0 if self._base_lr is not None else self._factor
 
-    def is_current(self, batch: int, noise: goodput.NoiseScale | None = None) -> bool:
+    def is_current(self, batch: int, noise: NoiseScaleEstimate | None = None) -> bool:
         """Whether the state already holds the rate for ``batch`` (nothing to write)."""
         return (
             not self._stale
@@ -418,7 +434,7 @@ class LearningRateScaling:
         )
 
     def follow(
-        self, opt_state: Any, batch: int, noise: goodput.NoiseScale | None = None
+        self, opt_state: Any, batch: int, noise: NoiseScaleEstimate | None = None
     ) -> LearningRateChange:
         """Sets the factor for ``batch`` (and ``noise``, with ``"adascale"``); returns it with
         ``opt_state`` holding the scaled rate."""
@@ -430,7 +446,7 @@ class LearningRateScaling:
         return LearningRateChange(old, self._factor, opt_state, old_batch)
 
     def for_step(
-        self, opt_state: Any, samples: int, noise: goodput.NoiseScale | None = None
+        self, opt_state: Any, samples: int, noise: NoiseScaleEstimate | None = None
     ) -> tuple[Any, RateEvent | None]:
         """``opt_state`` set for a step of ``samples``: the scaled rate written when it changes
         (:meth:`follow`) and a schedule's count set from the progress (:meth:`at_progress`).
@@ -454,7 +470,7 @@ class LearningRateScaling:
         return self.at_progress(change.opt_state), event
 
     def _describe(
-        self, change: LearningRateChange, samples: int, noise: goodput.NoiseScale | None
+        self, change: LearningRateChange, samples: int, noise: NoiseScaleEstimate | None
     ) -> RateEvent:
         """A batch's change of the rate (``"learning_rate"``, the rate itself, where the state
         holds it) or of the update's factor (``"update_scale"``), in words and figures."""
@@ -464,8 +480,9 @@ class LearningRateScaling:
             "batch": samples,
             "reference_batch": self._reference,
         }
-        if self._scaling == "adascale":
-            rule = f"AdaScale gain (S = {samples / self._reference:.4g})"
+        if self._scaling in GAIN_RULES:
+            root = "" if self._scaling == "adascale" else "square root of the "
+            rule = f"{root}AdaScale gain (S = {samples / self._reference:.4g})"
             figures["noise_scale"] = None if noise is None else noise.simple
         old_rate, new_rate = self.rate(change.old), self.rate(change.new)
         if old_rate is not None and new_rate is not None:
@@ -491,7 +508,7 @@ class LearningRateScaling:
         """Adds a step of ``samples`` to the training progress, in reference-batch steps:
         ``samples / reference``, or with ``"adascale"`` the gain in force (AdaScale's
         scale-invariant iterations). Call after :meth:`for_step` for the step."""
-        self._progress += self._factor if self._scaling == "adascale" else samples / self._reference
+        self._progress += self.gain if self._scaling in GAIN_RULES else samples / self._reference
 
     def at_progress(self, opt_state: Any) -> Any:
         """``opt_state`` whose next update evaluates the learning-rate schedule at

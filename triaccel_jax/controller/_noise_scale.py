@@ -23,7 +23,7 @@ How the means are taken decides whether the batch can be steered by it:
   dominate it.
 * **With its uncertainty.** The same averages of the squares and the cross product give each
   mean's variance, over the effective number of estimates ``(sum w)^2 / sum w^2``; the ratio's
-  standard deviation follows by the delta method. A decision may then move only when its gain
+  standard deviation follows by the delta method, and its interval is taken on the log scale. A decision may then move only when its gain
   holds over the interval, not on one noisy figure.
 
 Everything here is a pure function of figures the compiled step returns, kept as Python floats.
@@ -103,12 +103,17 @@ class NoiseScaleEstimate(NamedTuple):
         return simple * math.sqrt(max(rel, 0.0))
 
     def interval(self, z: float = 1.96) -> tuple[float, float] | None:
-        """``simple -+ z * standard_error``, the lower end floored at 0 (None before two
-        estimates)."""
+        """``simple * exp(-+ z * standard_error / simple)``: the interval of the log of the
+        noise scale, as a ratio of two noisy means is skewed (it is never below 0 and its upper
+        tail is long); None before two estimates, ``(0, inf)`` while ``|G|^2`` is not known to
+        be positive."""
         simple, error = self.simple, self.standard_error
         if simple is None or error is None:
             return None
-        return max(simple - z * error, 0.0), simple + z * error
+        if math.isinf(simple) or math.isinf(error) or simple <= 0.0:
+            return (0.0, math.inf) if error and error > 0 else (simple, simple)
+        spread = math.exp(z * error / simple)
+        return simple / spread, simple * spread
 
 
 def observe_noise(
