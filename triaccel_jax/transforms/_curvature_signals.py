@@ -376,6 +376,32 @@ def advanced(
     )
 
 
+def adam_moments(step: Step, updates: Any, scalars: kernels.Scalars) -> Any:
+    """Adam's new moments of each observed leaf (None on the others), in float32.
+
+    The math the fused update's reference shares (:func:`triaccel_jax.kernels.adam_moments`).
+    """
+    return jax.tree.map(
+        lambda a, g, m, v: kernels.adam_moments(g, m, v, scalars) if a else None,
+        step.active,
+        updates,
+        step.mu,
+        step.nu,
+    )
+
+
+def noise_moments(moments: Any) -> tuple[Any, Any]:
+    """What the noise ratio reads of :func:`adam_moments`' result: ``(m_hat, mean(v_hat))``."""
+    return (
+        jax.tree.map(
+            lambda m: None if m is None else m.m_hat, moments, is_leaf=_is_moments_or_none
+        ),
+        jax.tree.map(
+            lambda m: None if m is None else jnp.mean(m.v_hat), moments, is_leaf=_is_moments_or_none
+        ),
+    )
+
+
 def write_moment(value: jax.Array, old: jax.Array, key: jax.Array, impl: str) -> jax.Array:
     """A freshly computed float32 moment in its stored dtype, stochastically rounded when
     narrower, through the cast kernel's dispatch (``impl``)."""
@@ -443,15 +469,8 @@ def keep_signals(
         scalars = kernels.adam_scalars(
             count=step.count, b1=settings.b1, b2=settings.b2, eps=0.0 if not adam else adam_eps
         )
-        # Adam's moments (the math the fused update's reference shares,
-        # triaccel_jax.kernels.adam_moments); the observer keeps v's mean over the leaf only.
-        moments = jax.tree.map(
-            lambda a, g, m, v: kernels.adam_moments(g, m, v, scalars) if a else None,
-            step.active,
-            updates,
-            step.mu,
-            step.nu,
-        )
+        # The observer keeps v's mean over the leaf only.
+        moments = adam_moments(step, updates, scalars)
 
         def each(fn: Callable[..., Any], *trees: Any) -> Any:
             """``fn(moments, *nodes)`` on the observed leaves, None on the others."""
@@ -487,7 +506,7 @@ def keep_signals(
             updates,
             state,
             params,
-            lambda: (each(lambda m: m.m_hat), each(lambda m: jnp.mean(m.v_hat))),
+            lambda: noise_moments(moments),
             settings=settings,
             config=config,
         )

@@ -309,18 +309,7 @@ def _fused(
 
     def moments() -> tuple[Any, Any]:
         # Only the steps that refresh the curvature read the moments outside the kernel.
-        out = jax.tree.map(
-            lambda a, g, m, v: kernels.adam_moments(g, m, v, scalars) if a else None,
-            step.active,
-            grads,
-            step.mu,
-            step.nu,
-        )
-        is_leaf = lambda x: x is None or isinstance(x, kernels.AdamMoments)
-        return (
-            jax.tree.map(lambda m: None if m is None else m.m_hat, out, is_leaf=is_leaf),
-            jax.tree.map(lambda m: None if m is None else jnp.mean(m.v_hat), out, is_leaf=is_leaf),
-        )
+        return signals_lib.noise_moments(signals_lib.adam_moments(step, grads, scalars))
 
     refreshed = signals_lib.refresh(
         step, grads, signals_state, params, moments, settings=settings, config=config
