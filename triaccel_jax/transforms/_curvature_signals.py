@@ -500,7 +500,8 @@ def keep_signals(
                 step.keys,
             )
         else:
-            nu = each(lambda m: jnp.mean(m.nu))
+            # In the stored mean's own dtype, so that the state's dtypes never change.
+            nu = each(lambda m, old: jnp.mean(m.nu).astype(old.dtype), step.nu)
         refreshed = refresh(
             step,
             updates,

@@ -23,8 +23,8 @@ def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
 
     Every :class:`CurvatureSignalsState` inside ``opt_state`` has its moments re-cast (round to
     nearest) to the policy's state dtype of each leaf: the gradient EMA ``mu``, and ``nu`` where
-    it is element-wise (Adam's, in :func:`triaccel_jax.triaccel` and
-    :func:`triaccel_jax.scale_by_triaccel`; the observer's per-leaf float32 means stay as they
+    it is stored like ``mu`` (Adam's, in :func:`triaccel_jax.triaccel` and
+    :func:`triaccel_jax.scale_by_triaccel`; the observer's float32 means per leaf stay as they
     are). Counters, curvature, signals and keys are kept as they are, and so are the states of
     other transforms. Use it when the controller switches policy mid-run.
 
@@ -54,10 +54,11 @@ def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
         return moment.astype(policy_lib.float_format(policy.state(name)).dtype)
 
     def recast_nu(path, moment, nu):
-        # Adam's second moment is element-wise, like the first; the observer's is a float32
-        # scalar per leaf (the mean over the leaf), kept as it is.
-        elementwise = jnp.ndim(nu) > 0 and jnp.shape(nu) == jnp.shape(moment)
-        return recast(path, nu) if elementwise else nu
+        # Adam's second moment is stored like the first (its shape and dtype); the observer's
+        # float32 means per leaf are left as they are, unless a float32 scalar leaf makes the
+        # two alike (then it follows the policy, as Adam's would).
+        alike = jnp.shape(nu) == jnp.shape(moment) and nu.dtype == moment.dtype
+        return recast(path, nu) if alike else nu
 
     def convert(node):
         if not observer.is_signal_state(node):
