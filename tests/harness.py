@@ -104,6 +104,12 @@ VARIANTS = (
         ),
     ),
     Variant(
+        "block-scale",
+        lambda lr, **kw: triaccel_jax.triaccel(
+            lr, curvature_every=1, config=triaccel_jax.TriAccelConfig(scale="block"), **kw
+        ),
+    ),
+    Variant(
         "smooth-bound",
         lambda lr, **kw: triaccel_jax.triaccel(
             lr, config=triaccel_jax.TriAccelConfig(bound="smooth"), **kw

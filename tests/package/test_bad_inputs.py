@@ -606,10 +606,13 @@ CASES = [
     Case(
         "fused-apply-on-another-optimizers-state",
         lambda _: triaccel_jax.transforms.fused_apply(
-            T.triaccel(0.1), PARAMS, optax.adam(0.1).init(PARAMS), PARAMS
+            triaccel_jax.transforms.fused_triaccel(0.1),
+            PARAMS,
+            optax.adam(0.1).init(PARAMS),
+            PARAMS,
         ),
         ValueError,
-        r"`opt_state` is not a state of `tx` \(another optimizer's",
+        r"`opt_state` is not a state of `fused\.tx` \(another optimizer's",
     ),
     Case(
         "controller-callable-data-returns-wrong-rows",

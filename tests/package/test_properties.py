@@ -296,7 +296,9 @@ def test_triaccel_jit_agrees_with_eager(example, name):
             assert_close(jitted[field], eager[field], field)
 
 
-def comparable(state: triaccel_jax.transforms.ScaleByTriAccelState, scale: float) -> dict[str, Any]:
+def comparable(
+    state: triaccel_jax.transforms.CurvatureSignalsState, scale: float
+) -> dict[str, Any]:
     """What jit and eager must agree on, scaled to about 1.
 
     The curvature store's outlier indices may differ where magnitudes tie to rounding, and the

@@ -19,10 +19,11 @@ import triaccel_jax
 from triaccel_jax import training
 from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
 from triaccel_jax.controller._noise_scale import observe_noise
+from triaccel_jax.transforms import CurvatureSignalsState
 from triaccel_jax.transforms import LeafSignals
 from triaccel_jax.transforms import LossScaling
-from triaccel_jax.transforms import ScaleByTriAccelState
 from triaccel_jax.transforms import TriAccelConfig
+from triaccel_jax.transforms import fused_triaccel
 
 WEIGHTED = ("curvature_grad_sq_norm", "curvature_micro_grad_sq_norm")
 
@@ -55,17 +56,17 @@ def with_curvature(state, curvature):
         return signals._replace(mean_curvature=jnp.float32(curvature[path[-1].key]))
 
     def set_state(node):
-        if not isinstance(node, ScaleByTriAccelState):
+        if not isinstance(node, CurvatureSignalsState):
             return node
         leaf_signals = jax.tree_util.tree_map_with_path(
             set_leaf, node.leaf_signals, is_leaf=lambda x: isinstance(x, LeafSignals)
         )
         return node._replace(leaf_signals=leaf_signals)
 
-    return jax.tree.map(set_state, state, is_leaf=lambda x: isinstance(x, ScaleByTriAccelState))
+    return jax.tree.map(set_state, state, is_leaf=lambda x: isinstance(x, CurvatureSignalsState))
 
 
-def make_step(loss, tx, *, num_micro, split=False, loss_scaling=None, fused=False, weights=True):
+def make_step(loss, tx, *, num_micro, split=False, loss_scaling=None, fused=None, weights=True):
     normalized = training.normalize_loss_fn(loss, has_aux=False, has_model_state=False)
     step = training.make_train_step(
         normalized,
@@ -233,8 +234,9 @@ def test_a_real_triaccel_step_weighs_by_the_curvature_it_held_before_the_update(
     k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
     params = {"w": jax.random.normal(k1, (3, 2)), "b": jax.random.normal(k2, (2,))}
     batch = {"x": jax.random.normal(k3, (16, 3)), "y": jax.random.normal(k4, (16, 2))}
-    tx = triaccel_jax.triaccel(1e-2, curvature_every=1, config=TriAccelConfig(estimator=estimator))
-    step = make_step(mse, tx, num_micro=4, fused=fused)
+    form = fused_triaccel(1e-2, curvature_every=1, config=TriAccelConfig(estimator=estimator))
+    tx = form.tx
+    step = make_step(mse, tx, num_micro=4, fused=form if fused else None)
     state = tx.init(params)
     for index in range(3):
         kappa = {

@@ -132,7 +132,8 @@ def test_select_tree_selects_whole_trees_and_needs_a_boolean_scalar():
 @pytest.mark.parametrize("factor", [1.0, 0.5])
 def test_fused_and_unfused_agree(factor):
     params, grads = make_params(), make_grads()
-    tx = triaccel_jax.triaccel(1e-2)
+    form = triaccel_jax.transforms.fused_triaccel(1e-2)
+    tx = form.tx
     opt_state = tx.init(params)
     rule = LossScaling(initial_scale=4.0)
     scaled = jax.tree.map(lambda g: g * 4.0, grads)
@@ -145,7 +146,7 @@ def test_fused_and_unfused_agree(factor):
             params,
             loss_scale=rule.init(),
             loss_scaling=rule,
-            fused=fused,
+            fused=form if fused else None,
             learning_rate_factor=jnp.float32(factor),
         )
 

@@ -1,9 +1,10 @@
 """``transforms.fused_apply``: the optimizer's one-pass path (moments, master, compute copy).
 
-The truth is the optax path, ``tx.update`` then ``optax.apply_updates`` (and ``cast_params`` for
-the compute copy): with float32 state the fused path must agree bit for bit, including the
-curvature refreshes, a learning-rate schedule, a weight-decay mask and leaves that are not
-trained; with bfloat16 moments within their stochastic rounding.
+The fused form is explicit (``fused_triaccel`` of ``triaccel``'s arguments). The truth is the
+optax path, ``fused.tx.update`` then ``optax.apply_updates`` (and ``cast_params`` for the compute
+copy): with float32 state the fused path must agree bit for bit, including the curvature
+refreshes, a learning-rate schedule, a weight-decay mask and leaves that are not trained; with
+bfloat16 moments within their stochastic rounding.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 import triaccel_jax
 from triaccel_jax.kernels import _dispatch
 from triaccel_jax.transforms import fused_apply
+from triaccel_jax.transforms import fused_triaccel
 from triaccel_jax.transforms import unfused_reason
 from triaccel_jax.transforms import uses_triton
 
@@ -48,7 +50,8 @@ def _grads(params, step):
     return {**grads, "steps": jnp.ones((), jnp.int32)}
 
 
-def _train(tx, steps, *, fused, factor=1.0, policy=None):
+def _train(form, steps, *, fused, factor=1.0, policy=None):
+    tx = form.tx
     params, state = _params(), None
     state = tx.init(params)
     extra = {"loss_fn": lambda p: _loss({**p, "steps": 0.0}, jnp.ones((16, 7)))}
@@ -57,7 +60,7 @@ def _train(tx, steps, *, fused, factor=1.0, policy=None):
     def step(params, state, grads):
         if fused:
             out = fused_apply(
-                tx,
+                form,
                 grads,
                 state,
                 params,
@@ -87,14 +90,14 @@ def _is_kernel(path, _):
 
 
 OPTIMIZERS = {
-    "constant rate": lambda: triaccel_jax.triaccel(0.05, curvature_every=3),
-    "schedule and mask": lambda: triaccel_jax.triaccel(
+    "constant rate": lambda: fused_triaccel(0.05, curvature_every=3),
+    "schedule and mask": lambda: fused_triaccel(
         optax.linear_schedule(0.05, 0.005, 20),
         weight_decay=0.1,
         mask=lambda tree: jax.tree_util.tree_map_with_path(_is_kernel, tree),
         curvature_every=2,
     ),
-    "hutchinson": lambda: triaccel_jax.triaccel(
+    "hutchinson": lambda: fused_triaccel(
         0.02, config=triaccel_jax.TriAccelConfig(estimator="hutchinson"), curvature_every=4
     ),
 }
@@ -102,10 +105,10 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_float32_state_agrees_with_the_optax_update_bit_for_bit(name):
-    tx = OPTIMIZERS[name]()
-    assert unfused_reason(tx) is None
-    expected_params, expected_state, _ = _train(tx, 25, fused=False)
-    params, state, _ = _train(tx, 25, fused=True)
+    form = OPTIMIZERS[name]()
+    assert unfused_reason(form) is None
+    expected_params, expected_state, _ = _train(form, 25, fused=False)
+    params, state, _ = _train(form, 25, fused=True)
     chex.assert_trees_all_equal_structs(state, expected_state)
     chex.assert_trees_all_equal(params, expected_params)
     # The moments, the curvature store and the step scales are bit-identical; the noise figure,
@@ -127,7 +130,7 @@ def test_float32_state_agrees_with_the_optax_update_bit_for_bit(name):
 
 
 def test_bfloat16_moments_stay_within_their_stochastic_rounding_of_the_optax_path():
-    tx = triaccel_jax.triaccel(
+    tx = fused_triaccel(
         0.05, config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16), curvature_every=3
     )
     expected_params, expected_state, _ = _train(tx, 1, fused=False)
@@ -153,7 +156,7 @@ def test_the_compute_copy_is_the_cast_of_the_new_params_in_every_format():
     policy = triaccel_jax.PrecisionPolicy.from_patterns(
         params, {"dense/kernel": "bf16", "dense/bias": "fp16", "scale": "fp8_e4m3"}
     )
-    tx = triaccel_jax.triaccel(0.05)
+    tx = fused_triaccel(0.05)
     params, _, compute = _train(tx, 3, fused=True, policy=policy)
     chex.assert_trees_all_equal(compute, triaccel_jax.cast_params(params, policy))
     assert compute["dense"]["kernel"].dtype == jnp.bfloat16
@@ -162,7 +165,7 @@ def test_the_compute_copy_is_the_cast_of_the_new_params_in_every_format():
 
 
 def test_the_learning_rate_factor_scales_the_step_as_it_scales_the_update():
-    tx = triaccel_jax.triaccel(0.05, curvature_every=3)
+    tx = fused_triaccel(0.05, curvature_every=3)
     expected, _, _ = _train(tx, 10, fused=False, factor=1.7)
     got, _, _ = _train(tx, 10, fused=True, factor=1.7)
     chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-6)
@@ -170,58 +173,49 @@ def test_the_learning_rate_factor_scales_the_step_as_it_scales_the_update():
     assert not np.allclose(got["dense"]["kernel"], unscaled["dense"]["kernel"])
 
 
-@pytest.mark.parametrize(
-    "make, reason",
-    [
-        pytest.param(
-            lambda: optax.adam(1e-2),
-            "not made by triaccel_jax.triaccel",
-            marks=pytest.mark.standard_promotion("optax.adam's bias correction: float ** int32"),
-        ),
-        (
-            lambda: optax.chain(optax.clip_by_global_norm(1.0), triaccel_jax.triaccel(1e-2)),
-            "not made by triaccel_jax.triaccel",
-        ),
-        (
-            lambda: optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-2),
-            "not made by triaccel_jax.triaccel",
-        ),
-        (
-            lambda: triaccel_jax.triaccel(1e-2, config=triaccel_jax.TriAccelConfig(scale="block")),
-            "per-block step scales",
-        ),
-    ],
-)
-def test_other_transforms_take_the_unfused_path_with_the_same_result(make, reason):
-    tx = make()
-    assert reason in unfused_reason(tx)
-    # No integer leaf here: optax's own transforms promote it (an error under strict promotion).
-    params = {k: v for k, v in _params().items() if k != "steps"}
-    state = tx.init(params)
-    grads = {k: v for k, v in _grads(_params(), 0).items() if k != "steps"}
-    out = fused_apply(tx, grads, state, params, loss_fn=lambda p: 0.0)
-    updates, expected_state = tx.update(grads, state, params)
+def test_per_block_step_scales_take_the_unfused_path_with_the_same_result():
+    form = fused_triaccel(1e-2, config=triaccel_jax.TriAccelConfig(scale="block"))
+    assert "per-block step scales" in unfused_reason(form)
+    params = _params()
+    state = form.tx.init(params)
+    grads = _grads(params, 0)
+    out = fused_apply(form, grads, state, params)
+    updates, expected_state = form.tx.update(grads, state, params)
     chex.assert_trees_all_equal(out.params, optax.apply_updates(params, updates))
     chex.assert_trees_all_equal(out.opt_state, expected_state)
     assert out.compute is None
 
 
+def test_anything_but_a_fused_form_or_its_state_is_refused_by_name():
+    params = _params()
+    form = fused_triaccel(1e-2)
+    with pytest.raises(TypeError, match="fused_triaccel"):
+        fused_apply(triaccel_jax.triaccel(1e-2), _grads(params, 0), form.tx.init(params), params)
+    with pytest.raises(TypeError, match="fused_triaccel"):
+        unfused_reason(triaccel_jax.triaccel(1e-2))
+    adam_state = optax.adam(1e-2).init(params)
+    with pytest.raises(ValueError, match=r"not a state of `fused\.tx`"):
+        fused_apply(form, _grads(params, 0), adam_state, params)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        fused_triaccel(1e-2, momentum=0.9)
+
+
 def test_a_policy_that_does_not_cover_the_params_is_refused():
-    tx = triaccel_jax.triaccel(0.05)
+    form = fused_triaccel(0.05)
     params = _params()
     policy = triaccel_jax.PrecisionPolicy.uniform({"other": jnp.ones(2)}, "bf16")
     with pytest.raises(ValueError, match="policy"):
-        fused_apply(tx, _grads(params, 0), tx.init(params), params, compute_policy=policy)
+        fused_apply(form, _grads(params, 0), form.tx.init(params), params, compute_policy=policy)
 
 
 @needs_no_triton
 def test_without_cuda_the_fused_path_never_picks_triton_and_a_forced_triton_is_refused():
-    tx = triaccel_jax.triaccel(0.05)
+    form = fused_triaccel(0.05)
     params = _params()
-    assert not uses_triton(tx, tx.init(params))
-    forced = triaccel_jax.triaccel(0.05, config=triaccel_jax.TriAccelConfig(impl="triton"))
+    assert not uses_triton(form, form.tx.init(params))
+    forced = fused_triaccel(0.05, config=triaccel_jax.TriAccelConfig(impl="triton"))
     with pytest.raises(RuntimeError, match="impl='triton'"):
-        fused_apply(forced, _grads(params, 0), forced.init(params), params)
+        fused_apply(forced, _grads(params, 0), forced.tx.init(params), params)
 
 
 def test_the_fused_path_calls_the_fused_update_kernel_once_per_trained_leaf(monkeypatch):
@@ -235,9 +229,9 @@ def test_the_fused_path_calls_the_fused_update_kernel_once_per_trained_leaf(monk
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fused_kernel, "fused_update", counting)
-    tx = triaccel_jax.triaccel(0.05, config=triaccel_jax.TriAccelConfig(impl="reference"))
+    form = fused_triaccel(0.05, config=triaccel_jax.TriAccelConfig(impl="reference"))
     params = _params()
-    fused_apply(tx, _grads(params, 0), tx.init(params), params)
+    fused_apply(form, _grads(params, 0), form.tx.init(params), params)
     assert calls == ["reference"] * 3  # kernel, bias, scale; the integer leaf is not trained
 
 
@@ -267,8 +261,8 @@ def _controller(tx, **settings):
 
 
 def test_the_controller_trains_the_same_through_the_fused_step():
-    tx = triaccel_jax.triaccel(0.02, curvature_every=3)
-    plain, fused = _controller(tx), _controller(tx, fused_update=True)
+    form = fused_triaccel(0.02, curvature_every=3)
+    plain, fused = _controller(form.tx), _controller(form.tx, fused_update=form)
     plain.run(30)
     fused.run(30)
     # One compiled graph each: XLA may contract a different multiply-add into an FMA, so the
@@ -279,18 +273,20 @@ def test_the_controller_trains_the_same_through_the_fused_step():
     assert not np.allclose(fused.params["scale"], _params()["scale"])
 
 
-def test_the_controller_refuses_fused_update_for_an_optimizer_it_cannot_fuse():
-    with pytest.raises(ValueError, match="fused_update=True, but the optimizer cannot be fused"):
-        _controller(optax.adam(1e-2), fused_update=True)
-    with pytest.raises(ValueError, match="fused_update"):
-        triaccel_jax.controller.ControllerConfig(fused_update="yes")
+def test_the_controller_refuses_a_fused_form_it_cannot_fuse():
+    form = fused_triaccel(1e-2, config=triaccel_jax.TriAccelConfig(scale="block"))
+    with pytest.raises(ValueError, match="fused_update cannot fuse the optimizer: per-block"):
+        _controller(form.tx, fused_update=form)
+    for wrong in (True, triaccel_jax.triaccel(1e-2)):
+        with pytest.raises(ValueError, match="fused_update"):
+            triaccel_jax.controller.ControllerConfig(fused_update=wrong)
 
 
 # --- the Flax train state ------------------------------------------------------------------
 
 
 @pytest.mark.standard_promotion("Flax's Dense mixes a bfloat16 kernel with float32 inputs")
-def test_the_flax_train_state_takes_the_fused_path_where_triton_runs_it(monkeypatch):
+def test_the_flax_train_state_takes_the_fused_path_it_is_given(monkeypatch):
     import flax.linen as flax_linen  # the test extra installs Flax
 
     from triaccel_jax import transforms as fused_lib
@@ -307,9 +303,11 @@ def test_the_flax_train_state_takes_the_fused_path_where_triton_runs_it(monkeypa
     params = model.init(jax.random.key(0), x)["params"]
     policy = triaccel_jax.PrecisionPolicy.from_patterns(params, {"*/kernel": "bf16"})
 
-    def train(steps):
+    form = fused_triaccel(0.05)
+
+    def train(steps, fused=None):
         state = TrainState.create(
-            apply_fn=model.apply, params=params, tx=triaccel_jax.triaccel(0.05), policy=policy
+            apply_fn=model.apply, params=params, tx=form.tx, policy=policy, fused=fused
         )
 
         @jax.jit
@@ -331,11 +329,9 @@ def test_the_flax_train_state_takes_the_fused_path_where_triton_runs_it(monkeypa
         calls.append(1)
         return real(*args, **kwargs)
 
-    # No CPU runs the Triton kernel: pretend this one does, so the train state takes the path
-    # it would take on such a GPU (the reference computes it here).
-    monkeypatch.setattr(fused_lib, "uses_triton", lambda tx, opt_state: True)
     monkeypatch.setattr(fused_lib, "fused_apply", counting)
-    got = train(20)
+    assert not calls
+    got = train(20, fused=form)
     assert calls  # traced through the fused path
     chex.assert_trees_all_equal(got.params, expected.params)
     chex.assert_trees_all_equal(got.compute_params, expected.compute_params)
@@ -353,18 +349,8 @@ def test_the_flax_train_state_takes_the_fused_path_where_triton_runs_it(monkeypa
     ids=["scale_by_triaccel", "curvature_signals", "scale_by_curvature", "triaccel"],
 )
 def test_no_factory_sets_attributes_on_its_functions(make):
-    # The fused path reads triaccel's hyperparameters from a declared field of its update
-    # (TriAccelUpdate.spec), never from an attribute attached to a function.
+    # The fused path reads triaccel's hyperparameters from its explicit fused form
+    # (fused_triaccel), never from an attribute attached to a function.
     for function in make():
         if inspect.isfunction(function):
             assert not vars(function), sorted(vars(function))
-
-
-def test_the_fused_path_is_recognised_by_the_update_not_by_a_copy_of_its_functions():
-    tx = triaccel_jax.triaccel(1e-3)
-    assert unfused_reason(tx) is None
-    # The same (init, update) pair rebuilt as a transform is still triaccel's.
-    assert unfused_reason(optax.GradientTransformationExtraArgs(*tx)) is None
-    # Its update wrapped in a plain function is not: nothing is copied across.
-    wrapped = optax.GradientTransformationExtraArgs(tx.init, lambda *a, **k: tx.update(*a, **k))
-    assert unfused_reason(wrapped) is not None

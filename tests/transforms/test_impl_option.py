@@ -52,6 +52,7 @@ def test_impl_reference_equals_the_pure_jax_rounding_bit_for_bit(monkeypatch, st
     )
     for expected in (old_updates, ref_updates):
         chex.assert_trees_all_equal(got_updates, expected)
+    got_state, old_state = got_state[0], old_state[0]
     moments = (got_state.mu, got_state.nu), (old_state.mu, old_state.nu)
     chex.assert_trees_all_equal_dtypes(*moments)
     chex.assert_trees_all_equal(*moments)

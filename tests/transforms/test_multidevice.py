@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(
         def run(params, x, y):
             grads = jax.grad(loss)(params, x, y)
             _, state = tx.update(grads, tx.init(params), params, loss_fn=lambda p: loss(p, x, y))
-            return state.curvature
+            return state[0].curvature
 
         return run(params, x, y)
 
@@ -57,6 +57,7 @@ def test_curvature_is_averaged_across_devices_like_gradients():
 
 DATA_PARALLEL = textwrap.dedent(
     """
+    import dataclasses
     import chex, jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import Mesh, PartitionSpec as P
     import triaccel_jax
@@ -77,7 +78,8 @@ DATA_PARALLEL = textwrap.dedent(
         return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
 
     def train(axis_name):
-        tx = triaccel_jax.triaccel(1e-2, config=HUTCHINSON, curvature_every=1, axis_name=axis_name)
+        config = dataclasses.replace(HUTCHINSON, axis_name=axis_name)
+        tx = triaccel_jax.triaccel(1e-2, config=config, curvature_every=1)
 
         def step(params, state, x, y):
             # Each replica holds its own copy of the state (leading axis of 1 here).
@@ -121,13 +123,13 @@ DATA_PARALLEL = textwrap.dedent(
         )
 
     # The averaged estimate is the global batch's: one step equals the single-device one.
-    tx = triaccel_jax.scale_by_triaccel(config=HUTCHINSON, axis_name="data")
+    tx = triaccel_jax.scale_by_triaccel(config=dataclasses.replace(HUTCHINSON, axis_name="data"))
 
     def curvature(params, x, y):
         local_loss = lambda p: loss(p, x, y)
         grads = jax.lax.pmean(jax.grad(local_loss)(params), "data")
         _, state = tx.update(grads, tx.init(params), params, loss_fn=local_loss)
-        return state.leaf_signals
+        return state[0].leaf_signals
 
     sharded = jax.jit(
         shard_map(
@@ -140,7 +142,7 @@ DATA_PARALLEL = textwrap.dedent(
         jax.grad(loss)(params, x, y), single_tx.init(params), params,
         loss_fn=lambda p: loss(p, x, y),
     )
-    chex.assert_trees_all_close(sharded, single.leaf_signals, rtol=1e-5, atol=1e-9)
+    chex.assert_trees_all_close(sharded, single[0].leaf_signals, rtol=1e-5, atol=1e-9)
     print("ok")
     """
 )

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import triaccel_jax
-from triaccel_jax.transforms import _triaccel_state as transform
+from triaccel_jax.transforms import LeafSignals
 
 PARAMS = {"encoder": {"layers": [{"kernel": jnp.ones((3, 2))}, {"kernel": jnp.ones((2, 2))}]}}
 GRADS = jax.tree.map(lambda p: p * 0.5, PARAMS)
@@ -37,7 +37,7 @@ def test_signals_found_in_wrapped_states(make):
     found = triaccel_jax.signals(state)
     assert set(found) == PATHS
     record = found["encoder/layers/0/kernel"]
-    fields = transform.LeafSignals._fields
+    fields = LeafSignals._fields
     assert set(record) == {*fields, "state_dtype", "curvature_store"}
     assert {"mean_curvature", "max_curvature", "trace", "noise_to_signal", "step_scale"} <= set(
         record

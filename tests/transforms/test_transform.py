@@ -45,21 +45,22 @@ def test_state_holds_arrays_with_int32_counters():
         config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16)
     )
     state = tx.init({"w": jnp.ones((4, 4))})
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
+    (state,) = triaccel_jax.transforms.find_signal_states(state)
     chex.assert_type([state.count, state.curvature_count], jnp.int32)
     chex.assert_type([state.mu["w"], state.nu["w"]], jnp.bfloat16)
-    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
 
 
 def test_counters_saturate():
     tx = triaccel_jax.scale_by_triaccel()
     params = {"w": jnp.ones(3)}
-    state = tx.init(params)
+    signals, scale = tx.init(params)
     top = jnp.iinfo(jnp.int32).max
-    state = state._replace(
+    signals = signals._replace(
         count=jnp.asarray(top, jnp.int32), curvature_count=jnp.asarray(top, jnp.int32)
     )
-    updates, state = tx.update(params, state, params)
-    assert int(state.count) == top and int(state.curvature_count) == top
+    updates, (signals, _) = tx.update(params, (signals, scale), params)
+    assert int(signals.count) == top and int(signals.curvature_count) == top
     chex.assert_tree_all_finite(updates)
 
 
@@ -109,17 +110,19 @@ def test_bf16_state_keeps_small_increments_with_stochastic_rounding():
     tx = triaccel_jax.scale_by_triaccel(
         b2=0.999, config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16)
     )
-    state = tx.init(params)
-    state = state._replace(
+    signals, scale = tx.init(params)
+    signals = signals._replace(
         nu={"w": jnp.ones(4096, jnp.bfloat16)}, count=jnp.asarray(10**6, jnp.int32)
     )
+    state = (signals, scale)
     grads = {"w": jnp.full(4096, jnp.sqrt(2.0))}  # nu -> 0.999 + 0.002 = 1.001 per step
     step = jax.jit(lambda s: tx.update(grads, s, params)[1])
     for _ in range(20):
         state = step(state)
     exact = 2.0 - 0.999**20
-    mean = float(jnp.mean(state.nu["w"].astype(jnp.float32)))
-    assert state.nu["w"].dtype == jnp.bfloat16
+    nu = state[0].nu["w"]
+    mean = float(jnp.mean(nu.astype(jnp.float32)))
+    assert nu.dtype == jnp.bfloat16
     assert abs(mean - exact) < 2e-3, (mean, exact)  # round-to-nearest would give 1.0
 
 
@@ -132,7 +135,7 @@ def test_update_is_deterministic_for_a_seed():
             config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16), seed=5
         )
         _, state = tx.update(grads, tx.init(params), params)
-        results.append(state.mu["w"])
+        results.append(state[0].mu["w"])
     np.testing.assert_array_equal(results[0], results[1])
 
 
@@ -229,7 +232,7 @@ def test_float_gradient_of_integer_parameter_passes_through():
     grads = {"w": jnp.ones(3), "step": jnp.asarray(0.5)}  # e.g. a cast that made it float
     updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
     assert float(updates["step"]) == 0.5
-    assert isinstance(state.mu["step"], optax.MaskedNode)
+    assert isinstance(state[0].mu["step"], optax.MaskedNode)
 
 
 def test_state_can_be_donated_at_every_step():

@@ -18,6 +18,7 @@ from typing import NamedTuple
 from triaccel_jax._src import validation
 from triaccel_jax.controller import _buckets as buckets_lib
 from triaccel_jax.precision import PlannerConfig
+from triaccel_jax.transforms import FusedTriAccel
 from triaccel_jax.transforms import LossScaling
 
 LR_SCALINGS = ("sqrt_adascale", "adascale", "sqrt", "linear", "none")
@@ -128,12 +129,11 @@ class ControllerConfig:
       compile_in_background: compile the step a grown bucket or a re-planned policy needs on a
         worker thread while training continues on the current one, and switch at the first step
         after it is ready (False: compile in the step that decides, which is deterministic).
-      fused_update: write the optimizer's moments and the new params in one pass per leaf
-        (:func:`triaccel_jax.transforms.fused_apply`) instead of ``tx.update`` and
-        ``optax.apply_updates``. None (default): exactly where that runs the Triton kernel
-        (:func:`triaccel_jax.transforms.uses_triton`: a ``triaccel`` optimizer on CUDA whose
-        ``TriAccelConfig.impl`` selects it); True: always (an error if the optimizer cannot be
-        fused); False: never.
+      fused_update: None (default): the step runs ``tx.update`` and ``optax.apply_updates``.
+        The optimizer's fused form (:func:`triaccel_jax.transforms.fused_triaccel` of the
+        arguments ``tx`` was made with): the step writes the moments and the new params in one
+        pass per leaf (:func:`triaccel_jax.transforms.fused_apply`; an error at construction if
+        it cannot be fused).
       noise_horizon: the samples over which the gradient noise scale's averages forget: each
         step of ``B`` samples decays them by ``exp(-B / noise_horizon)``, so the memory is the
         same whatever the batch (docs/design.md §5.3). None (the default): 200 steps of the
@@ -213,7 +213,7 @@ class ControllerConfig:
     seed: int = 0
     steps_in_flight: int = 1
     compile_in_background: bool = False
-    fused_update: bool | None = None
+    fused_update: FusedTriAccel | None = None
     noise_horizon: int | None = None
     measure_noise_scale: bool = False
     batch_rule: str = "goodput"
@@ -281,9 +281,10 @@ class ControllerConfig:
             raise ValueError(
                 f"`speed_trials` must be None, True or False, got {self.speed_trials!r}"
             )
-        if self.fused_update not in (None, True, False):
+        if self.fused_update is not None and not isinstance(self.fused_update, FusedTriAccel):
             raise ValueError(
-                f"`fused_update` must be None, True or False, got {self.fused_update!r}"
+                "`fused_update` must be None or the optimizer's fused form, "
+                f"triaccel_jax.transforms.fused_triaccel(...), got {self.fused_update!r}"
             )
         if self.global_batch is not None and not self.keep_global_batch:
             raise ValueError("`global_batch` is only used with keep_global_batch=True")

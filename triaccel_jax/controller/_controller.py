@@ -54,12 +54,12 @@ from triaccel_jax.policy import PrecisionPlan
 from triaccel_jax.policy import PrecisionPolicy
 from triaccel_jax.policy import carried_itemsize
 from triaccel_jax.policy import check_policy
+from triaccel_jax.transforms import FusedTriAccel
 from triaccel_jax.transforms import LossScaleState
 from triaccel_jax.transforms import convert_state
 from triaccel_jax.transforms import mean_curvatures
 from triaccel_jax.transforms import signals
 from triaccel_jax.transforms import unfused_reason
-from triaccel_jax.transforms import uses_triton
 
 StepInfo = events_lib.StepInfo
 ControllerCheckpoint = state_record.ControllerCheckpoint
@@ -221,7 +221,7 @@ class Controller:
         self._params = self._place(params)
         self._opt_state = self._place(tx.init(self._params) if opt_state is None else opt_state)
         self._model_state = self._place(model_state)
-        # An optimizer that fused_update=True cannot fuse is refused here, not at the first step.
+        # A fused form that cannot fuse the optimizer is refused here, not at the first step.
         self._fused(self._opt_state)
         if config.noise_estimator == "hessian":
             # Raises, naming the problem, when the optimizer holds no curvature to weight by.
@@ -1233,20 +1233,18 @@ class Controller:
         )
         return step, args
 
-    def _fused(self, opt_state: Any) -> bool:
-        """Whether the step updates and applies in one pass (``ControllerConfig.fused_update``).
+    def _fused(self, opt_state: Any) -> FusedTriAccel | None:
+        """The optimizer's fused form the step updates with (``ControllerConfig.fused_update``).
 
         Raises:
-          ValueError: ``fused_update=True`` and the optimizer cannot be fused (reason named).
+          ValueError: the fused form cannot fuse the optimizer (reason named).
         """
-        setting = self._config.fused_update
-        if setting is None:
-            return uses_triton(self._tx, opt_state)
-        if setting:
-            reason = unfused_reason(self._tx, opt_state)
+        fused = self._config.fused_update
+        if fused is not None:
+            reason = unfused_reason(fused, opt_state)
             if reason is not None:
-                raise ValueError(f"fused_update=True, but the optimizer cannot be fused: {reason}")
-        return bool(setting)
+                raise ValueError(f"fused_update cannot fuse the optimizer: {reason}")
+        return fused
 
     def _note_compile(
         self, key: compiling.StepKey, new: compiling.CompiledStep, *, background: bool

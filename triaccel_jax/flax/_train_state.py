@@ -71,6 +71,10 @@ class TrainState(train_state.TrainState):
       loss_scale: the dynamic loss scale's state (``scale``, ``good_steps``,
         ``skipped_steps``); it changes only while the policy scales the loss.
       loss_scaling: the scale's rule (static).
+      fused: None, or the fused form of ``tx`` (static;
+        :func:`triaccel_jax.transforms.fused_triaccel` of ``tx``'s arguments, whose ``tx`` is
+        passed as ``tx``): ``apply_gradients`` then writes the moments and the master in one
+        pass per leaf (:func:`triaccel_jax.transforms.fused_apply`).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -97,6 +101,7 @@ class TrainState(train_state.TrainState):
     loss_scaling: transforms.LossScaling = struct.field(
         pytree_node=False, default=transforms.LossScaling()
     )
+    fused: transforms.FusedTriAccel | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(
@@ -265,10 +270,9 @@ class TrainState(train_state.TrainState):
             self.params,
             loss_scale=self.loss_scale,
             loss_scaling=scaling,
-            # Where the Triton kernel runs it (a triaccel optimizer on CUDA whose impl selects
-            # it), the moments and the master are written in one pass per leaf; the same
-            # result otherwise.
-            fused=transforms.uses_triton(self.tx, self.opt_state),
+            # Given the optimizer's fused form, the moments and the master are written in one
+            # pass per leaf.
+            fused=self.fused,
             # An overflowing step keeps the replaced fields (batch statistics) too.
             carry=replaced,
             carry_before={

@@ -137,7 +137,7 @@ def apply_gradients(
     *,
     loss_scale: transforms.LossScaleState | None = None,
     loss_scaling: transforms.LossScaling | None = None,
-    fused: bool = False,
+    fused: transforms.FusedTriAccel | None = None,
     learning_rate_factor: Any = 1.0,
     carry: Any = None,
     carry_before: Any = None,
@@ -161,8 +161,10 @@ def apply_gradients(
       params: the params (the masters).
       loss_scale: the loss scale's :class:`LossScaleState`; needed with ``loss_scaling``.
       loss_scaling: the dynamic loss scale's rule, or None: the loss is not scaled.
-      fused: update with :func:`triaccel_jax.transforms.fused_apply` (one pass per leaf for a
-        triaccel optimizer) instead of ``tx.update`` and ``optax.apply_updates``.
+      fused: None, or the fused form of ``tx``
+        (:func:`triaccel_jax.transforms.fused_triaccel` of the arguments ``tx`` was made with):
+        update with :func:`triaccel_jax.transforms.fused_apply` (one pass per leaf) instead of
+        ``tx.update`` and ``optax.apply_updates``.
       learning_rate_factor: multiplies the update (the learning rate, on the fused path); 1 by
         default, which leaves the unfused update untouched.
       carry: other state the step produced with the gradients (e.g. the model state or batch
@@ -222,9 +224,9 @@ def apply_gradients(
         if loss_scale is None:
             raise ValueError("`loss_scaling` needs the loss scale's state, `loss_scale`")
         grads = transforms.unscale(grads, loss_scale.scale)  # float32
-    if fused:
+    if fused is not None:
         out = transforms.fused_apply(
-            tx, grads, opt_state, params, learning_rate_factor=learning_rate_factor, **extra
+            fused, grads, opt_state, params, learning_rate_factor=learning_rate_factor, **extra
         )
         new_params, new_opt_state = out.params, out.opt_state
     else:
@@ -397,7 +399,7 @@ def make_train_step(
     num_micro: int,
     seed: int,
     loss_scaling: transforms.LossScaling | None = None,
-    fused: bool = False,
+    fused: transforms.FusedTriAccel | None = None,
     split: bool = False,
     noise_weights: str | None = None,
 ) -> Callable[..., StepOutput]:
@@ -416,7 +418,8 @@ def make_train_step(
         micro-batch index; made inside the step, so it needs no device placement.
       loss_scaling: the dynamic loss scale's rule; None: the loss is not scaled, nothing is
         skipped and the ``loss_scale`` state passes through unchanged.
-      fused: update and apply in one pass per leaf
+      fused: None, or the fused form of ``tx``
+        (:func:`triaccel_jax.transforms.fused_triaccel`): update and apply in one pass per leaf
         (:func:`triaccel_jax.transforms.fused_apply`) instead of ``tx.update`` and
         ``optax.apply_updates``.
       split: with one micro-batch, also measure the squared gradient norm at half of it, so

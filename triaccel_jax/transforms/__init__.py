@@ -4,33 +4,37 @@ Everything here is an optax transform or reads one's state (optax's ``transforms
 model):
 
 * :func:`triaccel` (the optimizer) and :func:`scale_by_triaccel` (its direction, Adam moments
-  times a per-leaf curvature step scale), configured by :class:`TriAccelConfig`;
+  times a per-leaf curvature step scale), configured by :class:`TriAccelConfig`, each composed
+  from the curvature signals, Adam's direction and the step scale;
 * the curvature estimators :func:`fisher_diagonal` and :func:`hutchinson_diagonal` (with
   :func:`unmask` for a loss under ``optax.masked``);
 * the compressed curvature store (:class:`CompressedDiagonal`, :func:`compress_diagonal`,
   :func:`expand_diagonal`, with :func:`block_counts` and :func:`uses_channel_pairs` for its
   layout), updated without gathering sharded leaves;
-* :func:`curvature_signals` (state :class:`CurvatureSignalsState`), an observer that keeps the
-  same curvature and noise signals beside any optax optimizer, leaving its updates untouched,
-  and :func:`scale_by_curvature` (state :class:`ScaleByCurvatureState`), Tri-Accel's per-leaf
+* :func:`curvature_signals` (state :class:`CurvatureSignalsState`, the one state that keeps
+  curvature and noise signals), an observer that keeps them beside any optax optimizer,
+  leaving its updates untouched, and :func:`scale_by_curvature`, Tri-Accel's per-leaf
   step scale over any direction (SGD, Muon, a whole optax optimizer), with
   :func:`muon_dimension_numbers`, which has ``optax.contrib.muon`` train every kernel (conv
   kernels folded into matrices) and leave the rest to Adam;
-* :func:`signals`, the per-leaf curvature, noise and step-size figures of any state holding a
-  triaccel or observer state, :func:`mean_curvatures`, each leaf's mean curvature as a tree
+* :func:`signals`, the per-leaf curvature, noise and step-size figures of any state holding
+  curvature signals, :func:`mean_curvatures`, each leaf's mean curvature as a tree
   usable inside ``jit``, :func:`convert_state`, which recasts the moments for a precision policy,
   and :func:`find_signal_states`, which finds those states inside any optimizer state;
 * dynamic loss scaling (:class:`LossScaling`, :func:`dynamic_loss_scale`, and
   :func:`select_tree`, which skips an overflowing step), with the pieces a train step uses:
   :func:`needs_loss_scaling`, :func:`holds_loss_scale`, :func:`unscale`, :func:`leaf_finite`
   and :func:`all_finite`;
-* :func:`fused_apply`, a triaccel step that writes the moments, the master and its compute copy
-  in one pass per leaf (the fused kernel on CUDA where it is selected), with
+* :func:`fused_triaccel` (a :class:`FusedTriAccel`: a ``triaccel`` optimizer and its fused
+  form) and :func:`fused_apply`, a triaccel step that writes the moments, the master and its
+  compute copy in one pass per leaf (the fused kernel on CUDA where it is selected), with
   :func:`unfused_reason` and :func:`uses_triton` to say when it applies.
 
 The algorithm is described in the repository's ``docs/design.md`` (sections 3.1 to 3.5, 3.8).
 """
 
+from triaccel_jax.transforms._alias import scale_by_curvature
+from triaccel_jax.transforms._alias import scale_by_triaccel
 from triaccel_jax.transforms._alias import triaccel
 from triaccel_jax.transforms._compression import CompressedDiagonal
 from triaccel_jax.transforms._compression import block_counts
@@ -42,11 +46,14 @@ from triaccel_jax.transforms._curvature import HutchinsonDiagonalState
 from triaccel_jax.transforms._curvature import fisher_diagonal
 from triaccel_jax.transforms._curvature import hutchinson_diagonal
 from triaccel_jax.transforms._curvature import unmask
+from triaccel_jax.transforms._curvature_refresh import LeafSignals
 from triaccel_jax.transforms._curvature_signals import CurvatureSignalsState
 from triaccel_jax.transforms._curvature_signals import curvature_signals
 from triaccel_jax.transforms._curvature_signals import find_signal_states
 from triaccel_jax.transforms._fused_apply import FusedApply
+from triaccel_jax.transforms._fused_apply import FusedTriAccel
 from triaccel_jax.transforms._fused_apply import fused_apply
+from triaccel_jax.transforms._fused_apply import fused_triaccel
 from triaccel_jax.transforms._fused_apply import unfused_reason
 from triaccel_jax.transforms._fused_apply import uses_triton
 from triaccel_jax.transforms._loss_scaling import DynamicLossScaleState
@@ -61,26 +68,20 @@ from triaccel_jax.transforms._loss_scaling import needs_loss_scaling
 from triaccel_jax.transforms._loss_scaling import select_tree
 from triaccel_jax.transforms._loss_scaling import unscale
 from triaccel_jax.transforms._muon import muon_dimension_numbers
-from triaccel_jax.transforms._scale_by_curvature import ScaleByCurvatureState
-from triaccel_jax.transforms._scale_by_curvature import scale_by_curvature
-from triaccel_jax.transforms._scale_by_triaccel import scale_by_triaccel
 from triaccel_jax.transforms._signals import mean_curvatures
 from triaccel_jax.transforms._signals import signals
 from triaccel_jax.transforms._state_conversion import convert_state
-from triaccel_jax.transforms._triaccel_state import LeafSignals
-from triaccel_jax.transforms._triaccel_state import ScaleByTriAccelState
 
 __all__ = (
     "CompressedDiagonal",
     "CurvatureSignalsState",
     "DynamicLossScaleState",
     "FusedApply",
+    "FusedTriAccel",
     "HutchinsonDiagonalState",
     "LeafSignals",
     "LossScaleState",
     "LossScaling",
-    "ScaleByCurvatureState",
-    "ScaleByTriAccelState",
     "TriAccelConfig",
     "all_finite",
     "block_counts",
@@ -92,6 +93,7 @@ __all__ = (
     "find_signal_states",
     "fisher_diagonal",
     "fused_apply",
+    "fused_triaccel",
     "holds_loss_scale",
     "hutchinson_diagonal",
     "leaf_finite",

@@ -1,4 +1,17 @@
-"""``triaccel``: the full optimizer, a chain of ``scale_by_*`` pieces (optax's alias style)."""
+"""The optimizers, composed from the curvature signals, a direction and the step scale.
+
+As optax's ``alias.py`` builds ``adamw`` from ``scale_by_adam`` and ``optax.contrib.muon``
+from ``scale_by_muon``, each optimizer here only composes (docs/design.md §3):
+
+* :func:`scale_by_triaccel`: the curvature signals keeping Adam's moments, which return Adam's
+  direction (:func:`._curvature_signals.keep_signals`), then Tri-Accel's step scale
+  (:func:`._step_scale.scale_by_step_scale`);
+* :func:`triaccel`: the same, then decoupled weight decay and the learning rate;
+* :func:`scale_by_curvature`: the observer, any given direction, then the step scale.
+
+The signals' settings are one record (:class:`._config.CurvatureSettings`); the factories take
+them as keyword arguments so that ``optax.inject_hyperparams`` can trace every number.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +22,77 @@ import optax
 
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
-from triaccel_jax.transforms import _config as config_lib
-from triaccel_jax.transforms import _fused_apply as fused_lib
-from triaccel_jax.transforms import _scale_by_triaccel as transform
+from triaccel_jax.transforms import _curvature_signals as signals_lib
+from triaccel_jax.transforms import _step_scale as step_scale_lib
+from triaccel_jax.transforms._config import CurvatureSettings
+from triaccel_jax.transforms._config import TriAccelConfig
+from triaccel_jax.transforms._config import resolve_config
+
+
+def scale_by_triaccel(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    config: TriAccelConfig | None = None,
+    curvature_every: int = 10,
+    curvature_decay: float = 0.95,
+    alpha: float = 0.5,
+    min_scale: float = 0.5,
+    max_scale: float = 2.0,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Rescales updates by Adam's moments times a per-leaf curvature step-size scale.
+
+    The direction part of :func:`triaccel_jax.triaccel` (no learning rate, no weight decay), under
+    optax's ``scale_by_*`` contract: chain it with ``optax.scale_by_learning_rate``. Every
+    numeric argument may be injected by ``optax.inject_hyperparams`` (``jax.jit(tx.init)`` needs
+    no ``static_args``); the options that set shapes live in ``config``.
+
+    Args:
+      b1: decay of the first moment, in [0, 1).
+      b2: decay of the second moment, in [0, 1).
+      eps: added to ``sqrt(v_hat)`` in the denominator, >= 0.
+      config: a :class:`triaccel_jax.TriAccelConfig`: estimator, curvature-store layout
+        (``block_size``, ``rho``), Hutchinson probes, moment dtype and the step scale's
+        granularity (``scale``: per leaf or per store block), and ``axis_name``, the
+        ``shard_map``/``pmap`` axis over which replicas average their curvature estimates.
+        None: its defaults.
+      curvature_every: estimate curvature every this many steps (>= 1), starting at the first.
+      curvature_decay: EMA decay of the curvature estimates, in [0, 1).
+      alpha: exponent of the step-size scale (>= 0; 0 turns the scaling off).
+      min_scale: lower clip of the step-size scale, > 0.
+      max_scale: upper clip of the step-size scale, >= min_scale.
+      seed: seed of the PRNG keys for stochastic rounding and Hutchinson probes.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``. Its ``update`` takes the keyword-only extra
+      argument ``loss_fn`` (used by the Hutchinson estimator, ignored otherwise; optax's names
+      ``obj_fn`` and ``value_fn`` for the same function are accepted too) and ignores other
+      extra arguments. The update has each gradient's dtype.
+
+    Raises:
+      ValueError: a hyperparameter is out of range.
+      TypeError: ``config`` is not a :class:`triaccel_jax.TriAccelConfig`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from triaccel_jax import scale_by_triaccel
+      >>> tx = optax.chain(scale_by_triaccel(), optax.scale_by_learning_rate(0.1))
+      >>> params = {"w": jnp.array([1.0, -2.0])}
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.array([0.5, -0.5])}, state, params)
+      >>> [round(float(u), 3) for u in updates["w"]]
+      [-0.1, 0.1]
+
+    References:
+      Tri-Accel, arXiv 2508.16905. Kingma & Ba, 2015, "Adam". Yao et al., 2021, "ADAHESSIAN".
+    """
+    validation.check_in_range("eps", eps, 0.0, float("inf"))
+    settings = CurvatureSettings(
+        b1, b2, curvature_every, curvature_decay, alpha, min_scale, max_scale, seed
+    )
+    return _in_gradient_dtype(_adam_with_step_scale(settings, resolve_config(config), eps))
 
 
 def triaccel(
@@ -22,19 +103,19 @@ def triaccel(
     eps: float = 1e-8,
     weight_decay: float = 1e-4,
     mask: Any = None,
-    config: config_lib.TriAccelConfig | None = None,
+    config: TriAccelConfig | None = None,
     curvature_every: int = 10,
     curvature_decay: float = 0.95,
     alpha: float = 0.5,
     min_scale: float = 0.5,
     max_scale: float = 2.0,
     seed: int = 0,
-    axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The Tri-Accel optimizer: AdamW with a per-leaf, curvature-derived step-size scale.
 
-    ``chain(scale_by_triaccel(...), add_decayed_weights(weight_decay, mask),
-    scale_by_learning_rate(learning_rate))``, so the step of leaf ``l`` is
+    The curvature signals keeping Adam's moments (Adam's direction), Tri-Accel's step scale,
+    ``add_decayed_weights(weight_decay, mask)`` and ``scale_by_learning_rate(learning_rate)``,
+    composed (:func:`scale_by_triaccel`'s pieces, then optax's), so the step of leaf ``l`` is
     ``-learning_rate * (s_l * m_hat / (sqrt(v_hat) + eps) + weight_decay * param)`` (decoupled
     weight decay, Loshchilov & Hutter, 2019). Integer, boolean and empty leaves pass through.
 
@@ -59,8 +140,6 @@ def triaccel(
       min_scale: lower clip of the step-size scale, > 0.
       max_scale: upper clip of the step-size scale, >= min_scale.
       seed: seed of the stochastic rounding and of the Hutchinson probes.
-      axis_name: the ``shard_map``/``pmap`` axis over which replicas average their curvature
-        estimates (see :func:`triaccel_jax.scale_by_triaccel`); None for one replica or ``jit``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. Works under ``optax.inject_hyperparams``
@@ -86,33 +165,120 @@ def triaccel(
     """
     validation.check_learning_rate(learning_rate)
     validation.check_in_range("weight_decay", weight_decay, 0.0, float("inf"))
-    config = config_lib.resolve_config(config)
-    direction, parts = transform.build_scale_by_triaccel(
-        b1,
-        b2,
-        eps,
-        config=config,
-        curvature_every=curvature_every,
-        curvature_decay=curvature_decay,
-        alpha=alpha,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        seed=seed,
-        axis_name=axis_name,
+    validation.check_in_range("eps", eps, 0.0, float("inf"))
+    settings = CurvatureSettings(
+        b1, b2, curvature_every, curvature_decay, alpha, min_scale, max_scale, seed
     )
     # Weight decay and the learning rate would turn integer leaves into floats; the mask keeps
-    # them untouched, as scale_by_triaccel does.
+    # them untouched, as the direction does.
     step = optax.chain(
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )
-    tx = _in_gradient_dtype(optax.chain(direction, _masked_to_trainable(step)))
-    # fused_apply writes this optimizer's step in one pass per leaf from the same pieces.
-    spec = fused_lib.FusedSpec(
-        direction=parts, learning_rate=learning_rate, weight_decay=weight_decay, mask=mask
+    return _in_gradient_dtype(
+        _adam_with_step_scale(settings, resolve_config(config), eps, _masked_to_trainable(step))
     )
-    return optax.GradientTransformationExtraArgs(
-        tx.init, fused_lib.TriAccelUpdate(spec=spec, unfused=tx.update)
+
+
+def _adam_with_step_scale(
+    settings: CurvatureSettings,
+    config: TriAccelConfig,
+    eps: Any,
+    *after: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+    """The signals keeping Adam's moments (Adam's direction), the step scale, then ``after``."""
+    return step_scale_lib.with_signals(
+        signals_lib.keep_signals(settings, config, adam_eps=eps),
+        step_scale_lib.scale_by_step_scale(settings, config),
+        *after,
+    )
+
+
+def scale_by_curvature(
+    direction: optax.GradientTransformation,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    config: TriAccelConfig | None = None,
+    curvature_every: int = 10,
+    curvature_decay: float = 0.95,
+    alpha: float = 0.5,
+    min_scale: float = 0.5,
+    max_scale: float = 2.0,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Multiplies each leaf of ``direction``'s output by Tri-Accel's curvature step scale.
+
+    The curvature is estimated on the gradients this transform receives (before the direction),
+    by the estimator of ``config``; the scale of leaf ``l`` is
+    ``clip((kappa_ref / kappa_l) ** alpha, min_scale, max_scale)`` with ``kappa_l`` its mean
+    curvature and ``kappa_ref`` the median over leaves: flat leaves take longer steps, sharp
+    ones shorter. Leaves the direction returns that the signals do not hold (integer leaves)
+    pass through as the direction returns them. Every numeric argument may be injected by
+    ``optax.inject_hyperparams``; the direction is passed through it untouched.
+
+    Args:
+      direction: any optax transform: a ``scale_by_*`` piece, or a whole optimizer (its
+        learning rate commutes with the per-leaf scale). Extra arguments of ``update`` are
+        passed to it.
+      b1: decay of the gradient EMA the noise-to-signal signal reads, in [0, 1).
+      b2: decay of the EMA of ``mean(g**2)``, in [0, 1).
+      config: a :class:`triaccel_jax.TriAccelConfig` (estimator, store layout, probes, the
+        gradient EMA's dtype, the replicas' ``axis_name``). Its ``scale`` must be ``"leaf"``.
+        None: its defaults.
+      curvature_every: estimate curvature every this many steps (>= 1), from the first.
+      curvature_decay: EMA decay of the curvature estimates, in [0, 1).
+      alpha: exponent of the step scale (>= 0; 0 turns the scaling off).
+      min_scale: lower clip of the step scale, > 0.
+      max_scale: upper clip of the step scale, >= min_scale.
+      seed: seed of the stochastic rounding and of Hutchinson's probes.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is the tuple of the signals'
+      :class:`CurvatureSignalsState`, the direction's state and the step scale's (empty);
+      ``update`` takes ``loss_fn`` (or ``obj_fn``, ``value_fn``; Hutchinson's estimator needs
+      it) and passes every extra argument on.
+
+    Raises:
+      ValueError: a hyperparameter is out of range, or ``config.scale`` is ``"block"``.
+      TypeError: ``direction`` is not an optax transform, or ``config`` not a TriAccelConfig.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import triaccel_jax
+      >>> tx = triaccel_jax.scale_by_curvature(optax.sgd(0.1), curvature_every=1)
+      >>> params = {"flat": jnp.ones(2), "mid": jnp.ones(2), "sharp": jnp.ones(2)}
+      >>> grads = {"flat": jnp.full(2, 0.1), "mid": jnp.ones(2), "sharp": jnp.full(2, 10.0)}
+      >>> updates, state = tx.update(grads, tx.init(params), params)
+      >>> signals = triaccel_jax.signals(state)  # Fisher curvatures 0.01, 1 and 100
+      >>> [signals[k]["step_scale"] for k in ("flat", "mid", "sharp")]  # sqrt(1 / kappa), clipped
+      [2.0, 1.0, 0.5]
+      >>> updates["sharp"].tolist()  # -0.1 * 10.0 * 0.5
+      [-0.5, -0.5]
+
+    References:
+      Tri-Accel, arXiv 2508.16905; Yao et al., 2021, "ADAHESSIAN".
+    """
+    if not isinstance(
+        direction, optax.GradientTransformation | optax.GradientTransformationExtraArgs
+    ):
+        raise TypeError(
+            "`direction` must be an optax transform (e.g. optax.scale_by_adam() or "
+            f"optax.contrib.muon(1e-3)), got {type(direction).__name__}"
+        )
+    config = resolve_config(config)
+    if config.scale != "leaf":
+        raise ValueError(
+            "scale_by_curvature scales each leaf by one number: TriAccelConfig(scale='block') "
+            "is scale_by_triaccel's (Adam's direction) only"
+        )
+    settings = CurvatureSettings(
+        b1, b2, curvature_every, curvature_decay, alpha, min_scale, max_scale, seed
+    )
+    return step_scale_lib.with_signals(
+        signals_lib.keep_signals(settings, config),
+        direction,
+        step_scale_lib.scale_by_step_scale(settings, config),
     )
 
 

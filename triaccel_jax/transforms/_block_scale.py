@@ -30,30 +30,28 @@ import jax.numpy as jnp
 
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _curvature_refresh as refresh_lib
-from triaccel_jax.transforms._triaccel_state import LeafSignals
-
-_TINY = float(jnp.finfo(jnp.float32).tiny)
 
 
-def block_step_scales(
-    stores: list[compression.CompressedDiagonal],
-    signals: list[LeafSignals],
+def block_step_scale(
+    store: compression.CompressedDiagonal,
+    mean_curvature: jax.Array,
+    shape: tuple[int, ...],
+    kappa_ref: jax.Array,
     *,
-    active: list[int],
-    shapes: list[tuple[int, ...]],
     alpha: Any,
     min_scale: Any,
     max_scale: Any,
     bound: str = "clip",
-) -> dict[int, jax.Array]:
-    """Each trained leaf's step scale per block of its curvature store, broadcast to its shape.
+) -> jax.Array:
+    """A leaf's step scale per block of its curvature store, broadcast to the leaf's shape.
 
     Args:
-      stores: every leaf's compressed curvature EMA (not bias-corrected), as the state holds it.
-      signals: every leaf's :class:`LeafSignals`, refreshed from ``stores`` (their
-        ``mean_curvature`` is the bias-corrected leaf mean).
-      active: indices of the trained leaves.
-      shapes: every leaf's shape.
+      store: the leaf's compressed curvature EMA (not bias-corrected), as the state holds it.
+      mean_curvature: the leaf's bias-corrected mean curvature (its signals'), refreshed from
+        ``store``.
+      shape: the leaf's shape.
+      kappa_ref: the reference curvature, the median over leaves
+        (:func:`triaccel_jax.transforms._curvature_refresh.reference_curvature`).
       alpha: exponent of the scale, >= 0 (0 gives exactly 1 everywhere).
       min_scale: lower clip, > 0.
       max_scale: upper clip, >= ``min_scale``.
@@ -61,58 +59,46 @@ def block_step_scales(
         (:func:`triaccel_jax.transforms._curvature_refresh.bounded_scale`).
 
     Returns:
-      ``{i: float32 array of shapes[i]}``: the element-wise scale of leaf ``i``, constant over
-      each block (each (in, out) channel pair of a 2-D conv kernel). Where a scale is NaN (no
-      finite curvature anywhere) it is 1, as for the per-leaf scale.
+      A float32 array of ``shape``: the element-wise scale, constant over each block (each
+      (in, out) channel pair of a 2-D conv kernel). Where a scale is NaN (no finite curvature
+      anywhere) it is 1, as for the per-leaf scale.
 
     Example:
       >>> import jax.numpy as jnp
       >>> from triaccel_jax.transforms import compress_diagonal
-      >>> from triaccel_jax.transforms._block_scale import block_step_scales
-      >>> from triaccel_jax.transforms._triaccel_state import LeafSignals
+      >>> from triaccel_jax.transforms._block_scale import block_step_scale
       >>> store = compress_diagonal(jnp.array([1.0, 1.0, 4.0, 4.0]), block_size=2, rho=0.25)
-      >>> zero = jnp.zeros(())
-      >>> signal = LeafSignals(jnp.asarray(2.5), zero, zero, zero, zero, jnp.zeros((), jnp.int32))
-      >>> scales = block_step_scales(
-      ...     [store], [signal], active=[0], shapes=[(4,)], alpha=0.5, min_scale=0.1, max_scale=10.0
+      >>> scales = block_step_scale(
+      ...     store,
+      ...     jnp.asarray(2.5),
+      ...     (4,),
+      ...     jnp.asarray(2.5),
+      ...     alpha=0.5,
+      ...     min_scale=0.1,
+      ...     max_scale=10.0,
       ... )
-      >>> [round(float(s), 3) for s in scales[0]]  # sqrt(2.5 / 1) and sqrt(2.5 / 4)
+      >>> [round(float(s), 3) for s in scales]  # sqrt(2.5 / 1) and sqrt(2.5 / 4)
       [1.581, 1.581, 0.791, 0.791]
 
     References:
       Tri-Accel, arXiv 2508.16905; Yao et al., 2021, "ADAHESSIAN" (curvature averaged over
       blocks and conv channel pairs).
     """
-    if not active:
-        return {}
-    kappa = jnp.stack([jnp.maximum(signals[i].mean_curvature, 0.0) for i in active])
-    # The reference of the per-leaf scale (_curvature_refresh.refreshed_signals): the median of
-    # the finite leaf means, so one leaf cannot poison the others.
-    kappa_ref = jnp.nanmedian(jnp.where(jnp.isfinite(kappa), kappa, jnp.nan))
-    scales = {}
-    for position, i in enumerate(active):
-        if math.prod(shapes[i]) == 0:
-            # An empty leaf has no blocks (and no update to scale).
-            scales[i] = jnp.ones(shapes[i], jnp.float32)
-            continue
-        store = stores[i]
-        # The store is the raw EMA; its bias correction is the leaf mean's, recovered as the
-        # ratio of the corrected mean (in the signals) to the raw one, so that kappa_b and
-        # kappa_ref are on the same footing however many estimates were dropped.
-        raw_mean = _raw_mean(store, shapes[i])
-        positive = raw_mean > 0
-        factor = jnp.where(positive, kappa[position] / jnp.where(positive, raw_mean, 1.0), 1.0)
-        kappa_b = jnp.maximum(store.block_means * factor, 0.0)
-        per_block = refresh_lib.bounded_scale(
-            kappa_ref,
-            kappa_b,
-            alpha=alpha,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            bound=bound,
-        )
-        scales[i] = _broadcast_blocks(per_block, shapes[i])
-    return scales
+    if math.prod(shape) == 0:
+        # An empty leaf has no blocks (and no update to scale).
+        return jnp.ones(shape, jnp.float32)
+    kappa = jnp.maximum(mean_curvature, 0.0)
+    # The store is the raw EMA; its bias correction is the leaf mean's, recovered as the ratio
+    # of the corrected mean (in the signals) to the raw one, so that kappa_b and kappa_ref are
+    # on the same footing however many estimates were dropped.
+    raw_mean = _raw_mean(store, shape)
+    positive = raw_mean > 0
+    factor = jnp.where(positive, kappa / jnp.where(positive, raw_mean, 1.0), 1.0)
+    kappa_b = jnp.maximum(store.block_means * factor, 0.0)
+    per_block = refresh_lib.bounded_scale(
+        kappa_ref, kappa_b, alpha=alpha, min_scale=min_scale, max_scale=max_scale, bound=bound
+    )
+    return _broadcast_blocks(per_block, shape)
 
 
 def _raw_mean(store: compression.CompressedDiagonal, shape: tuple[int, ...]) -> jax.Array:

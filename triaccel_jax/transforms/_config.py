@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +84,11 @@ class TriAccelConfig:
         ``"smooth"`` (``log s = L tanh(alpha log(kappa_ref / kappa) / L)``, ``L`` the log of
         the bound on that side: the clip's slope at the median, strictly inside the bounds, and
         moving with the curvature everywhere).
+      axis_name: under ``shard_map`` or ``pmap`` data parallelism, the mapped axis over which
+        the curvature estimate is averaged (``lax.pmean``), so that every replica folds the same
+        estimate and keeps the same state, as the gradients (averaged by the caller) do. None
+        (default) for a single replica or a ``jit`` over sharded data, where the estimate is
+        already the global one.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -105,6 +111,7 @@ class TriAccelConfig:
     impl: str = "auto"
     scale: str = "leaf"
     bound: str = "clip"
+    axis_name: str | None = None
 
     def __post_init__(self) -> None:
         validation.check_choice("estimator", self.estimator, ESTIMATORS)
@@ -114,6 +121,10 @@ class TriAccelConfig:
         validation.check_integer("block_size", self.block_size, 1)
         validation.check_in_range("rho", self.rho, 0.0, 1.0, low_inclusive=False)
         validation.check_integer("num_samples", self.num_samples, 1)
+        if self.axis_name is not None and not isinstance(self.axis_name, str):
+            raise ValueError(
+                f"`axis_name` must be None or the name of a mapped axis, got {self.axis_name!r}"
+            )
         # Plain Python values, so that equal configs hash equal (an array would not hash).
         for name, kind in (("block_size", int), ("rho", float), ("num_samples", int)):
             object.__setattr__(self, name, kind(np.asarray(getattr(self, name))))
@@ -129,3 +140,51 @@ def resolve_config(config: TriAccelConfig | None) -> TriAccelConfig:
             f"`config` must be a triaccel_jax.TriAccelConfig, got {type(config).__name__}"
         )
     return config
+
+
+class CurvatureSettings(NamedTuple):
+    """The numeric settings of the curvature signals and the step scale, declared once.
+
+    :func:`triaccel_jax.curvature_signals`, :func:`triaccel_jax.scale_by_triaccel`,
+    :func:`triaccel_jax.triaccel` and :func:`triaccel_jax.scale_by_curvature` take these as
+    keyword arguments (so that ``optax.inject_hyperparams`` can trace every number) and hand
+    them on as this one record, checked once by :meth:`checked`. The observer alone keeps
+    ``alpha=0`` with bounds 1: a step scale of 1.
+
+    Attributes:
+      b1: decay of the gradient's first-moment EMA, in [0, 1).
+      b2: decay of the second-moment EMA, in [0, 1).
+      curvature_every: steps between curvature estimates, >= 1.
+      curvature_decay: EMA decay of the curvature estimates, in [0, 1).
+      alpha: exponent of the step scale, >= 0.
+      min_scale: lower bound of the step scale, > 0.
+      max_scale: upper bound of the step scale, >= ``min_scale``.
+      seed: seed of the stochastic rounding and of Hutchinson's probes.
+    """
+
+    b1: Any = 0.9
+    b2: Any = 0.999
+    curvature_every: Any = 10
+    curvature_decay: Any = 0.95
+    alpha: Any = 0.5
+    min_scale: Any = 0.5
+    max_scale: Any = 2.0
+    seed: Any = 0
+
+    def checked(self) -> CurvatureSettings:
+        """The settings, or a ValueError naming the first one out of range."""
+        validation.check_in_range("b1", self.b1, 0.0, 1.0, high_inclusive=False)
+        validation.check_in_range("b2", self.b2, 0.0, 1.0, high_inclusive=False)
+        validation.check_integer("curvature_every", self.curvature_every, 1)
+        validation.check_in_range(
+            "curvature_decay", self.curvature_decay, 0.0, 1.0, high_inclusive=False
+        )
+        validation.check_in_range("alpha", self.alpha, 0.0, float("inf"))
+        validation.check_in_range(
+            "min_scale", self.min_scale, 0.0, float("inf"), low_inclusive=False
+        )
+        validation.check_in_range(
+            "max_scale", self.max_scale, 0.0, float("inf"), low_inclusive=False
+        )
+        validation.check_not_above("min_scale", self.min_scale, "max_scale", self.max_scale)
+        return self

@@ -1,15 +1,17 @@
-"""The curvature step of ``scale_by_triaccel``: fold an estimate, then refresh the leaf signals.
+"""The curvature refresh: fold an estimate into each leaf's EMA, then refresh the leaf signals.
 
-Every ``curvature_every`` steps the optimizer folds a fresh diagonal curvature estimate into each
-leaf's compressed EMA, and from the bias-corrected EMA derives the leaf's step-size scale
-``s_l = clip((kappa_ref / kappa_l) ** alpha, min_scale, max_scale)`` and its noise-to-signal
-ratio (docs/design.md §3.2 to §3.4). These functions work on lists of leaves (the optimizer's
-flattened trees) and on the indices of the leaves it trains.
+Every ``curvature_every`` steps the curvature signals fold a fresh diagonal curvature estimate
+into each leaf's compressed EMA, and from the bias-corrected EMA derive the leaf's step-size
+scale ``s_l = clip((kappa_ref / kappa_l) ** alpha, min_scale, max_scale)`` and its
+noise-to-signal ratio (docs/design.md §3.2 to §3.4). The whole tree is refreshed under one
+``lax.cond``. Trees here are shaped like the updates; a leaf the signals do not observe holds
+``optax.MaskedNode()`` in the stores and signals, and False in the ``active`` tree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
@@ -18,142 +20,65 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from triaccel_jax._src import validation
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _compression_sharded as compression_sharded
-from triaccel_jax.transforms._triaccel_state import LeafSignals
-from triaccel_jax.transforms._triaccel_state import as_named_tuple
+from triaccel_jax.transforms._config import CurvatureSettings
 
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 _HUGE = float(jnp.finfo(jnp.float32).max)
 
 
-class FoldedCurvature(NamedTuple):
-    """What folding one estimate into the leaves' EMAs gives, per trained leaf index.
+class LeafSignals(NamedTuple):
+    """Per-leaf float32 scalars that the curvature signals keep for the planner and controller.
+
+    All are refreshed on curvature steps (every ``curvature_every`` steps, from the first).
 
     Attributes:
-      stores: the new compressed EMA of every leaf (untrained leaves unchanged).
-      summaries: bias-corrected summary (mean, max_abs, trace) per trained leaf index.
-      dropped: new count of dropped estimates per trained leaf index.
+      mean_curvature: mean of the (bias-corrected) curvature EMA over the leaf, ``kappa_l``.
+      max_curvature: largest magnitude of the curvature EMA in the leaf.
+      trace: sum of the curvature EMA over the leaf.
+      noise_to_signal: ``mean(v_hat - m_hat**2) / mean(m_hat**2)``, the gradient noise.
+      step_scale: the step-size multiplier ``s_l`` (1 for the observer alone, which scales
+        nothing).
+      dropped_estimates: int32 number of this leaf's curvature estimates left out of the EMA
+        because they (or the EMA they would give) were not finite, saturating.
     """
 
-    stores: list[Any]
-    summaries: dict[int, Any]
-    dropped: dict[int, jax.Array]
+    mean_curvature: jax.Array
+    max_curvature: jax.Array
+    trace: jax.Array
+    noise_to_signal: jax.Array
+    step_scale: jax.Array
+    dropped_estimates: jax.Array
 
 
-def fold_estimate(
-    stores: list[Any],
-    diagonal: list[Any],
-    signals: list[LeafSignals],
-    curvature_count: jax.Array,
-    *,
-    active: list[int],
-    shapes: list[tuple[int, ...]],
-    curvature_decay: Any,
-) -> FoldedCurvature:
-    """Folds each trained leaf's estimate into its EMA, leaving non-finite estimates out.
+def as_named_tuple(cls: type[Any], node: Any) -> Any:
+    """``node`` as the NamedTuple ``cls`` if it came back as a mapping of its fields.
 
-    A non-finite estimate (``|x|**1.5`` at 0, an overflowing HVP) would stay in the EMA for good:
-    it is left out, and the leaf's bias correction ``1 - decay**kept`` counts only the estimates
-    it kept. ``curvature_count`` is the count after this estimate.
+    ``nnx.Optimizer`` keeps the optimizer state in ``nnx.Variable``s and returns nested
+    NamedTuples as dicts of their fields; ``lax.cond`` needs the same structure in both branches.
     """
-    stores = list(stores)
-    decay = jnp.asarray(curvature_decay, jnp.float32)
-    summaries, dropped = {}, {}
-    for i in active:
-        candidate = compression_sharded.update_compressed_ema(
-            stores[i], diagonal[i], curvature_decay
+    if isinstance(node, Mapping) and set(node) == set(cls._fields):
+        return cls(**{name: node[name] for name in cls._fields})
+    return node
+
+
+def as_named_tuples(cls: type[Any], tree: Any) -> Any:
+    """``tree`` with every mapping of ``cls``'s fields made a ``cls`` (:func:`as_named_tuple`)."""
+
+    def is_node(x: Any) -> bool:
+        return (
+            is_masked(x)
+            or isinstance(x, cls)
+            or (isinstance(x, Mapping) and set(x) == set(cls._fields))
         )
-        keep = jnp.all(jnp.isfinite(diagonal[i])) & _all_finite(candidate)
-        stores[i] = jax.tree.map(
-            lambda new, old, keep=keep: jnp.where(keep, new, old), candidate, stores[i]
-        )
-        old_dropped = signals[i].dropped_estimates
-        dropped[i] = jnp.where(keep, old_dropped, optax.safe_increment(old_dropped))
-        kept = jnp.maximum(curvature_count - dropped[i], 0)
-        correction = jnp.maximum(1 - decay ** kept.astype(jnp.float32), _TINY)
-        summary = compression.summarize_diagonal(stores[i], shapes[i])
-        summaries[i] = jax.tree.map(lambda x, c=correction: x / c, summary)
-    return FoldedCurvature(stores, summaries, dropped)
+
+    return jax.tree.map(lambda x: as_named_tuple(cls, x), tree, is_leaf=is_node)
 
 
-def refreshed_signals(
-    folded: FoldedCurvature,
-    signals: list[LeafSignals],
-    *,
-    active: list[int],
-    m_hat: dict[int, jax.Array],
-    v_hat: dict[int, jax.Array],
-    alpha: Any,
-    min_scale: Any,
-    max_scale: Any,
-    bound: str = "clip",
-) -> list[LeafSignals]:
-    """Each trained leaf's new :class:`LeafSignals`, its step scale against the median curvature.
-
-    ``kappa_ref`` is the median of the finite mean curvatures, so one leaf cannot poison the
-    rest; with no finite curvature anywhere (or a NaN one here) a leaf's step stays unscaled.
-    """
-    signals = list(signals)
-    scales = step_scales(
-        {i: folded.summaries[i].mean for i in active},
-        alpha=alpha,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        bound=bound,
-    )
-    for i in active:
-        scale = scales[i]
-        signal = jnp.mean(jnp.square(m_hat[i]))
-        noise = jnp.maximum(jnp.mean(v_hat[i]) - signal, 0.0)
-        summary = folded.summaries[i]
-        signals[i] = LeafSignals(
-            mean_curvature=summary.mean,
-            max_curvature=summary.max_abs,
-            trace=summary.trace,
-            # m_hat can cancel to exactly 0 while v_hat > 0: keep the ratio finite.
-            noise_to_signal=jnp.minimum(noise / (signal + _TINY), _HUGE),
-            step_scale=scale.astype(jnp.float32),
-            dropped_estimates=folded.dropped[i],
-        )
-    return signals
-
-
-def step_scales(
-    mean_curvatures: dict[int, jax.Array],
-    *,
-    alpha: Any,
-    min_scale: Any,
-    max_scale: Any,
-    bound: str = "clip",
-) -> dict[int, jax.Array]:
-    """Each leaf's step scale ``(kappa_ref / kappa_l) ** alpha`` within its bounds.
-
-    The bounds ``[min_scale, max_scale]`` are applied as :func:`bounded_scale`'s ``bound`` says.
-
-    ``kappa_l`` is the leaf's mean curvature clipped at 0 (Hutchinson's can be negative), and
-    ``kappa_ref`` the median of the finite ones, so one leaf cannot poison the rest; with no
-    finite curvature anywhere (or a NaN one here) a leaf's scale is 1 (float32 scalars).
-    """
-    if not mean_curvatures:
-        return {}
-    kappa = {i: jnp.maximum(k, 0.0) for i, k in mean_curvatures.items()}
-    kappa_ref = _finite_median(list(kappa.values()))
-    return {
-        i: bounded_scale(
-            kappa_ref, k, alpha=alpha, min_scale=min_scale, max_scale=max_scale, bound=bound
-        )
-        for i, k in kappa.items()
-    }
-
-
-def check_step_scale(alpha: Any, min_scale: Any, max_scale: Any) -> None:
-    """Raises ``ValueError`` unless ``alpha >= 0`` and ``0 < min_scale <= max_scale``."""
-    validation.check_in_range("alpha", alpha, 0.0, float("inf"))
-    validation.check_in_range("min_scale", min_scale, 0.0, float("inf"), low_inclusive=False)
-    validation.check_in_range("max_scale", max_scale, 0.0, float("inf"), low_inclusive=False)
-    validation.check_not_above("min_scale", min_scale, "max_scale", max_scale)
+def is_masked(node: Any) -> bool:
+    """Whether ``node`` stands for a leaf the signals do not observe (an ``is_leaf``)."""
+    return isinstance(node, optax.MaskedNode)
 
 
 def bounded_scale(
@@ -186,110 +111,171 @@ def bounded_scale(
     return jnp.where(jnp.isnan(scale), 1.0, scale).astype(jnp.float32)
 
 
-def refresh_curvature(
-    operand: tuple[list[Any], Any, jax.Array, list[LeafSignals]],
-    *,
-    estimate: Callable[[Any], tuple[Any, Any]],
-    treedef: Any,
-    active: list[int],
-    shapes: list[tuple[int, ...]],
-    moments: Callable[[], tuple[dict[int, jax.Array], dict[int, jax.Array]]],
-    axis_name: str | None,
-    curvature_decay: Any,
-    alpha: Any,
-    min_scale: Any,
-    max_scale: Any,
-    bound: str = "clip",
-) -> tuple[list[Any], Any, jax.Array, list[LeafSignals]]:
-    """One curvature step (the true branch of ``lax.cond``): estimate, fold, refresh signals.
+def reference_curvature(mean_curvatures: list[jax.Array]) -> jax.Array:
+    """``kappa_ref``: the median of the finite mean curvatures (clipped at 0), NaN when none is.
 
-    ``operand`` is ``(stores, estimator_state, curvature_count, signals)``, returned updated;
-    ``moments()`` gives the bias-corrected moments the noise-to-signal ratio reads.
+    The median, so that one leaf cannot poison the rest; Hutchinson's means can be negative.
     """
-    stores, estimator_state, curvature_count, signals = operand
-    diagonal, estimator_state = estimate(estimator_state)
-    diagonal = treedef.flatten_up_to(diagonal)
-    if axis_name is not None:
-        # Each replica's Hutchinson estimate sees only its shard of the batch; left alone, the
-        # replicas' EMAs and step scales drift apart. The mean over replicas is the estimate of
-        # the global batch (the HVP is linear in the loss).
-        active_diagonals = lax.pmean([diagonal[i] for i in active], axis_name)
-        for i, averaged in zip(active, active_diagonals, strict=True):
-            diagonal[i] = averaged
-    curvature_count = optax.safe_increment(curvature_count)
-    folded = fold_estimate(
-        stores,
-        diagonal,
-        signals,
-        curvature_count,
-        active=active,
-        shapes=shapes,
-        curvature_decay=curvature_decay,
-    )
-    m_hat, v_hat = moments()
-    signals = refreshed_signals(
-        folded,
-        signals,
-        active=active,
-        m_hat=m_hat,
-        v_hat=v_hat,
-        alpha=alpha,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        bound=bound,
-    )
-    return folded.stores, estimator_state, curvature_count, signals
+    stacked = jnp.maximum(jnp.stack(mean_curvatures), 0.0)
+    return jnp.nanmedian(jnp.where(jnp.isfinite(stacked), stacked, jnp.nan))
 
 
 def refresh_when_due(
     state: Any,
     *,
     estimate: Callable[[Any], tuple[Any, Any]],
-    treedef: Any,
-    active: list[int],
-    shapes: list[tuple[int, ...]],
-    moments: Callable[[], tuple[dict[int, jax.Array], dict[int, jax.Array]]],
-    curvature_every: Any,
+    like_updates: Callable[[Any], Any],
+    updates: Any,
+    active: Any,
+    moments: Callable[[], tuple[Any, Any]],
+    settings: CurvatureSettings,
+    bound: str,
     axis_name: str | None,
-    curvature_decay: Any,
-    alpha: Any,
-    min_scale: Any,
-    max_scale: Any,
-    bound: str = "clip",
-) -> tuple[list[Any], Any, jax.Array, list[LeafSignals]]:
-    """:func:`refresh_curvature` on the steps it is due (every ``curvature_every``, from the
-    first, under ``lax.cond``); the stored stores and signals on the others.
+) -> tuple[Any, Any, jax.Array, Any]:
+    """The curvature step on the steps it is due (every ``curvature_every``, from the first,
+    under one ``lax.cond`` for the whole tree); the stored stores and signals on the others.
 
-    ``state`` is a state keeping signals (``scale_by_triaccel``'s or ``curvature_signals``'s):
-    its ``count`` (before this step), ``curvature``, ``leaf_signals``, ``estimator_state`` and
-    ``curvature_count`` are read. Returns ``(stores, estimator_state, curvature_count,
-    signals)``, the stores and signals flattened like the updates.
+    Args:
+      state: the signals' state: its ``count`` (before this step), ``curvature``,
+        ``leaf_signals``, ``estimator_state`` and ``curvature_count`` are read.
+      estimate: ``estimator_state -> (diagonal, estimator_state)``, the curvature estimate.
+      like_updates: a tree of the state's (or the estimate's) -> the same nodes in the updates'
+        structure (a clear error where it differs).
+      updates: the gradients (their shapes give the leaves').
+      active: a tree of the updates' structure, True where the leaf is observed.
+      moments: ``() -> (m_hat, v_mean)``: per observed leaf the bias-corrected first moment and
+        the mean of the bias-corrected second moment (None elsewhere); called only on the steps
+        that refresh.
+      settings: the decays, the step scale's exponent and bounds.
+      bound: ``"clip"`` or ``"smooth"`` (:func:`bounded_scale`).
+      axis_name: the mapped axis over which replicas average their estimates, or None.
+
+    Returns:
+      ``(stores, estimator_state, curvature_count, signals)``, stores and signals shaped like
+      the updates.
     """
-    stores = [
-        as_named_tuple(compression.CompressedDiagonal, x)
-        for x in treedef.flatten_up_to(state.curvature)
-    ]
-    signals = [as_named_tuple(LeafSignals, x) for x in treedef.flatten_up_to(state.leaf_signals)]
+    stores = as_named_tuples(compression.CompressedDiagonal, like_updates(state.curvature))
+    signals = as_named_tuples(LeafSignals, like_updates(state.leaf_signals))
 
     def refresh(operand):
-        return refresh_curvature(
-            operand,
-            estimate=estimate,
-            treedef=treedef,
-            active=active,
-            shapes=shapes,
-            moments=moments,
-            axis_name=axis_name,
-            curvature_decay=curvature_decay,
-            alpha=alpha,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            bound=bound,
+        stores, estimator_state, curvature_count, signals = operand
+        diagonal, estimator_state = estimate(estimator_state)
+        diagonal = like_updates(diagonal)
+        if axis_name is not None:
+            # Each replica's Hutchinson estimate sees only its shard of the batch; left alone,
+            # the replicas' EMAs and step scales drift apart. The mean over replicas is the
+            # estimate of the global batch (the HVP is linear in the loss).
+            observed = jax.tree.map(lambda d, a: d if a else None, diagonal, active)
+            averaged = lax.pmean(observed, axis_name)
+            diagonal = jax.tree.map(
+                lambda d, a: d if a is None else a, diagonal, averaged, is_leaf=_is_none
+            )
+        curvature_count = optax.safe_increment(curvature_count)
+        folded = jax.tree.map(
+            lambda a, g, store, h, signal: (
+                _fold(store, h, signal, g.shape, curvature_count, settings.curvature_decay)
+                if a
+                else None
+            ),
+            active,
+            updates,
+            stores,
+            diagonal,
+            signals,
+            is_leaf=is_masked,
         )
+        kept = jax.tree.leaves(folded, is_leaf=_is_folded)
+        if not kept:
+            return stores, estimator_state, curvature_count, signals
+        kappa_ref = reference_curvature([f.summary.mean for f in kept])
+        m_hat, v_mean = moments()
 
-    due = state.count % jnp.asarray(curvature_every, jnp.int32) == 0
+        def signal_of(fold, m, v):
+            signal = jnp.mean(jnp.square(m))
+            noise = jnp.maximum(v - signal, 0.0)
+            kappa = jnp.maximum(fold.summary.mean, 0.0)
+            return LeafSignals(
+                mean_curvature=fold.summary.mean,
+                max_curvature=fold.summary.max_abs,
+                trace=fold.summary.trace,
+                # m_hat can cancel to exactly 0 while v_hat > 0: keep the ratio finite.
+                noise_to_signal=jnp.minimum(noise / (signal + _TINY), _HUGE),
+                step_scale=bounded_scale(
+                    kappa_ref,
+                    kappa,
+                    alpha=settings.alpha,
+                    min_scale=settings.min_scale,
+                    max_scale=settings.max_scale,
+                    bound=bound,
+                ),
+                dropped_estimates=fold.dropped,
+            )
+
+        new_stores = jax.tree.map(
+            lambda fold, old: old if fold is None else fold.store,
+            folded,
+            stores,
+            is_leaf=_is_folded_or_none,
+        )
+        new_signals = jax.tree.map(
+            lambda fold, m, v, old: old if fold is None else signal_of(fold, m, v),
+            folded,
+            m_hat,
+            v_mean,
+            signals,
+            is_leaf=_is_folded_or_none,
+        )
+        return new_stores, estimator_state, curvature_count, new_signals
+
+    due = state.count % jnp.asarray(settings.curvature_every, jnp.int32) == 0
     operand = (stores, state.estimator_state, state.curvature_count, signals)
     return lax.cond(due, refresh, lambda operand: operand, operand)
+
+
+class _Folded(NamedTuple):
+    """One leaf's EMA after an estimate: its store, bias-corrected summary and dropped count."""
+
+    store: compression.CompressedDiagonal
+    summary: compression.DiagonalSummary
+    dropped: jax.Array
+
+
+def _fold(
+    store: compression.CompressedDiagonal,
+    diagonal: jax.Array,
+    signal: LeafSignals,
+    shape: tuple[int, ...],
+    curvature_count: jax.Array,
+    curvature_decay: Any,
+) -> _Folded:
+    """Folds a leaf's estimate into its EMA, leaving a non-finite estimate out.
+
+    A non-finite estimate (``|x|**1.5`` at 0, an overflowing HVP) would stay in the EMA for good:
+    it is left out, and the leaf's bias correction ``1 - decay**kept`` counts only the estimates
+    it kept. ``curvature_count`` is the count after this estimate.
+    """
+    candidate = compression_sharded.update_compressed_ema(store, diagonal, curvature_decay)
+    keep = jnp.all(jnp.isfinite(diagonal)) & _all_finite(candidate)
+    store = jax.tree.map(lambda new, old: jnp.where(keep, new, old), candidate, store)
+    old_dropped = signal.dropped_estimates
+    dropped = jnp.where(keep, old_dropped, optax.safe_increment(old_dropped))
+    kept = jnp.maximum(curvature_count - dropped, 0)
+    decay = jnp.asarray(curvature_decay, jnp.float32)
+    correction = jnp.maximum(1 - decay ** kept.astype(jnp.float32), _TINY)
+    summary = compression.summarize_diagonal(store, shape)
+    return _Folded(store, jax.tree.map(lambda x: x / correction, summary), dropped)
+
+
+def _is_none(node: Any) -> bool:
+    return node is None
+
+
+def _is_folded(node: Any) -> bool:
+    return isinstance(node, _Folded)
+
+
+def _is_folded_or_none(node: Any) -> bool:
+    return node is None or isinstance(node, _Folded)
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -300,9 +286,3 @@ def _all_finite(tree: Any) -> jax.Array:
         if jnp.issubdtype(x.dtype, jnp.inexact)
     ]
     return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
-
-
-def _finite_median(values: list[jax.Array]) -> jax.Array:
-    """The median of the finite ``values`` (NaN when none is): one leaf cannot poison the rest."""
-    stacked = jnp.stack(values)
-    return jnp.nanmedian(jnp.where(jnp.isfinite(stacked), stacked, jnp.nan))

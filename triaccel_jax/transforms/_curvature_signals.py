@@ -1,18 +1,20 @@
-"""``curvature_signals``: Tri-Accel's curvature and noise signals as an observer transform.
+"""``curvature_signals``: Tri-Accel's curvature and noise signals, the one place they are kept.
 
-The precision planner and the controller read per-leaf curvature and gradient noise. Inside
-:func:`triaccel_jax.scale_by_triaccel` those come for free from its Adam moments; this transform
-keeps the same figures for *any* optax optimizer while leaving the updates it is given
-untouched, so it can sit in a chain beside ``optax.adamw``, ``optax.sgd`` or
-``optax.contrib.muon`` (docs/design.md §3.9):
+The precision planner, the controller and Tri-Accel's step scale read per-leaf curvature and
+gradient noise. This module estimates and keeps them (docs/design.md §3, §3.9):
 
-* every ``curvature_every`` steps (under ``lax.cond``), a diagonal curvature estimate (empirical
-  Fisher or Hutchinson) folded into an EMA stored compressed (block means + top-k), exactly as
-  ``scale_by_triaccel`` folds it (:mod:`triaccel_jax.transforms._curvature_refresh`);
+* every ``curvature_every`` steps (under one ``lax.cond``), a diagonal curvature estimate
+  (empirical Fisher or Hutchinson) folded into an EMA stored compressed (block means + top-k)
+  (:mod:`triaccel_jax.transforms._curvature_refresh`);
 * the noise-to-signal ratio ``mean(v_hat - m_hat**2) / mean(m_hat**2)`` of the gradients it sees,
-  from an element-wise EMA of the gradient (``m``, in the config's state dtype: the one copy of
-  the params this transform costs) and a per-leaf scalar EMA of ``mean(g**2)`` (the mean over a
-  leaf of Adam's ``v``, which is all the ratio needs).
+  from an element-wise EMA of the gradient (``mu``, in the config's state dtype, bfloat16 writes
+  stochastically rounded) and an EMA of the squared gradient (``nu``).
+
+:func:`curvature_signals` is the observer: it leaves the updates untouched and keeps ``nu`` as a
+per-leaf scalar (the mean over a leaf of Adam's ``v``, all the ratio needs), so it can sit in a
+chain beside ``optax.adamw``, ``optax.sgd`` or ``optax.contrib.muon``. Beside Adam's direction
+(:func:`triaccel_jax.scale_by_triaccel`) the same moments are Adam's: there :func:`keep_signals`
+keeps ``nu`` element-wise and returns Adam's direction from them, so the moments exist once.
 
 The transform observes the updates that reach it: put it first in the chain, where they are the
 gradients (the Fisher estimate is their square); the Hutchinson estimate reads only the params
@@ -33,15 +35,14 @@ import optax
 from triaccel_jax import kernels
 from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
-from triaccel_jax._src import validation
 from triaccel_jax.kernels import cast as cast_kernel
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _curvature as curvature_lib
 from triaccel_jax.transforms import _curvature_refresh as refresh_lib
+from triaccel_jax.transforms._config import CurvatureSettings
 from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._config import resolve_config
-from triaccel_jax.transforms._triaccel_state import LeafSignals
-from triaccel_jax.transforms._triaccel_state import ScaleByTriAccelState
+from triaccel_jax.transforms._curvature_refresh import LeafSignals
 
 # The curvature store's outlier indices are int32 flat indices into a leaf (and XLA's top_k
 # over a flattened leaf counts in int32).
@@ -49,29 +50,33 @@ MAX_LEAF_SIZE = 2**31 - 1
 
 
 class CurvatureSignalsState(NamedTuple):
-    """State of :func:`curvature_signals`; arrays only.
+    """State of the curvature signals (:func:`curvature_signals`, and inside
+    :func:`triaccel_jax.scale_by_triaccel`, :func:`triaccel_jax.triaccel` and
+    :func:`triaccel_jax.scale_by_curvature`); arrays only.
 
     Trees are shaped like the params; leaves it does not observe (integer, boolean, empty) hold
     ``optax.MaskedNode()``.
 
     Attributes:
       count: int32 number of updates, saturating.
-      curvature_count: int32 number of curvature estimates taken, saturating.
-      mu: EMA of the gradients (decay ``b1``), in the state dtype.
-      nu_mean: per-leaf float32 scalar, EMA of ``mean(g**2)`` over the leaf (decay ``b2``).
+      curvature_count: int32 number of curvature estimates taken, saturating; a leaf's EMA holds
+        ``curvature_count - dropped_estimates`` of them (see :class:`LeafSignals`).
+      mu: EMA of the gradients (decay ``b1``; Adam's first moment), in the state dtype.
+      nu: EMA of the squared gradients (decay ``b2``): Adam's second moment, element-wise in
+        the state dtype, where the signals keep Adam's moments (``scale_by_triaccel``,
+        ``triaccel``); else, for the observer, a float32 scalar per leaf, the EMA of
+        ``mean(g**2)`` over the leaf.
       curvature: the curvature EMA per leaf, a :class:`triaccel_jax.transforms.CompressedDiagonal`.
-      leaf_signals: :class:`triaccel_jax.transforms.LeafSignals` per leaf (``step_scale`` is 1
-        for :func:`curvature_signals`, which scales nothing, and the scale
-        :func:`triaccel_jax.scale_by_curvature` applies inside that transform).
+      leaf_signals: :class:`triaccel_jax.transforms.LeafSignals` per leaf.
       estimator_state: the curvature estimator's state.
-      rounding_key: uint32 PRNG key data for the stochastic rounding of ``mu``.
+      rounding_key: uint32 PRNG key data for the stochastic rounding of the moments.
     """
 
     # Shadows tuple.count, as optax's states do; the field name is part of the state's structure.
     count: jax.Array  # type: ignore[assignment]
     curvature_count: jax.Array
     mu: Any
-    nu_mean: Any
+    nu: Any
     curvature: Any
     leaf_signals: Any
     estimator_state: Any
@@ -166,38 +171,6 @@ def make_estimator(config: TriAccelConfig, seed: int) -> optax.GradientTransform
     return curvature_lib.fisher_diagonal()
 
 
-def flatten_like_updates(treedef: Any, tree: Any) -> list[Any]:
-    """``tree``'s nodes at the leaves of the updates' ``treedef``; a clear error if it differs."""
-    try:
-        return treedef.flatten_up_to(tree)
-    except (ValueError, TypeError) as error:
-        raise ValueError(
-            "the updates do not have the tree structure of the params the optimizer state "
-            f"was initialised with: {error}"
-        ) from None
-
-
-def trained_leaves(updates: Any, grads: list[Any], moments: list[Any]) -> list[int]:
-    """Indices of the leaves the transform acts on, each checked against its shape at init.
-
-    The state decides which leaves are trained (init saw the params): a float gradient for an
-    integer parameter, say, passes through like the parameter's other updates.
-    """
-    active = [
-        i
-        for i, (g, m) in enumerate(zip(grads, moments, strict=True))
-        if not isinstance(m, optax.MaskedNode) and tree_lib.is_trainable(g)
-    ]
-    for i in active:
-        if grads[i].shape != moments[i].shape:
-            path = jax.tree_util.tree_flatten_with_path(updates)[0][i][0]
-            raise ValueError(
-                f"the update of leaf {tree_lib.path_string(path)!r} has shape "
-                f"{grads[i].shape}, its parameter had shape {moments[i].shape} at init"
-            )
-    return active
-
-
 def require_loss_fn(
     config: TriAccelConfig,
     *,
@@ -223,7 +196,6 @@ def curvature_signals(
     curvature_every: int = 10,
     curvature_decay: float = 0.95,
     seed: int = 0,
-    axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Keeps Tri-Accel's per-leaf curvature and noise signals, leaving the updates untouched.
 
@@ -237,18 +209,18 @@ def curvature_signals(
       b1: decay of the gradient EMA the noise-to-signal ratio reads, in [0, 1).
       b2: decay of the EMA of ``mean(g**2)``, in [0, 1).
       config: a :class:`triaccel_jax.TriAccelConfig`: the estimator, the curvature store's
-        layout, Hutchinson's probes, and ``state_dtype`` for the gradient EMA (``impl`` chooses
-        its narrow writes; ``scale`` is not read). None: its defaults.
+        layout, Hutchinson's probes, ``state_dtype`` for the gradient EMA (``impl`` chooses
+        its narrow writes; ``scale`` is not read) and ``axis_name`` under ``shard_map`` or
+        ``pmap``. None: its defaults.
       curvature_every: estimate curvature every this many steps (>= 1), starting at the first.
       curvature_decay: EMA decay of the curvature estimates, in [0, 1).
       seed: seed of the stochastic rounding and of Hutchinson's probes.
-      axis_name: under ``shard_map`` or ``pmap``, the mapped axis over which the curvature
-        estimate is averaged (see :func:`triaccel_jax.scale_by_triaccel`); None otherwise.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose ``update`` returns the updates it is
-      given (the same objects) and takes the keyword-only extra argument ``loss_fn`` (also
-      under optax's names ``obj_fn`` and ``value_fn``; needed by the Hutchinson estimator only).
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`CurvatureSignalsState` and whose ``update`` returns the updates it is given (the
+      same objects) and takes the keyword-only extra argument ``loss_fn`` (also under optax's
+      names ``obj_fn`` and ``value_fn``; needed by the Hutchinson estimator only).
 
     Raises:
       ValueError: a hyperparameter is out of range.
@@ -269,64 +241,217 @@ def curvature_signals(
       Approximation"; Yao et al., 2021, "ADAHESSIAN" (Hutchinson's diagonal).
     """
     # alpha 0 with bounds 1: the observer's step scale is 1.
-    return signals_with_scales(
-        b1,
-        b2,
-        config=config,
-        curvature_every=curvature_every,
-        curvature_decay=curvature_decay,
-        seed=seed,
-        axis_name=axis_name,
-        alpha=0.0,
-        min_scale=1.0,
-        max_scale=1.0,
+    settings = CurvatureSettings(b1, b2, curvature_every, curvature_decay, 0.0, 1.0, 1.0, seed)
+    return keep_signals(settings, config)
+
+
+class Step(NamedTuple):
+    """One update's checked inputs, shaped like the updates.
+
+    Attributes:
+      loss_fn: the loss (Hutchinson's estimator), resolved from its accepted names, or None.
+      like_updates: a tree of the state's -> its nodes in the updates' structure.
+      active: True where the signals observe the leaf (a tree of Python bools).
+      mu: the first moments (``MaskedNode`` where not observed).
+      nu: the second moments.
+      count: the new step number (the state's count plus one).
+      keys: each leaf's PRNG key for this step.
+    """
+
+    loss_fn: Callable[..., Any] | None
+    like_updates: Callable[[Any], Any]
+    active: Any
+    mu: Any
+    nu: Any
+    # Shadows tuple.count, as the states do.
+    count: jax.Array  # type: ignore[assignment]
+    keys: Any
+
+
+def prepare(
+    updates: Any,
+    state: CurvatureSignalsState,
+    config: TriAccelConfig,
+    *,
+    loss_fn: Callable[..., Any] | None,
+    obj_fn: Callable[..., Any] | None,
+    value_fn: Callable[..., Any] | None,
+) -> Step:
+    """Checks one update's inputs against the state (shared with the fused update).
+
+    The state decides which leaves are observed (init saw the params): a float gradient for an
+    integer parameter, say, passes through like the parameter's other updates.
+    """
+    loss_fn = require_loss_fn(config, loss_fn=loss_fn, obj_fn=obj_fn, value_fn=value_fn)
+    # Checked on every trace, also for float32 moments (which no kernel writes), so that
+    # impl="triton" where Triton cannot run is refused wherever it is asked for.
+    kernels.resolve(config.impl, "moment write")
+    treedef: Any  # a jaxlib PyTreeDef, which has no stubs mypy can see
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
+
+    def like_updates(tree: Any) -> Any:
+        try:
+            return treedef.unflatten(treedef.flatten_up_to(tree))
+        except (ValueError, TypeError) as error:
+            raise ValueError(
+                "the updates do not have the tree structure of the params the optimizer state "
+                f"was initialised with: {error}"
+            ) from None
+
+    mu = like_updates(state.mu)
+
+    def observed(path: Any, g: Any, m: Any) -> bool:
+        if refresh_lib.is_masked(m) or not tree_lib.is_trainable(g):
+            return False
+        if g.shape != m.shape:
+            raise ValueError(
+                f"the update of leaf {tree_lib.path_string(path)!r} has shape {g.shape}, its "
+                f"parameter had shape {m.shape} at init"
+            )
+        return True
+
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rounding_key), state.count)
+    return Step(
+        loss_fn=loss_fn,
+        like_updates=like_updates,
+        active=jax.tree_util.tree_map_with_path(observed, updates, mu),
+        mu=mu,
+        nu=like_updates(state.nu),
+        count=optax.safe_increment(state.count),
+        keys=treedef.unflatten([jax.random.fold_in(step_key, i) for i in range(len(with_paths))]),
     )
 
 
-def signals_with_scales(
-    b1: Any,
-    b2: Any,
+def refresh(
+    step: Step,
+    updates: Any,
+    state: CurvatureSignalsState,
+    params: Any,
+    moments: Callable[[], tuple[Any, Any]],
     *,
-    config: TriAccelConfig | None,
-    curvature_every: Any,
-    curvature_decay: Any,
-    seed: Any,
-    axis_name: str | None,
-    alpha: Any,
-    min_scale: Any,
-    max_scale: Any,
-) -> optax.GradientTransformationExtraArgs:
-    """:func:`curvature_signals` whose signals also hold Tri-Accel's step scale at ``alpha``.
+    settings: CurvatureSettings,
+    config: TriAccelConfig,
+) -> tuple[Any, Any, jax.Array, Any]:
+    """The curvature step when it is due: ``(stores, estimator_state, curvature_count,
+    signals)`` (:func:`triaccel_jax.transforms._curvature_refresh.refresh_when_due`).
 
-    The scales are refreshed with the curvature (``refresh_when_due``), as
-    ``scale_by_triaccel``'s are; :func:`triaccel_jax.scale_by_curvature` applies them. The
-    updates are returned untouched.
+    ``moments()`` gives ``(m_hat, v_mean)`` per observed leaf; it is called only on the steps
+    that refresh, so a caller that has not computed them (the fused update) computes them then.
     """
-    validation.check_in_range("b1", b1, 0.0, 1.0, high_inclusive=False)
-    validation.check_in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
+    estimator_tx = make_estimator(config, settings.seed)
+    return refresh_lib.refresh_when_due(
+        state,
+        estimate=lambda estimator_state: estimator_tx.update(
+            updates, estimator_state, params, loss_fn=step.loss_fn
+        ),
+        like_updates=step.like_updates,
+        updates=updates,
+        active=step.active,
+        moments=moments,
+        settings=settings,
+        bound=config.bound,
+        axis_name=config.axis_name,
+    )
+
+
+def advanced(
+    state: CurvatureSignalsState,
+    step: Step,
+    refreshed: tuple[Any, Any, jax.Array, Any],
+    *,
+    mu: Any,
+    nu: Any,
+) -> CurvatureSignalsState:
+    """The state after a step, from its new moments and the refresh's result."""
+    stores, estimator_state, curvature_count, signals = refreshed
+    return CurvatureSignalsState(
+        count=step.count,
+        curvature_count=curvature_count,
+        mu=mu,
+        nu=nu,
+        curvature=stores,
+        leaf_signals=signals,
+        estimator_state=estimator_state,
+        rounding_key=state.rounding_key,
+    )
+
+
+def adam_moments(step: Step, updates: Any, scalars: kernels.Scalars) -> Any:
+    """Adam's new moments of each observed leaf (None on the others), in float32.
+
+    The math the fused update's reference shares (:func:`triaccel_jax.kernels.adam_moments`).
+    """
+    return jax.tree.map(
+        lambda a, g, m, v: kernels.adam_moments(g, m, v, scalars) if a else None,
+        step.active,
+        updates,
+        step.mu,
+        step.nu,
+    )
+
+
+def noise_moments(moments: Any) -> tuple[Any, Any]:
+    """What the noise ratio reads of :func:`adam_moments`' result: ``(m_hat, mean(v_hat))``."""
+    return (
+        jax.tree.map(
+            lambda m: None if m is None else m.m_hat, moments, is_leaf=_is_moments_or_none
+        ),
+        jax.tree.map(
+            lambda m: None if m is None else jnp.mean(m.v_hat), moments, is_leaf=_is_moments_or_none
+        ),
+    )
+
+
+def write_moment(value: jax.Array, old: jax.Array, key: jax.Array, impl: str) -> jax.Array:
+    """A freshly computed float32 moment in its stored dtype, stochastically rounded when
+    narrower, through the cast kernel's dispatch (``impl``)."""
+    return cast_kernel.cast(value, old.dtype, rounding="stochastic", key=key, impl=impl)
+
+
+def keep_signals(
+    settings: CurvatureSettings,
+    config: TriAccelConfig | None,
+    *,
+    adam_eps: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """The curvature signals, as the observer or beside Adam's direction.
+
+    Args:
+      settings: the numeric settings (checked here); ``alpha`` and the bounds set the step
+        scale the signals hold (``alpha=0``: 1).
+      config: the shape options (None: defaults).
+      adam_eps: None: the observer (returns the updates it is given; ``nu`` a scalar per
+        leaf). A number: the signals keep Adam's moments element-wise and return Adam's
+        direction ``m_hat / (sqrt(v_hat) + adam_eps)`` in float32.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`CurvatureSignalsState`.
+    """
+    settings = settings.checked()
     config = resolve_config(config)
-    validation.check_integer("curvature_every", curvature_every, 1)
-    validation.check_in_range("curvature_decay", curvature_decay, 0.0, 1.0, high_inclusive=False)
-    refresh_lib.check_step_scale(alpha, min_scale, max_scale)
-    estimator_tx = make_estimator(config, seed)
+    adam = adam_eps is not None
+    estimator_tx = make_estimator(config, settings.seed)
 
     def init_fn(params: Any) -> CurvatureSignalsState:
         mu = init_moments(params, config)
         curvature, leaf_signals = init_curvature(params, config)
-        nu_mean = jax.tree.map(
-            lambda m: m if isinstance(m, optax.MaskedNode) else jnp.zeros((), jnp.float32),
-            mu,
-            is_leaf=lambda x: isinstance(x, optax.MaskedNode),
-        )
+        if adam:
+            nu = init_moments(params, config)
+        else:
+            nu = jax.tree.map(
+                lambda m: m if refresh_lib.is_masked(m) else jnp.zeros((), jnp.float32),
+                mu,
+                is_leaf=refresh_lib.is_masked,
+            )
         return CurvatureSignalsState(
             count=jnp.zeros([], jnp.int32),
             curvature_count=jnp.zeros([], jnp.int32),
             mu=mu,
-            nu_mean=nu_mean,
+            nu=nu,
             curvature=curvature,
             leaf_signals=leaf_signals,
             estimator_state=estimator_tx.init(params),
-            rounding_key=jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1)),
+            rounding_key=jax.random.key_data(jax.random.fold_in(jax.random.key(settings.seed), 1)),
         )
 
     def update_fn(
@@ -340,74 +465,80 @@ def signals_with_scales(
         **extra_args: Any,
     ) -> tuple[Any, CurvatureSignalsState]:
         del extra_args  # optax's contract: ignore extra arguments meant for other transforms
-        loss_fn = require_loss_fn(config, loss_fn=loss_fn, obj_fn=obj_fn, value_fn=value_fn)
-        kernels.resolve(config.impl, "moment write")
-        treedef: Any  # a jaxlib PyTreeDef, which has no stubs mypy can see
-        grads, treedef = jax.tree.flatten(updates)
-        mu = flatten_like_updates(treedef, state.mu)
-        nu_mean = treedef.flatten_up_to(state.nu_mean)
-        active = trained_leaves(updates, grads, mu)
-        count = optax.safe_increment(state.count)
-        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rounding_key), state.count)
-        decay1 = jnp.asarray(b1, jnp.float32)
-        decay2 = jnp.asarray(b2, jnp.float32)
-        t = count.astype(jnp.float32)
-        correction1 = 1 - decay1**t
-        correction2 = 1 - decay2**t
-        new_mu, new_nu = list(mu), list(nu_mean)
-        m_hat, v_hat = {}, {}
-        for i in active:
-            g = grads[i].astype(jnp.float32)
-            m = decay1 * mu[i].astype(jnp.float32) + (1 - decay1) * g
-            new_nu[i] = decay2 * nu_mean[i] + (1 - decay2) * jnp.mean(jnp.square(g))
-            new_mu[i] = cast_kernel.cast(
-                m,
-                mu[i].dtype,
-                rounding="stochastic",
-                key=jax.random.fold_in(step_key, i),
-                impl=config.impl,
-            )
-            m_hat[i] = m / correction1
-            v_hat[i] = new_nu[i] / correction2
+        step = prepare(updates, state, config, loss_fn=loss_fn, obj_fn=obj_fn, value_fn=value_fn)
+        scalars = kernels.adam_scalars(
+            count=step.count, b1=settings.b1, b2=settings.b2, eps=0.0 if not adam else adam_eps
+        )
+        # The observer keeps v's mean over the leaf only.
+        moments = adam_moments(step, updates, scalars)
 
-        stores, estimator_state, curvature_count, new_signals = refresh_lib.refresh_when_due(
+        def each(fn: Callable[..., Any], *trees: Any) -> Any:
+            """``fn(moments, *nodes)`` on the observed leaves, None on the others."""
+            return jax.tree.map(
+                lambda m, *nodes: None if m is None else fn(m, *nodes),
+                moments,
+                *trees,
+                is_leaf=_is_moments_or_none,
+            )
+
+        def kept(new: Any, old: Any) -> Any:
+            return jax.tree.map(
+                lambda n, o: o if n is None else n, new, old, is_leaf=_is_none_or_masked
+            )
+
+        mu = each(
+            lambda m, old, key: write_moment(m.mu, old, jax.random.fold_in(key, 0), config.impl),
+            step.mu,
+            step.keys,
+        )
+        if adam:
+            nu = each(
+                lambda m, old, key: write_moment(
+                    m.nu, old, jax.random.fold_in(key, 1), config.impl
+                ),
+                step.nu,
+                step.keys,
+            )
+        else:
+            # In the stored mean's own dtype, so that the state's dtypes never change.
+            nu = each(lambda m, old: jnp.mean(m.nu).astype(old.dtype), step.nu)
+        refreshed = refresh(
+            step,
+            updates,
             state,
-            estimate=lambda estimator_state: estimator_tx.update(
-                updates, estimator_state, params, loss_fn=loss_fn
-            ),
-            treedef=treedef,
-            active=active,
-            shapes=[getattr(g, "shape", ()) for g in grads],
-            moments=lambda: (m_hat, v_hat),
-            curvature_every=curvature_every,
-            axis_name=axis_name,
-            curvature_decay=curvature_decay,
-            alpha=alpha,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            bound=config.bound,
+            params,
+            lambda: noise_moments(moments),
+            settings=settings,
+            config=config,
         )
-        new_state = CurvatureSignalsState(
-            count=count,
-            curvature_count=curvature_count,
-            mu=treedef.unflatten(new_mu),
-            nu_mean=treedef.unflatten(new_nu),
-            curvature=treedef.unflatten(stores),
-            leaf_signals=treedef.unflatten(new_signals),
-            estimator_state=estimator_state,
-            rounding_key=state.rounding_key,
+        new_state = advanced(state, step, refreshed, mu=kept(mu, step.mu), nu=kept(nu, step.nu))
+        if not adam:
+            return updates, new_state
+        direction = jax.tree.map(
+            lambda m, g: g if m is None else m.direction,
+            moments,
+            updates,
+            is_leaf=_is_moments_or_none,
         )
-        return updates, new_state
+        return direction, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _is_moments_or_none(node: Any) -> bool:
+    return node is None or isinstance(node, kernels.AdamMoments)
+
+
+def _is_none_or_masked(node: Any) -> bool:
+    return node is None or refresh_lib.is_masked(node)
+
+
 def is_signal_state(node: Any) -> bool:
-    """Whether ``node`` keeps curvature signals: a triaccel or a ``curvature_signals`` state."""
-    return isinstance(node, (ScaleByTriAccelState, CurvatureSignalsState))
+    """Whether ``node`` is a :class:`CurvatureSignalsState` (an ``is_leaf`` for tree functions)."""
+    return isinstance(node, CurvatureSignalsState)
 
 
-def find_signal_states(opt_state: Any) -> list[ScaleByTriAccelState | CurvatureSignalsState]:
+def find_signal_states(opt_state: Any) -> list[CurvatureSignalsState]:
     """Every state keeping curvature signals inside ``opt_state``, in tree order.
 
     Args:
@@ -415,8 +546,7 @@ def find_signal_states(opt_state: Any) -> list[ScaleByTriAccelState | CurvatureS
         ``masked``, ``multi_transform``), a train state, or a state holding none.
 
     Returns:
-      The :class:`ScaleByTriAccelState` and :class:`CurvatureSignalsState` nodes found (an
-      empty list when there is none).
+      The :class:`CurvatureSignalsState` nodes found (an empty list when there is none).
     """
     nodes = jax.tree.leaves(opt_state, is_leaf=is_signal_state)
     return [node for node in nodes if is_signal_state(node)]

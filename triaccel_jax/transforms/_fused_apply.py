@@ -1,24 +1,27 @@
-"""``fused_apply``: a triaccel step that writes moments, master and compute copy in one pass.
+"""``fused_triaccel`` and ``fused_apply``: a triaccel step that writes moments, master and
+compute copy in one pass.
 
 An optax transform returns updates; ``optax.apply_updates`` then adds them to the params and the
 forward pass casts the params to their compute dtype: three trips through memory per leaf beyond
 the moments. :func:`fused_apply` does what ``tx.update`` followed by ``apply_updates`` (and
-:func:`triaccel_jax.cast_params`) does, but for a transform made by
-:func:`triaccel_jax.triaccel` it hands each leaf's moments, master write and compute copy to the
-one-pass fused update (:func:`triaccel_jax.kernels.fused_update.fused_update`, docs/design.md §4,
-§8): the Triton kernel on CUDA where ``impl`` (``TriAccelConfig.impl``) selects it, its pure-JAX
-reference elsewhere. The curvature step, the signals and the optimizer state are those of the
-optax update (the same code, :mod:`triaccel_jax.transforms._triaccel_step`).
+:func:`triaccel_jax.cast_params`) does for a :func:`triaccel_jax.triaccel` optimizer, but hands
+each leaf's moments, master write and compute copy to the one-pass fused update
+(:func:`triaccel_jax.kernels.fused_update.fused_update`, docs/design.md §4, §8): the Triton
+kernel on CUDA where ``impl`` (``TriAccelConfig.impl``) selects it, its pure-JAX reference
+elsewhere. The curvature step, the signals and the optimizer state are those of the optax update
+(the same code, :mod:`triaccel_jax.transforms._curvature_signals`).
 
-Any other transform (a chain around ``triaccel``, ``optax.inject_hyperparams``, per-block step
-scales) takes the unfused path, with the same results: fusion is an optimisation, never a change
-of what is computed beyond the rounding and random bits listed in :func:`fused_apply`.
+The fused form is explicit: :func:`fused_triaccel` takes ``triaccel``'s arguments and returns a
+:class:`FusedTriAccel` holding that optimizer (``tx``) and the hyperparameters the fused step
+reads, which a train step is handed (``make_train_step(..., fused=...)``). Fusion is an
+optimisation, never a change of what is computed beyond the rounding and random bits listed in
+:func:`fused_apply`; where it does not apply (per-block step scales, moments of another dtype)
+the step runs ``tx.update``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
+import inspect
 from typing import Any
 from typing import NamedTuple
 
@@ -30,50 +33,78 @@ from triaccel_jax import kernels
 from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.kernels import fused_update as fused_kernel
-from triaccel_jax.transforms import _triaccel_state as triaccel_state
-from triaccel_jax.transforms._triaccel_step import TriAccelParts
-from triaccel_jax.transforms._triaccel_step import next_state
+from triaccel_jax.transforms import _alias as alias
+from triaccel_jax.transforms import _curvature_signals as signals_lib
+from triaccel_jax.transforms._config import CurvatureSettings
+from triaccel_jax.transforms._config import TriAccelConfig
+from triaccel_jax.transforms._config import resolve_config
 
 
-class FusedSpec(NamedTuple):
-    """The hyperparameters :func:`triaccel_jax.triaccel`'s fused form is built from.
+class FusedTriAccel(NamedTuple):
+    """A :func:`triaccel_jax.triaccel` optimizer and the hyperparameters of its fused step.
+
+    Made by :func:`fused_triaccel` from one set of arguments, so the two cannot differ.
 
     Attributes:
-      direction: the :class:`TriAccelParts` of its ``scale_by_triaccel``.
+      tx: the optimizer, ``triaccel(...)`` of the same arguments (its ``init`` makes the state,
+        its ``update`` is the unfused step).
       learning_rate: the learning rate, a number or an optax schedule.
       weight_decay: the decoupled weight-decay rate.
       mask: which leaves get weight decay (as ``optax.adamw``'s ``mask``), or None.
+      eps: added to ``sqrt(v_hat)``.
+      settings: the curvature signals' and step scale's settings.
+      config: the shape options.
     """
 
-    direction: TriAccelParts
+    tx: optax.GradientTransformationExtraArgs
     learning_rate: Any
     weight_decay: Any
     mask: Any
+    eps: Any
+    settings: CurvatureSettings
+    config: TriAccelConfig
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class TriAccelUpdate:
-    """The ``update`` of a transform made by :func:`triaccel_jax.triaccel`.
+def fused_triaccel(learning_rate: optax.ScalarOrSchedule, **hyperparameters: Any) -> FusedTriAccel:
+    """The fused form of ``triaccel(learning_rate, **hyperparameters)``.
 
-    A callable with optax's update signature that runs ``unfused`` (the optax chain's update),
-    and declares ``spec``: the same hyperparameters, from which :func:`fused_apply` builds the
-    fused step. The transform stays a plain ``(init, update)`` pair; what the fused path needs is
-    a declared, typed field of its update rather than something attached to a function. Compared
-    and hashed by identity, as a function is (so a Flax train state can hold it as a static
-    field).
+    Args:
+      learning_rate: as :func:`triaccel_jax.triaccel`'s.
+      **hyperparameters: any other argument of :func:`triaccel_jax.triaccel`, by name.
 
-    Attributes:
-      spec: the :class:`FusedSpec`.
-      unfused: ``(updates, state, params=None, **extra_args) -> (updates, state)``.
+    Returns:
+      A :class:`FusedTriAccel`: hand it to :func:`fused_apply`, or to
+      ``triaccel_jax.training.make_train_step(..., fused=...)``, the Flax ``TrainState``
+      (``fused=``) or ``ControllerConfig(fused_update=...)``; its ``tx`` is the optimizer.
+
+    Raises:
+      TypeError: an argument ``triaccel`` does not take.
+      ValueError: a hyperparameter out of range (as ``triaccel`` raises).
+
+    Example:
+      >>> import jax.numpy as jnp, triaccel_jax
+      >>> from triaccel_jax.transforms import fused_triaccel, unfused_reason
+      >>> fused = fused_triaccel(1e-3, weight_decay=0.0)
+      >>> state = fused.tx.init({"w": jnp.ones(3)})
+      >>> unfused_reason(fused, state) is None
+      True
+
+    References:
+      Tri-Accel, arXiv 2508.16905.
     """
-
-    spec: FusedSpec
-    unfused: Callable[..., tuple[Any, Any]]
-
-    def __call__(
-        self, updates: Any, state: Any, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, Any]:
-        return self.unfused(updates, state, params, **extra_args)
+    tx = alias.triaccel(learning_rate, **hyperparameters)
+    bound = inspect.signature(alias.triaccel).bind(learning_rate, **hyperparameters)
+    bound.apply_defaults()
+    given = bound.arguments
+    return FusedTriAccel(
+        tx=tx,
+        learning_rate=learning_rate,
+        weight_decay=given["weight_decay"],
+        mask=given["mask"],
+        eps=given["eps"],
+        settings=CurvatureSettings(**{name: given[name] for name in CurvatureSettings._fields}),
+        config=resolve_config(given["config"]),
+    )
 
 
 class FusedApply(NamedTuple):
@@ -90,40 +121,33 @@ class FusedApply(NamedTuple):
     compute: Any
 
 
-def _spec(tx: Any) -> FusedSpec | None:
-    update = getattr(tx, "update", None)
-    return update.spec if isinstance(update, TriAccelUpdate) else None
-
-
-def unfused_reason(tx: Any, opt_state: Any = None) -> str | None:
-    """Why ``tx`` (with ``opt_state``) cannot take the fused path; None when it can.
+def unfused_reason(fused: FusedTriAccel, opt_state: Any = None) -> str | None:
+    """Why ``fused`` (with ``opt_state``) cannot take the fused path; None when it can.
 
     Args:
-      tx: an optax transform.
-      opt_state: its state, to check the moments' dtypes; None skips that check.
+      fused: a :class:`FusedTriAccel`.
+      opt_state: its optimizer's state, to check the moments' dtypes; None skips that check.
 
     Returns:
       A sentence naming the reason, or None.
 
+    Raises:
+      TypeError: ``fused`` is not a :class:`FusedTriAccel`.
+
     Example:
-      >>> import optax, triaccel_jax
-      >>> from triaccel_jax.transforms import unfused_reason
-      >>> unfused_reason(triaccel_jax.triaccel(1e-3)) is None
+      >>> import triaccel_jax
+      >>> from triaccel_jax.transforms import fused_triaccel, unfused_reason
+      >>> unfused_reason(fused_triaccel(1e-3)) is None
       True
-      >>> unfused_reason(optax.adam(1e-3))
-      'the transform was not made by triaccel_jax.triaccel (a chain or a wrapper around it is not fused)'
+      >>> unfused_reason(fused_triaccel(1e-3, config=triaccel_jax.TriAccelConfig(scale="block")))
+      "per-block step scales (TriAccelConfig(scale='block')) are not scalars per leaf"
     """
-    spec = _spec(tx)
-    if spec is None:
-        return (
-            "the transform was not made by triaccel_jax.triaccel (a chain or a wrapper around "
-            "it is not fused)"
-        )
-    if spec.direction.scale != "leaf":
+    _check_fused(fused)
+    if fused.config.scale != "leaf":
         return "per-block step scales (TriAccelConfig(scale='block')) are not scalars per leaf"
     if opt_state is not None:
-        for moments in (opt_state[0].mu, opt_state[0].nu):
-            for leaf in jax.tree.leaves(moments):
+        for state in signals_lib.find_signal_states(opt_state):
+            for leaf in jax.tree.leaves((state.mu, state.nu)):
                 if jnp.dtype(leaf.dtype).name not in fused_kernel.MOMENT_DTYPES:
                     return (
                         f"the fused update stores moments in float32 or bfloat16, not {leaf.dtype}"
@@ -131,25 +155,26 @@ def unfused_reason(tx: Any, opt_state: Any = None) -> str | None:
     return None
 
 
-def uses_triton(tx: Any, opt_state: Any) -> bool:
-    """Whether :func:`fused_apply` would run ``tx``'s update in the Triton kernel here.
+def uses_triton(fused: FusedTriAccel, opt_state: Any) -> bool:
+    """Whether :func:`fused_apply` would run ``fused``'s update in the Triton kernel here.
 
-    True only where the transform can be fused, the default backend is CUDA with jax_triton,
-    and ``impl`` selects Triton for the moments' dtype (``"triton"``, or ``"auto"`` with the
-    measured table ``kernels/auto_table.json`` saying so). The controller fuses its
-    step by default exactly then.
+    True only where it can be fused, the default backend is CUDA with jax_triton, and ``impl``
+    selects Triton for the moments' dtype (``"triton"``, or ``"auto"`` with the measured table
+    ``kernels/auto_table.json`` saying so).
     """
-    if unfused_reason(tx, opt_state) is not None:
+    if unfused_reason(fused, opt_state) is not None:
         return False
-    spec = _spec(tx)
-    assert spec is not None
-    moments = {jnp.dtype(x.dtype).name for x in jax.tree.leaves(opt_state[0].mu)}
+    moments = {
+        jnp.dtype(x.dtype).name
+        for state in signals_lib.find_signal_states(opt_state)
+        for x in jax.tree.leaves(state.mu)
+    }
     op = kernels.fused_update_op("bfloat16" if "bfloat16" in moments else "float32")
-    return kernels.resolve(spec.direction.impl, "fused update", op) == "triton"
+    return kernels.resolve(fused.config.impl, "fused update", op) == "triton"
 
 
 def fused_apply(
-    tx: optax.GradientTransformation,
+    fused: FusedTriAccel,
     grads: Any,
     opt_state: Any,
     params: Any,
@@ -158,10 +183,10 @@ def fused_apply(
     compute_policy: policy_lib.PrecisionPolicy | None = None,
     **extra_args: Any,
 ) -> FusedApply:
-    """``tx.update`` and ``optax.apply_updates`` in one, fused per leaf for ``triaccel``.
+    """``fused.tx.update`` and ``optax.apply_updates`` in one, fused per leaf.
 
-    For a transform made by :func:`triaccel_jax.triaccel` (with per-leaf step scales and float32
-    or bfloat16 moments), each trained leaf's new moments, new master and compute copy come from
+    For the fused form of a :func:`triaccel_jax.triaccel` optimizer (per-leaf step scales and
+    float32 or bfloat16 moments; see :func:`unfused_reason`), each trained leaf's new moments, new master and compute copy come from
     one call of the fused update, with the transform's ``TriAccelConfig.impl``: the Triton kernel
     on CUDA where it is selected, the pure-JAX reference elsewhere (XLA fuses that too). The
     optimizer state is the one ``tx.update`` would return. Three things differ from the unfused
@@ -172,9 +197,9 @@ def fused_apply(
     ``tx.update`` and ``optax.apply_updates``.
 
     Args:
-      tx: the optimizer.
+      fused: the optimizer's fused form, :func:`fused_triaccel`'s.
       grads: the gradients, a tree like ``params``.
-      opt_state: ``tx``'s state.
+      opt_state: ``fused.tx``'s state.
       params: the masters (float32, or bfloat16/float16 policy masters).
       learning_rate_factor: multiplies every update (the controller's learning-rate scaling for
         a grown batch); 1 by default.
@@ -188,16 +213,18 @@ def fused_apply(
 
     Raises:
       RuntimeError: ``TriAccelConfig(impl="triton")`` where Triton cannot run.
+      TypeError: ``fused`` is not a :class:`FusedTriAccel`.
+      ValueError: ``opt_state`` is not a state of ``fused.tx``.
 
     Example:
       >>> import jax.numpy as jnp, optax, triaccel_jax
-      >>> from triaccel_jax.transforms import fused_apply
+      >>> from triaccel_jax.transforms import fused_apply, fused_triaccel
       >>> params = {"w": jnp.ones(4)}
-      >>> tx = triaccel_jax.triaccel(0.1)
-      >>> state = tx.init(params)
+      >>> fused = fused_triaccel(0.1)
+      >>> state = fused.tx.init(params)
       >>> policy = triaccel_jax.PrecisionPolicy.uniform(params, "bf16")
-      >>> out = fused_apply(tx, {"w": jnp.full(4, 0.5)}, state, params, compute_policy=policy)
-      >>> updates, _ = tx.update({"w": jnp.full(4, 0.5)}, state, params)
+      >>> out = fused_apply(fused, {"w": jnp.full(4, 0.5)}, state, params, compute_policy=policy)
+      >>> updates, _ = fused.tx.update({"w": jnp.full(4, 0.5)}, state, params)
       >>> bool(jnp.allclose(out.params["w"], optax.apply_updates(params, updates)["w"]))
       True
       >>> out.compute["w"].dtype
@@ -207,47 +234,51 @@ def fused_apply(
       Tri-Accel, arXiv 2508.16905; Loshchilov & Hutter, 2019, "Decoupled Weight Decay
       Regularization".
     """
+    _check_fused(fused)
     if compute_policy is not None:
         policy_lib.check_policy(compute_policy)
         compute_policy.check_matches(params)
-    spec = _spec(tx)
-    if spec is not None:
-        _check_state_of(opt_state)
-    if spec is None or unfused_reason(tx, opt_state) is not None:
-        updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+    _check_state_of(opt_state)
+    if unfused_reason(fused, opt_state) is not None:
+        updates, opt_state = fused.tx.update(grads, opt_state, params, **extra_args)
         updates = jax.tree.map(lambda u: _times(u, learning_rate_factor), updates)
         new_params = optax.apply_updates(params, updates)
         compute = None
         if compute_policy is not None:
-            compute = policy_lib.cast_params(new_params, compute_policy, impl=_impl(spec))
+            compute = policy_lib.cast_params(new_params, compute_policy, impl=fused.config.impl)
         return FusedApply(new_params, opt_state, compute)
-    return _fused(spec, grads, opt_state, params, learning_rate_factor, compute_policy, extra_args)
+    return _fused(fused, grads, opt_state, params, learning_rate_factor, compute_policy, extra_args)
+
+
+def _check_fused(fused: Any) -> None:
+    if not isinstance(fused, FusedTriAccel):
+        raise TypeError(
+            "`fused` must be the fused form of a triaccel optimizer, "
+            f"triaccel_jax.transforms.fused_triaccel(...), got {type(fused).__name__}"
+        )
 
 
 def _check_state_of(opt_state: Any) -> None:
     """Raises ``ValueError`` unless ``opt_state`` is shaped as a ``triaccel`` state (the
-    direction's state, then the masked weight-decay and rate states), instead of failing inside
-    the update on another optimizer's state. Any other transform's update checks its own."""
+    signals', the step scale's, then the masked weight-decay and rate states), instead of
+    failing inside the update on another optimizer's state."""
     if not (
         isinstance(opt_state, tuple)
-        and len(opt_state) == 2
-        and triaccel_state.is_triaccel_state(opt_state[0])
-        and isinstance(opt_state[1], optax.MaskedState)
+        and len(opt_state) == 3
+        and signals_lib.is_signal_state(opt_state[0])
+        and isinstance(opt_state[2], optax.MaskedState)
     ):
         kind = type(opt_state).__name__
         first = type(opt_state[0]).__name__ if isinstance(opt_state, tuple) and opt_state else "-"
         raise ValueError(
-            "`opt_state` is not a state of `tx` (another optimizer's?): a triaccel optimizer's "
-            f"state is (ScaleByTriAccelState, MaskedState), got a {kind} starting with {first}"
+            "`opt_state` is not a state of `fused.tx` (another optimizer's, or one saved before "
+            "the state was (CurvatureSignalsState, EmptyState, MaskedState)?): got a "
+            f"{kind} starting with {first}"
         )
 
 
-def _impl(spec: FusedSpec | None) -> str:
-    return "auto" if spec is None else spec.direction.impl
-
-
 def _fused(
-    spec: FusedSpec,
+    fused: FusedTriAccel,
     grads: Any,
     opt_state: Any,
     params: Any,
@@ -255,89 +286,109 @@ def _fused(
     compute_policy: policy_lib.PrecisionPolicy | None,
     extra_args: dict[str, Any],
 ) -> FusedApply:
-    parts = spec.direction
-    direction_state, masked_state = opt_state
+    signals_state, scale_state, masked_state = opt_state
     decay_state, rate_state = masked_state.inner_state
-    if callable(spec.learning_rate):
+    if callable(fused.learning_rate):
         # optax.scale_by_learning_rate(schedule): the rate at the count before the increment.
-        rate = spec.learning_rate(rate_state.count)
+        rate = fused.learning_rate(rate_state.count)
         rate_state = rate_state._replace(count=optax.safe_increment(rate_state.count))
     else:
-        rate = spec.learning_rate
+        rate = fused.learning_rate
     rate = jnp.asarray(rate, jnp.float32) * jnp.asarray(learning_rate_factor, jnp.float32)
+    settings, config = fused.settings, fused.config
 
-    inputs = parts.prepare(
+    step = signals_lib.prepare(
         grads,
-        direction_state,
+        signals_state,
+        config,
         loss_fn=extra_args.get("loss_fn"),
         obj_fn=extra_args.get("obj_fn"),
         value_fn=extra_args.get("value_fn"),
     )
-    grad_leaves, treedef, active = inputs.grads, inputs.treedef, inputs.active
+    scalars = kernels.adam_scalars(count=step.count, b1=settings.b1, b2=settings.b2, eps=fused.eps)
 
-    def moments() -> tuple[dict[int, jax.Array], dict[int, jax.Array]]:
+    def moments() -> tuple[Any, Any]:
         # Only the steps that refresh the curvature read the moments outside the kernel.
-        out = {
-            i: kernels.adam_moments(grad_leaves[i], inputs.mu[i], inputs.nu[i], inputs.scalars)
-            for i in active
-        }
-        return {i: m.m_hat for i, m in out.items()}, {i: m.v_hat for i, m in out.items()}
+        return signals_lib.noise_moments(signals_lib.adam_moments(step, grads, scalars))
 
-    curvature = parts.curvature_step(grads, direction_state, params, inputs, moments)
-    with_paths = jax.tree_util.tree_flatten_with_path(params)[0]
-    param_leaves = treedef.flatten_up_to(params)
-    decays = _decayed_leaves(spec.mask, grads, treedef)
-    new_params, compute = list(param_leaves), list(param_leaves)
-    new_mu, new_nu = list(inputs.mu), list(inputs.nu)
-    for i, param in enumerate(param_leaves):
-        if i not in curvature.scales:
+    refreshed = signals_lib.refresh(
+        step, grads, signals_state, params, moments, settings=settings, config=config
+    )
+    signals = refreshed[3]
+    decays = _decayed_leaves(fused.mask, grads, step.like_updates)
+
+    def leaf(path, active, g, mu, nu, param, signal, key, decays_leaf):
+        if not active:
             # Not trained: the chain passes the update through and apply_updates adds it.
-            update = _times(grad_leaves[i], learning_rate_factor)
-            new_params[i] = compute[i] = optax.apply_updates(param, update)
-            continue
+            new = optax.apply_updates(param, _times(g, learning_rate_factor))
+            return _Leaf(mu, nu, new, new)
         fmt = None
         if compute_policy is not None:
-            fmt = compute_policy.compute(tree_lib.path_string(with_paths[i][0]))
+            fmt = compute_policy.compute(tree_lib.path_string(path))
         compute_dtype = (
             param.dtype if fmt in (None, "fp8_e4m3") else policy_lib.float_format(fmt).dtype
         )
         out = fused_kernel.fused_update(
-            grad_leaves[i],
-            inputs.mu[i],
-            inputs.nu[i],
+            g,
+            mu,
+            nu,
             param,
-            curvature.scales[i],
-            count=inputs.new_count,
+            signal.step_scale,
+            count=step.count,
             learning_rate=rate,
-            b1=parts.b1,
-            b2=parts.b2,
-            eps=parts.eps,
-            weight_decay=spec.weight_decay if decays[i] else 0.0,
+            b1=settings.b1,
+            b2=settings.b2,
+            eps=fused.eps,
+            weight_decay=fused.weight_decay if decays_leaf else 0.0,
             compute_dtype=compute_dtype,
-            key=jax.random.fold_in(inputs.step_key, i),
-            impl=parts.impl,
+            key=key,
+            impl=config.impl,
         )
-        new_mu[i], new_nu[i], new_params[i], compute[i] = out
+        compute = out.compute
         if fmt == "fp8_e4m3":
-            compute[i] = policy_lib.cast_by_path(out.master, lambda _: "fp8_e4m3", impl=parts.impl)
-    new_direction_state = next_state(direction_state, inputs, curvature, new_mu, new_nu)
+            compute = policy_lib.cast_by_path(out.master, lambda _: "fp8_e4m3", impl=config.impl)
+        return _Leaf(out.mu, out.nu, out.master, compute)
+
+    leaves = jax.tree_util.tree_map_with_path(
+        leaf,
+        step.active,
+        grads,
+        step.mu,
+        step.nu,
+        step.like_updates(params),
+        signals,
+        step.keys,
+        decays,
+    )
+    pick = lambda name: jax.tree.map(
+        lambda x: getattr(x, name), leaves, is_leaf=lambda x: isinstance(x, _Leaf)
+    )
+    new_signals_state = signals_lib.advanced(
+        signals_state, step, refreshed, mu=pick("mu"), nu=pick("nu")
+    )
     new_state = (
-        new_direction_state,
+        new_signals_state,
+        scale_state,
         masked_state._replace(inner_state=(decay_state, rate_state)),
     )
     return FusedApply(
-        treedef.unflatten(new_params),
-        new_state,
-        treedef.unflatten(compute) if compute_policy is not None else None,
+        pick("params"), new_state, pick("compute") if compute_policy is not None else None
     )
 
 
-def _decayed_leaves(mask: Any, grads: Any, treedef: Any) -> list[bool]:
+class _Leaf(NamedTuple):
+    mu: Any
+    nu: Any
+    params: Any
+    compute: Any
+
+
+def _decayed_leaves(mask: Any, grads: Any, like_updates: Any) -> Any:
     """Which leaves get weight decay: ``optax.masked`` evaluates a callable mask on the updates."""
     if mask is None:
-        return [True] * treedef.num_leaves
+        return jax.tree.map(lambda _: True, grads)
     tree = mask(grads) if callable(mask) else mask
-    return [bool(m) for m in treedef.flatten_up_to(tree)]
+    return jax.tree.map(bool, like_updates(tree))
 
 
 def _times(update: Any, factor: Any) -> Any:

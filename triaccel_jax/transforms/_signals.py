@@ -1,7 +1,9 @@
 """``signals``: the per-leaf scalars of every state keeping curvature signals in an optimizer state.
 
-Those states are :func:`triaccel_jax.scale_by_triaccel`'s and the observer
-:func:`triaccel_jax.curvature_signals`'s, found anywhere inside an optimizer state.
+Those are the :class:`CurvatureSignalsState` of the observer :func:`triaccel_jax.curvature_signals`
+and of the optimizers composed from it (:func:`triaccel_jax.triaccel`,
+:func:`triaccel_jax.scale_by_triaccel`, :func:`triaccel_jax.scale_by_curvature`), found anywhere
+inside an optimizer state.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import numpy as np
 
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.transforms import _compression as compression
+from triaccel_jax.transforms import _curvature_refresh as refresh_lib
 from triaccel_jax.transforms import _curvature_signals as observer
-from triaccel_jax.transforms import _triaccel_state as triaccel_state
 
-SIGNAL_NAMES = triaccel_state.LeafSignals._fields
+SIGNAL_NAMES = refresh_lib.LeafSignals._fields
 
 
 def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
@@ -99,7 +101,7 @@ STORE_FIELDS = compression.CompressedDiagonal._fields
 
 
 def _bias_corrected(
-    store: compression.CompressedDiagonal, leaf: triaccel_state.LeafSignals, *, traced: bool
+    store: compression.CompressedDiagonal, leaf: refresh_lib.LeafSignals, *, traced: bool
 ) -> compression.CompressedDiagonal:
     """The store divided by the EMA's bias correction ``1 - decay**n``.
 
@@ -194,7 +196,7 @@ def _states(opt_state: Any, consequence: str) -> list[Any]:
     return states
 
 
-def _leaf_signals(state: Any) -> list[tuple[str, triaccel_state.LeafSignals]]:
+def _leaf_signals(state: Any) -> list[tuple[str, refresh_lib.LeafSignals]]:
     """A triaccel state's per-leaf signals with their ``"a/b/kernel"`` paths, in leaf order."""
     with_paths, _ = jax.tree_util.tree_flatten_with_path(
         state.leaf_signals, is_leaf=_is_leaf_signals
@@ -202,9 +204,7 @@ def _leaf_signals(state: Any) -> list[tuple[str, triaccel_state.LeafSignals]]:
     return [
         (
             tree_lib.path_string(path),
-            node
-            if isinstance(node, triaccel_state.LeafSignals)
-            else triaccel_state.LeafSignals(**node),
+            node if isinstance(node, refresh_lib.LeafSignals) else refresh_lib.LeafSignals(**node),
         )
         for path, node in with_paths
         if _is_leaf_signals(node)
@@ -213,6 +213,6 @@ def _leaf_signals(state: Any) -> list[tuple[str, triaccel_state.LeafSignals]]:
 
 def _is_leaf_signals(node: Any) -> bool:
     # nnx.Optimizer gives the NamedTuple back as a dict of its fields (see `signals`).
-    return isinstance(node, triaccel_state.LeafSignals) or (
+    return isinstance(node, refresh_lib.LeafSignals) or (
         isinstance(node, Mapping) and set(node) == set(SIGNAL_NAMES)
     )
