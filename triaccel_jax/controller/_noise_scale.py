@@ -54,11 +54,14 @@ class NoiseScaleEstimate(NamedTuple):
       samples: the samples that carried an estimate so far.
     """
 
+    # The weighted sums of the two estimates, whose ratio is the noise scale,
     grad_sq: float = 0.0
     trace: float = 0.0
+    # of their squares and product, whose spread is the noise scale's uncertainty,
     grad_sq_sq: float = 0.0
     trace_sq: float = 0.0
     cross: float = 0.0
+    # and of the weights, which make the sums means and count the estimates.
     weight: float = 0.0
     weight_sq: float = 0.0
     samples: int = 0
