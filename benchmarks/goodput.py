@@ -221,7 +221,7 @@ def build_controller(
             max_batch=max(s.max_batch, row.batch),
             batch_rule=row.batch_rule,
             assumed_step_time=row.assumed_step_time,
-            lr_scaling="sqrt_adascale",
+            lr_scaling="sqrt",
         )
         if row.noise_estimator is not None:
             settings["noise_estimator"] = row.noise_estimator

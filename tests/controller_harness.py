@@ -58,6 +58,13 @@ def linear_probe(limit=20_000, base=1_000, per_sample=100, **kwargs) -> FakeMemo
     return FakeMemoryProbe(limit, peak_bytes=lambda b: base + per_sample * b, **kwargs)
 
 
+def without_step_times(state: dict) -> dict:
+    """A controller's ``state_dict()`` less the goodput part's step-time sums: wall-clock
+    measurements, which differ between two runs of the same steps."""
+    goodput = {k: v for k, v in state["goodput"].items() if k != "step_times"}
+    return {**state, "goodput": goodput}
+
+
 def make_controller(cls=Controller, **overrides) -> Controller:
     kwargs = {
         "min_batch": 8,

@@ -191,7 +191,7 @@ def test_no_policy_is_refused_while_precision_is_re_planned():
         (None, "compiled_peaks", {"x": {"notint": 1}}),
         ("bucket", "ceiling", "zz"),
         ("learning_rate", "tuned_learning_rate", "abc"),
-        ("goodput", "streak", [8]),
+        ("goodput", "trial", [8]),
         ("precision", "pending", {"w1": "x"}),
         (None, "loss_scale", {"scale": "x", "good_steps": 0, "skipped_steps": 0}),
     ],

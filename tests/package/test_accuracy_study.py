@@ -233,12 +233,14 @@ def test_quick_mode_writes_the_table_and_the_raw_numbers(tmp_path):
     # The same number of tuning trials for every optimizer, all four tuned.
     assert list(workload["tuning"]) == list(runs.BASE_ROWS)
     assert {len(trials) for trials in workload["tuning"].values()} == {3}
-    # The adapt rows move their batch (from 32 up to 64) and re-plan; the base rows do neither.
+    # The adapt rows run the goodput batch (never below the reference batch: a quick run is too
+    # short for its step times to be known, so it need not move) and re-plan; the base rows do
+    # neither.
     for base in runs.BASE_ROWS:
         assert {r["run_batch"] for r in workload["runs"][base]} == {workload["batch"]}
         assert {r["plans"] for r in workload["runs"][base]} == {0}
         adapt = workload["runs"][base + runs.ADAPT_SUFFIX]
-        assert max(r["run_batch"] for r in adapt) > workload["batch"], base
+        assert min(r["run_batch"] for r in adapt) >= workload["batch"], base
         assert min(r["plans"] for r in adapt) >= 1, base
 
     table = (tmp_path / "accuracy.md").read_text()

@@ -13,11 +13,12 @@ import triaccel_jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Where the importable tree lies in the repository.
-PACKAGE_ROOTS = {"triaccel_jax": ROOT / "triaccel_jax"}
+# kernels/ installs as triaccel_jax.kernels (pyproject.toml's package-dir).
+PACKAGE_ROOTS = {"triaccel_jax": ROOT / "triaccel_jax", "triaccel_jax.kernels": ROOT / "kernels"}
 
 
 def _modules_with_examples() -> list[str]:
-    """Every module under triaccel_jax/ whose source has a ``>>>`` example."""
+    """Every module under triaccel_jax/ and kernels/ whose source has a ``>>>`` example."""
     names = []
     for package, folder in PACKAGE_ROOTS.items():
         for path in sorted(folder.rglob("*.py")):

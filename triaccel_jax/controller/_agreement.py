@@ -77,3 +77,14 @@ def agree_on_choice(values: Sequence[int]) -> list[int]:
 
     chosen = multihost_utils.broadcast_one_to_all(np.array(values, np.int32))
     return [int(v) for v in np.asarray(chosen)]
+
+
+def agree_on_figures(values: Sequence[float]) -> list[float]:
+    """Process 0's float ``values`` on every process (identity with one process): measured
+    figures that are saved, so that every process's checkpoint holds the same ones."""
+    if jax.process_count() == 1:
+        return list(values)
+    from jax.experimental import multihost_utils
+
+    chosen = multihost_utils.broadcast_one_to_all(np.array(values, np.float64))
+    return [float(v) for v in np.asarray(chosen)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
@@ -21,7 +20,7 @@ from triaccel_jax.precision import PlannerConfig
 from triaccel_jax.transforms import FusedTriAccel
 from triaccel_jax.transforms import LossScaling
 
-LR_SCALINGS = ("sqrt_adascale", "adascale", "sqrt", "linear", "none")
+LR_SCALINGS = ("sqrt", "linear", "adascale", "sqrt_adascale", "none")
 # The rules whose factor is AdaScale's gain (or its square root): the goodput rule's own.
 GAIN_RULES = ("adascale", "sqrt_adascale")
 BATCH_RULES = ("memory", "goodput")
@@ -67,8 +66,10 @@ class ControllerConfig:
         batch size).
       lr_scaling: how the learning rate follows the batch (docs/design.md §5):
 
-        * ``"sqrt_adascale"`` (the default, for Adam-like optimizers): lr x sqrt(r), the square
-          root of AdaScale's gain below: the square-root rule for adaptive methods (Malladi et
+        * ``"sqrt"`` (the default): lr x sqrt(batch / reference), the square-root rule on the
+          batch alone (Malladi et al., 2022, for Adam-like optimizers);
+        * ``"sqrt_adascale"`` (for Adam-like optimizers under the goodput batch): lr x sqrt(r),
+          the square root of AdaScale's gain below: the square-root rule for adaptive methods (Malladi et
           al., 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms", arXiv
           2205.10287) applied to the batch's statistical worth ``r = S * E(B)``, which is the
           goodput rule's efficiency model (AdaptDL scales Adam this way); schedules advance by
@@ -83,12 +84,11 @@ class ControllerConfig:
           (as ``measure_noise_scale``). With
           ``keep_global_batch``, S = global_batch / reference_batch is fixed (1 by default: set
           a smaller ``reference_batch`` for a gain);
-        * ``"sqrt"``: lr x sqrt(batch / reference), the square-root rule on the batch alone;
         * ``"linear"``: lr x (batch / reference) (Goyal et al., 2017, for SGD);
         * ``"none"``: the rate is left alone.
 
-        The last three ignore the gradient noise, which the goodput batch rule's efficiency
-        model assumes the rate follows: with ``batch_rule="goodput"`` they are warned about.
+        ``"sqrt"``, ``"linear"`` and ``"none"`` ignore the gradient noise, which the goodput
+        batch rule's efficiency model assumes the rate follows (docs/design.md §5.3).
 
         A schedule given as the injected rate (``optax.inject_hyperparams(opt)(learning_rate=
         schedule)``) is taken as tuned at the reference batch, in reference-batch steps: it
@@ -197,7 +197,7 @@ class ControllerConfig:
     max_batch: int = 512
     batch_size: int | None = None
     reference_batch: int | None = None
-    lr_scaling: str = "sqrt_adascale"
+    lr_scaling: str = "sqrt"
     lr_hyperparam: str | None = "learning_rate"
     keep_global_batch: bool = False
     global_batch: int | None = None
@@ -248,16 +248,6 @@ class ControllerConfig:
                 "variance, and noise_estimator='hessian' measures a curvature-weighted one: use "
                 "noise_estimator='simple' or 'preconditioned' with AdaScale's gain, or "
                 "lr_scaling='sqrt'"
-            )
-        if self.moves_by_goodput and self.lr_scaling not in GAIN_RULES:
-            warnings.warn(
-                f"batch_rule='goodput' with lr_scaling={self.lr_scaling!r}: goodput moves the "
-                "batch by a statistical efficiency that assumes the learning rate follows "
-                "AdaScale's gain (lr_scaling='sqrt_adascale' for Adam-like optimizers, "
-                "'adascale' for SGD-like ones); this rule does not, so a move may not pay what "
-                "goodput predicts",
-                UserWarning,
-                stacklevel=3,
             )
         validation.check_in_range("goodput_margin", self.goodput_margin, 0.0, float("inf"))
         validation.check_in_range(

@@ -252,10 +252,16 @@ class GoodputTracker:
         """The noise averages, the recent ones ``[step, *averages]``, the step-time sums
         ``[micro, micro-batches, policy, steps, seconds, seconds_sq]``, the last key timed and
         the trial ``[from, to]`` (or null), JSON-ready."""
+        # Each process times its own steps: every process saves process 0's sums.
+        keys = list(self._times)
+        flat = agreement.agree_on_figures([f for key in keys for f in self._times[key]])
+        step_times = [
+            [*key, int(flat[3 * i]), flat[3 * i + 1], flat[3 * i + 2]] for i, key in enumerate(keys)
+        ]
         return {
             "noise": list(self._noise),
             "recent_noise": [[step, *noise] for step, noise in self._recent],
-            "step_times": [[*key, *times] for key, times in self._times.items()],
+            "step_times": step_times,
             "last_key": None if self._last_key is None else list(self._last_key),
             "trial": None if self._trial is None else list(self._trial),
         }

@@ -4,7 +4,7 @@ that advance by samples.
 When the batch changes, the learning rate follows it against the ``reference`` batch it was
 tuned at (``lr_scaling``):
 
-* ``"sqrt"``: lr x sqrt(batch / reference). The square-root
+* ``"sqrt"`` (the default; for Adam-like optimizers): lr x sqrt(batch / reference). The square-root
   rule keeps an adaptive method's SDE approximation when the batch grows by ``kappa``: the rate
   grows by sqrt(kappa) (and ``1 - beta`` by ``kappa``, which the controller leaves alone) (Malladi
   et al., 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms", NeurIPS,
@@ -19,7 +19,7 @@ tuned at (``lr_scaling``):
   from the controller's smoothed gradient-noise estimates (:mod:`._goodput`), bias-corrected. It
   is ``S`` (linear scaling) where the gradient is all noise and 1 where there is none; it is 1
   before the noise is measured and lies in [1, S] (in [S, 1] for a batch under the reference).
-* ``"sqrt_adascale"`` (the default; for Adam-like optimizers): lr x sqrt(r), the square root of
+* ``"sqrt_adascale"`` (for Adam-like optimizers under the goodput batch): lr x sqrt(r), the square root of
   AdaScale's gain, the square-root rule applied to the batch's statistical worth ``r = S * E(B)``
   (the goodput rule's efficiency); a schedule advances by ``r`` per step, as with
   ``"adascale"``.
