@@ -32,6 +32,7 @@ import optax
 
 from triaccel_jax import training
 from triaccel_jax._src import validation
+from triaccel_jax._src.readonly import ReadOnly
 from triaccel_jax.controller import _agreement as agreement
 from triaccel_jax.controller import _bucket_tracker as bucket_tracker
 from triaccel_jax.controller import _buckets as buckets_lib
@@ -284,26 +285,18 @@ class Controller:
 
     # -- the state, read-only ---------------------------------------------------------------------
 
-    @property
-    def config(self) -> config_lib.ControllerConfig:
-        """The :class:`triaccel_jax.controller.ControllerConfig`."""
-        return self._config
+    config = ReadOnly[config_lib.ControllerConfig](
+        "The :class:`triaccel_jax.controller.ControllerConfig`."
+    )
 
-    @property
-    def tx(self) -> optax.GradientTransformation:
-        """The optimizer."""
-        return self._tx
+    tx = ReadOnly[optax.GradientTransformation]("The optimizer.")
 
-    @property
-    def params(self) -> Any:
-        """The parameters after the last step dispatched."""
-        return self._params
+    params = ReadOnly[Any]("The parameters after the last step dispatched.")
 
-    @property
-    def opt_state(self) -> Any:
-        """The optimizer state after the last step dispatched (its injected learning rate, if
-        any, scaled for the batch in force)."""
-        return self._opt_state
+    opt_state = ReadOnly[Any](
+        "The optimizer state after the last step dispatched (its injected learning rate, if any, "
+        "scaled for the batch in force)."
+    )
 
     @property
     def tuned_opt_state(self) -> Any:
@@ -312,16 +305,14 @@ class Controller:
         scaling once, so that round trips do not compound it."""
         return self._lr.tuned(self._opt_state)
 
-    @property
-    def model_state(self) -> Any:
-        """The non-trained state (e.g. BatchNorm statistics) after the last step dispatched."""
-        return self._model_state
+    model_state = ReadOnly[Any](
+        "The non-trained state (e.g. BatchNorm statistics) after the last step dispatched."
+    )
 
-    @property
-    def loss_scale(self) -> LossScaleState:
-        """The dynamic loss scale's state (``scale``, ``good_steps``, ``skipped_steps``), updated
-        only by steps that scale the loss."""
-        return self._loss_scale
+    loss_scale = ReadOnly[LossScaleState](
+        "The dynamic loss scale's state (``scale``, ``good_steps``, ``skipped_steps``), updated "
+        "only by steps that scale the loss."
+    )
 
     @property
     def plan(self) -> PrecisionPlan | None:
@@ -334,25 +325,15 @@ class Controller:
         """The precision policy in force (None when precision is not planned)."""
         return self._precision.policy
 
-    @property
-    def buckets(self) -> tuple[int, ...]:
-        """The allowed micro-batch sizes."""
-        return self._buckets
+    buckets = ReadOnly[tuple[int, ...]]("The allowed micro-batch sizes.")
 
-    @property
-    def sampler(self) -> sampler_lib.ElasticSampler:
-        """The :class:`triaccel_jax.controller.ElasticSampler` the batches come from."""
-        return self._sampler
+    sampler = ReadOnly[sampler_lib.ElasticSampler](
+        "The :class:`triaccel_jax.controller.ElasticSampler` the batches come from."
+    )
 
-    @property
-    def probe(self) -> memory_probe.MemoryProbe:
-        """The memory probe."""
-        return self._probe
+    probe = ReadOnly[memory_probe.MemoryProbe]("The memory probe.")
 
-    @property
-    def step_count(self) -> int:
-        """Steps completed (counted from ``start_step``)."""
-        return self._step_count
+    step_count = ReadOnly[int]("Steps completed (counted from ``start_step``).")
 
     @property
     def events(self) -> list[events_lib.Event]:
@@ -569,15 +550,10 @@ class Controller:
 
         Example:
           >>> import jax.numpy as jnp, numpy as np, triaccel_jax
-          >>> controller = triaccel_jax.Controller(
-          ...     lambda p, b: jnp.mean((b @ p - 1.0) ** 2),
-          ...     jnp.zeros(2),
-          ...     triaccel_jax.triaccel(0.05),
-          ...     np.ones((64, 2), np.float32),
-          ...     min_batch=8,
-          ...     max_batch=8,
-          ...     probe=triaccel_jax.BudgetMemoryProbe(2**30),
-          ... )
+          >>> loss = lambda p, b: jnp.mean((b @ p - 1.0) ** 2)
+          >>> data, tx = np.ones((64, 2), np.float32), triaccel_jax.triaccel(0.05)
+          >>> settings = dict(min_batch=8, max_batch=8, probe=triaccel_jax.BudgetMemoryProbe(2**30))
+          >>> controller = triaccel_jax.Controller(loss, jnp.zeros(2), tx, data, **settings)
           >>> _ = controller.run(3)
           >>> checkpoint = controller.checkpoint_state()
           >>> checkpoint.step, sorted(checkpoint.arrays), checkpoint.state["step"]

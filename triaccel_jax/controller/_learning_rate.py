@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from triaccel_jax._src.readonly import ReadOnly
 from triaccel_jax.controller import _state_record as records
 from triaccel_jax.controller._config import GAIN_RULES
 from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
@@ -298,37 +299,23 @@ class LearningRateScaling:
         # Whether the state may hold a rate other than base_lr * factor (after a restore).
         self._stale = False
 
-    @property
-    def base_lr(self) -> float | None:
-        """The tuned rate, when the state holds it as a constant (else None: the step
-        multiplies the update by :attr:`factor`)."""
-        return self._base_lr
+    base_lr = ReadOnly[float | None](
+        "The tuned rate, when the state holds it as a constant (else None: the step multiplies the "
+        "update by :attr:`factor`)."
+    )
 
-    @property
-    def factor(self) -> float:
-        """The factor in force."""
-        return self._factor
+    factor = ReadOnly[float]("The factor in force.")
 
-    @property
-    def reference(self) -> int:
-        """The batch the rate (or schedule) was tuned at."""
-        return self._reference
+    reference = ReadOnly[int]("The batch the rate (or schedule) was tuned at.")
 
-    @property
-    def scaling(self) -> str:
-        """The batch rule: ``"sqrt"``, ``"linear"``, ``"adascale"`` or ``"none"``."""
-        return self._scaling
+    scaling = ReadOnly[str]("The batch rule, one of ``ControllerConfig.lr_scaling``'s.")
 
-    @property
-    def moves_schedule(self) -> bool:
-        """Whether the rate is a plain schedule inside ``optax.inject_hyperparams`` whose count
-        follows the training progress (:meth:`at_progress`)."""
-        return self._moves_schedule
+    moves_schedule = ReadOnly[bool](
+        "Whether the rate is a plain schedule inside ``optax.inject_hyperparams`` whose count "
+        "follows the training progress (:meth:`at_progress`)."
+    )
 
-    @property
-    def progress(self) -> float:
-        """Training progress in reference-batch steps (the schedule's clock)."""
-        return self._progress
+    progress = ReadOnly[float]("Training progress in reference-batch steps (the schedule's clock).")
 
     def rule(self) -> str:
         """The rule in words: what follows the batch, by which formula, from which reference,

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from triaccel_jax._src import validation
+from triaccel_jax._src.readonly import ReadOnly
 
 STATE_FORMAT = "triaccel_jax.controller.ElasticSampler"
 
@@ -47,15 +48,9 @@ class ElasticSampler:
     def num_examples(self) -> int:
         return self._num_examples
 
-    @property
-    def epoch(self) -> int:
-        """The epoch the next sample comes from (0-based)."""
-        return self._epoch
+    epoch = ReadOnly[int]("The epoch the next sample comes from (0-based).")
 
-    @property
-    def cursor(self) -> int:
-        """Position of the next sample in the current epoch's permutation."""
-        return self._cursor
+    cursor = ReadOnly[int]("Position of the next sample in the current epoch's permutation.")
 
     @property
     def samples_seen(self) -> int:
