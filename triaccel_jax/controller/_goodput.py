@@ -186,12 +186,16 @@ def decide_batch(
         gain = 1.0 / (1.0 + figures[trial_from]["gain"]) - 1.0  # the trial's over where it left
         if gain > margin:
             return BatchDecision(
-                current, "keep", f"the trial of {current} beats {trial_from} by {gain:.0%}", figures
+                current,
+                "keep",
+                f"goodput of the trial of {current} beats {trial_from}'s by {gain:.0%}: kept",
+                figures,
             )
         return BatchDecision(
             trial_from,
             "revert",
-            f"the trial of {current} gains {gain:.0%} over {trial_from}, not {margin:.0%}: back",
+            f"goodput of the trial of {current} is {gain:+.0%} over {trial_from}'s, not "
+            f"{margin:.0%}: back",
             figures,
         )
     movable = [b for b in figures if b != current and figures[b]["gain_low"] > margin]
@@ -212,8 +216,8 @@ def decide_batch(
             return BatchDecision(
                 batch,
                 "explore",
-                f"throughput at {batch} is not known within {known:.1%} and its goodput may "
-                f"beat {current}'s by up to {f['gain_high']:.0%}: measuring it",
+                f"goodput at {batch} may beat {current}'s by up to {f['gain_high']:.0%}, and its "
+                f"throughput is not known within {known:.1%}: trying it",
                 figures,
             )
     return BatchDecision(
