@@ -126,7 +126,7 @@ class GoodputTracker:
         times = self._times.get(key)
         if times is None or times.steps == 0 or times.seconds <= 0.0:
             return None
-        return times.steps * key[0] * key[1] / times.seconds
+        return key[0] * key[1] / times.mean
 
     def noise_before(self, step: int) -> NoiseScaleEstimate | None:
         """The estimates AdaScale's gain for ``step`` is taken from: those after the latest step
@@ -196,11 +196,12 @@ class GoodputTracker:
                 {},
             )
         times = self._agreed_times(keys)
+        interval = self._noise.interval()
         decision = goodput.decide_batch(
             current,
             allowed,
             noise_scale=self._noise.simple,
-            noise_interval=self._noise.interval(),
+            noise_interval=interval,
             times=times,
             reference=self._reference,
             margin=self._margin,
@@ -217,7 +218,7 @@ class GoodputTracker:
             self._trial = None
         figures = {
             "noise_scale": self._noise.simple,
-            "noise_interval": self._noise.interval(),
+            "noise_interval": interval,
             "decision": decision.kind,
             "goodput": decision.figures,
         }
@@ -272,7 +273,8 @@ class GoodputTracker:
         Raises:
           ValueError: the state is malformed (the field named); nothing is changed then.
         """
-        fields = records.fields(state, "goodput", self.state_dict())
+        # The keys alone: state_dict() would agree the step times across processes for nothing.
+        fields = records.fields(state, "goodput", dict.fromkeys(_STATE_KEYS))
         noise = _noise(fields["noise"], "noise")
         recent = _recent_noise(fields["recent_noise"])
         times = _step_times(fields["step_times"])
@@ -286,6 +288,7 @@ class GoodputTracker:
         self._recent = collections.deque(recent, maxlen=self._lag + 1)
 
 
+_STATE_KEYS = ("noise", "recent_noise", "step_times", "last_key", "trial")
 _NOISE_FIELDS = len(NoiseScaleEstimate._fields)
 
 
