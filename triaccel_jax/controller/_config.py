@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
@@ -66,7 +67,11 @@ class ControllerConfig:
         batch size).
       lr_scaling: how the learning rate follows the batch (docs/design.md §5):
 
-        * ``"sqrt"`` (the default): lr x sqrt(batch / reference), the square-root rule on the
+        * None (the default): the rule the batch rule assumes, ``"sqrt_adascale"`` with
+          ``batch_rule="goodput"`` (the noise measured as ``noise_estimator`` says; with
+          ``"hessian"``, whose noise is not the gain's, ``"sqrt"``), ``"sqrt"`` otherwise
+          (:attr:`learning_rate_rule`). Set ``"adascale"`` for SGD-like optimizers;
+        * ``"sqrt"``: lr x sqrt(batch / reference), the square-root rule on the
           batch alone (Malladi et al., 2022, for Adam-like optimizers);
         * ``"sqrt_adascale"`` (for Adam-like optimizers under the goodput batch): lr x sqrt(r),
           the square root of AdaScale's gain below: the square-root rule for adaptive methods (Malladi et
@@ -88,7 +93,8 @@ class ControllerConfig:
         * ``"none"``: the rate is left alone.
 
         ``"sqrt"``, ``"linear"`` and ``"none"`` ignore the gradient noise, which the goodput
-        batch rule's efficiency model assumes the rate follows (docs/design.md §5.3).
+        batch rule's efficiency model assumes the rate follows (docs/design.md §5.3): with
+        ``batch_rule="goodput"`` they are taken with a ``UserWarning`` that says so.
 
         A schedule given as the injected rate (``optax.inject_hyperparams(opt)(learning_rate=
         schedule)``) is taken as tuned at the reference batch, in reference-batch steps: it
@@ -102,6 +108,12 @@ class ControllerConfig:
         (no re-jit). Otherwise (no injected rate, a rate driven by a schedule, or None) the
         step multiplies the update by the factor, which is the same for optimizers whose
         update is linear in the learning rate (SGD, Adam, AdamW, triaccel).
+      weight_decay_hyperparam: name of an ``optax.inject_hyperparams`` constant weight decay to
+        scale with the batch, or None (the default: left alone). Decoupled decay shrinks the
+        weights by ``lr x wd`` a step; it is written as ``wd x (batch / reference) / factor``
+        (``factor`` the learning rate's), so that the weights decay by the same amount per
+        sample at every batch, the AdamW timescale in epochs that Power Lines (Bergsma et al.,
+        2025, arXiv 2505.13738) finds best held fixed.
       keep_global_batch: keep the optimisation unchanged: every step uses ``global_batch``
         samples and only the micro-batch (the bucket) follows memory.
       global_batch: the fixed batch with ``keep_global_batch`` (default ``max_batch``); a
@@ -153,6 +165,9 @@ class ControllerConfig:
         largest bucket memory allows. Memory stays the cap either way, and out-of-memory
         recovery is the same. With ``keep_global_batch`` the batch is fixed and the micro-batch
         follows memory whatever the rule.
+      goodput_every: the fraction of an epoch between goodput decisions, in (0, 1]: the
+        decisions run on a sample clock (2% of an epoch by default, and at memory checks, every
+        ``check_every`` steps), so each rests on about the same new evidence whatever the batch.
       goodput_margin: relative gain a move needs, >= 0: goodput for a goodput bucket move,
         measured samples per second for a lower precision kept for speed.
       precision_rule: what a re-planned precision is for (with ``replan_every``). ``"speed"``
@@ -197,8 +212,9 @@ class ControllerConfig:
     max_batch: int = 512
     batch_size: int | None = None
     reference_batch: int | None = None
-    lr_scaling: str = "sqrt"
+    lr_scaling: str | None = None
     lr_hyperparam: str | None = "learning_rate"
+    weight_decay_hyperparam: str | None = None
     keep_global_batch: bool = False
     global_batch: int | None = None
     target: float = 0.85
@@ -217,6 +233,7 @@ class ControllerConfig:
     noise_horizon: int | None = None
     measure_noise_scale: bool = False
     batch_rule: str = "goodput"
+    goodput_every: float = 0.02
     goodput_margin: float = 0.05
     critical_multiple: float = 1.0
     assumed_step_time: tuple[float, float] | None = None
@@ -238,10 +255,22 @@ class ControllerConfig:
             validation.check_integer("first_replan", self.first_replan, 1)
             if self.replan_every is None:
                 raise ValueError("`first_replan` needs `replan_every` (precision is not planned)")
-        validation.check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        if self.lr_scaling is not None:
+            validation.check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         validation.check_choice("batch_rule", self.batch_rule, BATCH_RULES)
         validation.check_choice("precision_rule", self.precision_rule, PRECISION_RULES)
         validation.check_choice("noise_estimator", self.noise_estimator, NOISE_ESTIMATORS)
+        if self.moves_by_goodput and self.learning_rate_rule not in GAIN_RULES:
+            warnings.warn(
+                f"batch_rule='goodput' with lr_scaling={self.learning_rate_rule!r}: goodput "
+                "grows the batch where its efficiency model (Pollux) says a step of B samples "
+                "makes AdaScale's gain in progress, and this rule does not scale the learning "
+                "rate by that gain, so the batch it picks may train slower than predicted. Use "
+                "lr_scaling='sqrt_adascale' (Adam-like optimizers) or 'adascale' (SGD-like), "
+                "with noise_estimator 'simple' or 'preconditioned'",
+                UserWarning,
+                stacklevel=3,
+            )
         if self.noise_estimator == "hessian" and self.lr_scaling in GAIN_RULES:
             raise ValueError(
                 f"lr_scaling={self.lr_scaling!r} takes AdaScale's gain from the plain gradient "
@@ -249,6 +278,9 @@ class ControllerConfig:
                 "noise_estimator='simple' or 'preconditioned' with AdaScale's gain, or "
                 "lr_scaling='sqrt'"
             )
+        validation.check_in_range(
+            "goodput_every", self.goodput_every, 0.0, 1.0, low_inclusive=False
+        )
         validation.check_in_range("goodput_margin", self.goodput_margin, 0.0, float("inf"))
         validation.check_in_range(
             "critical_multiple", self.critical_multiple, 0.0, float("inf"), low_inclusive=False
@@ -293,6 +325,17 @@ class ControllerConfig:
         return NOISE_HORIZON_STEPS * reference_batch
 
     @property
+    def learning_rate_rule(self) -> str:
+        """The learning-rate rule in force: ``lr_scaling``, or for None the one the batch rule
+        assumes (``"sqrt_adascale"`` under goodput with a noise estimator of the plain or
+        preconditioned gradient, ``"sqrt"`` otherwise)."""
+        if self.lr_scaling is not None:
+            return self.lr_scaling
+        if self.moves_by_goodput and self.noise_estimator != "hessian":
+            return "sqrt_adascale"
+        return "sqrt"
+
+    @property
     def moves_by_goodput(self) -> bool:
         """Whether goodput moves the batch (``batch_rule="goodput"`` and a batch free to move)."""
         return self.batch_rule == "goodput" and not self.keep_global_batch
@@ -301,7 +344,11 @@ class ControllerConfig:
     def splits_steps(self) -> bool:
         """Whether a step of one (even) micro-batch runs as two halves, to measure the noise
         scale (``measure_noise_scale``, goodput batch moves or AdaScale's gain need it)."""
-        return self.measure_noise_scale or self.moves_by_goodput or self.lr_scaling in GAIN_RULES
+        return (
+            self.measure_noise_scale
+            or self.moves_by_goodput
+            or self.learning_rate_rule in GAIN_RULES
+        )
 
     def replan_due(self, step: int) -> bool:
         """Whether a re-plan is due before ``step`` (steps done so far).

@@ -245,7 +245,11 @@ class Controller:
         self._precision = precision_schedule.PrecisionSchedule(speed_trials=speed_trials)
         self._start_plan(policy)
         self._lr = learning_rate.LearningRateScaling(
-            self._opt_state, config.lr_hyperparam, config.lr_scaling, layout.reference_batch
+            self._opt_state,
+            config.lr_hyperparam,
+            config.learning_rate_rule,
+            layout.reference_batch,
+            decay_hyperparam=config.weight_decay_hyperparam,
         )
         self._goodput = goodput_tracker.GoodputTracker(
             horizon=config.noise_horizon_for(layout.reference_batch),
@@ -254,6 +258,7 @@ class Controller:
             margin=config.goodput_margin,
             critical_multiple=config.critical_multiple,
             assumed_step_time=config.assumed_step_time,
+            every=max(1, round(config.goodput_every * self._feeder.num_examples)),
         )
         self._probe = memory_probe.prepare_probe(probe)
         self._callback = logging_lib.logging_callback(callback)  # logs each step at DEBUG
@@ -269,7 +274,7 @@ class Controller:
             self.batch_size,
             f"controller created; {self._lr.rule()}",
             buckets=list(self._buckets),
-            lr_rule=config.lr_scaling,
+            lr_rule=config.learning_rate_rule,
             reference_batch=self._lr.reference,
             tuned_learning_rate=self._lr.base_lr,
         )

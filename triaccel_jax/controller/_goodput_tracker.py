@@ -61,6 +61,9 @@ class GoodputTracker:
       margin, critical_multiple: as for :func:`._goodput.decide_batch`.
       assumed_step_time: ``(fixed_seconds, seconds_per_sample)``: decide with this step-time
         model instead of the measured one (a study of the statistics alone); None: measured.
+      every: the samples between decisions (``ControllerConfig.goodput_every`` of an epoch):
+        the decisions run on a sample clock, so that each rests on about the same new evidence
+        whatever the batch (a check sooner than that keeps the batch).
 
     Example:
       >>> from triaccel_jax.controller._goodput_tracker import GoodputTracker
@@ -71,6 +74,7 @@ class GoodputTracker:
       ...     margin=0.05,
       ...     critical_multiple=1.0,
       ...     assumed_step_time=(0.010, 1e-5),  # a GPU-like device
+      ...     every=64,
       ... )
       >>> # |G|^2 = 1, tr(Sigma) = 256: |g_16|^2 = 1 + 256/16 = 17, |g_32|^2 = 1 + 256/32 = 9.
       >>> for step in range(3):
@@ -91,8 +95,15 @@ class GoodputTracker:
         margin: float,
         critical_multiple: float,
         assumed_step_time: tuple[float, float] | None = None,
+        every: int = 1,
     ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"`every` must be a whole number of samples >= 1, got {every!r}")
         self._horizon, self._lag, self._reference = horizon, lag, reference
+        self._every = every
+        # The sample clock: samples read so far, and the reading at the last decision.
+        self._samples = 0
+        self._decided_at = 0
         self._margin, self._critical_multiple = margin, critical_multiple
         self._assumed = assumed_step_time
         self._noise = NoiseScaleEstimate()
@@ -147,6 +158,7 @@ class GoodputTracker:
     ) -> None:
         """Folds step ``step``'s squared gradient norms ``(|g_B|^2, |g_b|^2)`` in (None: the
         step carries no estimate) and records the estimates after it."""
+        self._samples += batch
         if norms is not None:
             self._noise = observe_noise(
                 self._noise,
@@ -195,6 +207,15 @@ class GoodputTracker:
                 f"halved on every device): to {larger[0]} to measure it",
                 {},
             )
+        # A step that cannot measure waits for nothing: no evidence comes in at this bucket.
+        if self._samples - self._decided_at < self._every:
+            return GoodputMove(
+                current,
+                f"goodput decides every {self._every} samples: next at "
+                f"{self._decided_at + self._every}, {self._samples} read",
+                {},
+            )
+        self._decided_at = self._samples
         times = self._agreed_times(keys)
         interval = self._noise.interval()
         decision = goodput.decide_batch(
@@ -252,7 +273,8 @@ class GoodputTracker:
     def state_dict(self) -> dict[str, Any]:
         """The noise averages, the recent ones ``[step, *averages]``, the step-time sums
         ``[micro, micro-batches, policy, steps, seconds, seconds_sq]``, the last key timed and
-        the trial ``[from, to]`` (or null), JSON-ready."""
+        the trial ``[from, to]`` (or null) and the sample clock ``[samples read, samples at the
+        last decision]``, JSON-ready."""
         # Each process times its own steps: every process saves process 0's sums.
         keys = list(self._times)
         flat = agreement.agree_on_figures([f for key in keys for f in self._times[key]])
@@ -265,6 +287,7 @@ class GoodputTracker:
             "step_times": step_times,
             "last_key": None if self._last_key is None else list(self._last_key),
             "trial": None if self._trial is None else list(self._trial),
+            "clock": [self._samples, self._decided_at],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -284,11 +307,22 @@ class GoodputTracker:
             if not isinstance(trial, list | tuple) or len(trial) != 2:
                 raise ValueError(f"controller state: `trial` must be [from, to], got {trial!r}")
             trial = (records.integer(trial[0], "trial", 1), records.integer(trial[1], "trial", 1))
+        clock = fields["clock"]
+        if (
+            not isinstance(clock, list | tuple)
+            or len(clock) != 2
+            or records.integer(clock[1], "clock", 0) > records.integer(clock[0], "clock", 0)
+        ):
+            raise ValueError(
+                "controller state: `clock` must be [samples read, samples at the last decision], "
+                f"the second no larger, got {clock!r}"
+            )
         self._noise, self._times, self._last_key, self._trial = noise, times, last_key, trial
+        self._samples, self._decided_at = int(clock[0]), int(clock[1])
         self._recent = collections.deque(recent, maxlen=self._lag + 1)
 
 
-_STATE_KEYS = ("noise", "recent_noise", "step_times", "last_key", "trial")
+_STATE_KEYS = ("noise", "recent_noise", "step_times", "last_key", "trial", "clock")
 _NOISE_FIELDS = len(NoiseScaleEstimate._fields)
 
 

@@ -266,6 +266,13 @@ class LearningRateScaling:
       scaling: ``"sqrt"``, ``"linear"``, ``"adascale"`` or ``"none"`` (the module's docstring
         gives each rule and its reference).
       reference: the batch size the rate (or schedule) was tuned for.
+      decay_hyperparam: the name of an injected constant weight decay to scale with the batch,
+        or None (left alone). Decoupled weight decay shrinks the weights by ``lr x wd`` a step;
+        Power Lines (Bergsma et al., 2025, "Power Lines: Scaling Laws for Weight Decay and Batch
+        Size in LLM Pre-training", arXiv 2505.13738) finds the best AdamW timescale
+        ``B / (lr x wd x D)`` fixed in epochs whatever the batch, so the decay is written as
+        ``wd x (B / reference) / factor``: ``lr x wd`` grows in proportion to the batch, and the
+        weights decay by the same amount per sample at every batch.
 
     Example:
       >>> import optax
@@ -278,8 +285,28 @@ class LearningRateScaling:
       (2.0, 0.2)
     """
 
-    def __init__(self, opt_state: Any, hyperparam: str | None, scaling: str, reference: int):
+    def __init__(
+        self,
+        opt_state: Any,
+        hyperparam: str | None,
+        scaling: str,
+        reference: int,
+        decay_hyperparam: str | None = None,
+    ):
         self._hyperparam, self._scaling, self._reference = hyperparam, scaling, reference
+        self._decay_hyperparam = decay_hyperparam
+        self._base_decay: float | None = None
+        if decay_hyperparam is not None:
+            decay = find_hyperparam(opt_state, decay_hyperparam)
+            if decay is None or decay.scheduled:
+                raise ValueError(
+                    f"weight_decay_hyperparam={decay_hyperparam!r}: the optimizer state holds no "
+                    "injected constant of that name to scale (wrap the optimizer in "
+                    "optax.inject_hyperparams with a number for it, e.g. "
+                    f"optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, "
+                    f"{decay_hyperparam}=1e-4))"
+                )
+            self._base_decay = decay.value
         found = None
         if hyperparam is not None:
             try:
@@ -408,6 +435,13 @@ class LearningRateScaling:
             return gain if self._scaling == "adascale" else math.sqrt(gain)
         return lr_factor(batch, self._reference, self._scaling)
 
+    def decay_for(self, batch: int) -> float | None:
+        """The weight decay written for ``batch`` at the factor in force (Power Lines:
+        ``wd x (batch / reference) / factor``), or None when no decay is scaled."""
+        if self._base_decay is None:
+            return None
+        return self._base_decay * (batch / self._reference) / self._factor
+
     def update_multiplier(self) -> float:
         """What the compiled step multiplies the update by: 1 when the rate is written instead."""
         return 1.0 if self._base_lr is not None else self._factor
@@ -430,6 +464,9 @@ class LearningRateScaling:
         if self._base_lr is not None:
             assert self._hyperparam is not None  # base_lr is only found under a named hyperparam
             opt_state = set_hyperparam(opt_state, self._hyperparam, self._base_lr * self._factor)
+        if self._base_decay is not None:
+            assert self._decay_hyperparam is not None
+            opt_state = set_hyperparam(opt_state, self._decay_hyperparam, self.decay_for(batch))
         return LearningRateChange(old, self._factor, opt_state, old_batch)
 
     def for_step(
@@ -518,6 +555,7 @@ class LearningRateScaling:
         force (for reading: it follows the batch) and the schedule progress, JSON-ready."""
         return {
             "tuned_learning_rate": self._base_lr,
+            "tuned_weight_decay": self._base_decay,
             "factor": self._factor,
             "schedule_progress": self._progress,
         }
@@ -538,13 +576,19 @@ class LearningRateScaling:
         progress = records.number(
             fields["schedule_progress"], "schedule_progress", finite_at_least=0.0
         )
+        decay = records.optional(fields["tuned_weight_decay"], float, "tuned_weight_decay")
         if tuned is not None and self._base_lr is not None:
             self._base_lr = tuned
+        if decay is not None and self._base_decay is not None:
+            self._base_decay = decay
         self._progress = progress
         self._stale = True
 
     def tuned(self, opt_state: Any) -> Any:
         """``opt_state`` holding the tuned (reference-batch) rate, for handing the state back."""
+        if self._base_decay is not None:
+            assert self._decay_hyperparam is not None
+            opt_state = set_hyperparam(opt_state, self._decay_hyperparam, self._base_decay)
         if self._base_lr is None:
             return opt_state
         assert self._hyperparam is not None  # base_lr is only found under a named hyperparam
