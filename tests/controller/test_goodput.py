@@ -18,6 +18,7 @@ from controller_harness import make_controller
 
 import triaccel_jax
 from triaccel_jax import training
+from triaccel_jax.controller import ControllerConfig
 from triaccel_jax.controller._goodput import efficiency
 from triaccel_jax.controller._goodput_tracker import GoodputTracker
 from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
@@ -382,3 +383,84 @@ def test_goodput_without_a_noise_scale_leaves_an_unmeasurable_bucket_for_the_nex
     # The largest allowed bucket has nowhere to go; a measurable one waits for its estimate.
     assert tracker().decide(1, (1,), {1: keys[1]}, measurable=False).bucket == 1
     assert tracker().decide(2, (1, 2, 4), keys, measurable=True).bucket == 2
+
+
+def test_a_throughput_flat_in_the_batch_keeps_the_reference_batch_however_large_the_noise():
+    # With the same samples per second at every batch, goodput is the efficiency alone, highest
+    # at the reference batch: the batch must stay there even though the noise scale's cap would
+    # allow 32 (a rule that decided on the cap alone grew it to the cap).
+    flat = goodput_controller(
+        triaccel_jax.FakeMemoryProbe(10**12), target_noise=3.0, assumed_step_time=(0.0, 1e-4)
+    )
+    infos = flat.run(150)
+    assert flat.noise_scale is not None and flat.noise_scale > 32
+    assert {i.batch_size for i in infos} == {8}
+
+
+def test_goodput_decides_on_a_sample_clock():
+    # Decisions every 100 samples: at 32 a step, the fourth step's check is the first due; the
+    # clock is counted in samples, so a batch twice the size is decided on twice as often in
+    # steps, and it is saved with the rest of the tracker.
+    tracker = GoodputTracker(
+        horizon=10_000,
+        lag=0,
+        reference=32,
+        margin=0.05,
+        critical_multiple=1.0,
+        assumed_step_time=(0.010, 1e-5),
+        every=100,
+    )
+    keys = {b: (b, 1, "none") for b in (32, 64, 128)}
+    reasons = []
+    for step in range(4):
+        tracker.observe_noise(step, (9.0, 17.0), batch=32, micro=16)
+        reasons.append(tracker.decide(32, [32, 64, 128], keys, measurable=True).reason)
+    assert all("decides every 100 samples" in r for r in reasons[:3])
+    assert "decides every" not in reasons[3]
+    assert tracker.state_dict()["clock"] == [128, 128]
+    with pytest.raises(ValueError, match="`every`"):
+        GoodputTracker(horizon=1, lag=0, reference=1, margin=0.0, critical_multiple=1.0, every=0)
+    with pytest.raises(ValueError, match="goodput_every"):
+        ControllerConfig(goodput_every=0.0)
+
+
+def test_goodput_scales_the_rate_and_the_schedule_by_the_gain_its_model_assumes():
+    # Goodput's efficiency model says a step of B samples makes AdaScale's gain r in progress,
+    # not B / B0: by default the rate follows sqrt(r) (Adam-like optimizers, AdaptDL) and a
+    # schedule advances by r; a rule that ignores the gain is taken with a warning.
+    import warnings
+
+    assert ControllerConfig().learning_rate_rule == "sqrt_adascale"
+    assert ControllerConfig(batch_rule="memory").learning_rate_rule == "sqrt"
+    with pytest.warns(UserWarning, match="does not scale the learning rate by that gain"):
+        ControllerConfig(lr_scaling="sqrt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ControllerConfig(lr_scaling="adascale")
+        ControllerConfig(batch_rule="memory", lr_scaling="sqrt")
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(4096, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=8) + 3.0 * rng.normal(size=4096)).astype(np.float32)
+
+    def loss(params, batch):
+        inputs, targets = batch
+        return jnp.mean((inputs @ params - targets) ** 2)
+
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.02)
+    controller = triaccel_jax.Controller(
+        loss,
+        jnp.zeros(8),
+        tx,
+        (x, y),
+        probe=triaccel_jax.FakeMemoryProbe(10**12),
+        min_batch=32,
+        max_batch=32,
+        reference_batch=8,
+    )
+    infos = controller.run(40)
+    # S = 4; with noisy targets the gain is between 1 and 4, and the schedule counts it.
+    gains = [(i.learning_rate / 0.02) ** 2 for i in infos]
+    assert gains[0] == pytest.approx(1.0)  # no noise measured before the first step
+    assert 1.2 < gains[-1] < 4.0
+    assert controller.schedule_progress == pytest.approx(sum(gains), rel=1e-3)
+    assert controller.schedule_progress < 40 * 32 / 8

@@ -109,3 +109,53 @@ def test_a_train_state_round_trip_keeps_the_effective_rate(flax_state):
         again.params, sgd_step(before, ids, 4 * BASE_LR), rtol=1e-5, atol=1e-7
     )
     assert int(to_train_state(again, state).step) == 3
+
+
+@pytest.mark.standard_promotion("optax.adamw raises its decay rates to an int32 count")
+def test_weight_decay_follows_the_batch_so_that_the_decay_per_sample_is_kept():
+    # Power Lines (Bergsma et al., 2025): AdamW's timescale B / (lr x wd x D) is best fixed in
+    # epochs, so lr x wd grows in proportion to the batch. With the square-root rule the rate
+    # doubles at 4x the reference batch and the decay doubles too: lr x wd x 4.
+    from triaccel_jax.controller._learning_rate import LearningRateScaling
+
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=1e-4)
+    state = tx.init({"w": np.zeros(3, np.float32)})
+    scaling = LearningRateScaling(state, "learning_rate", "sqrt", 8, "weight_decay")
+    moved = scaling.follow(state, 32).opt_state
+    lr, wd = (float(moved.hyperparams[k]) for k in ("learning_rate", "weight_decay"))
+    assert lr == pytest.approx(2e-3) and wd == pytest.approx(2e-4)
+    assert lr * wd == pytest.approx(4 * 1e-3 * 1e-4)
+    # Saved, and handed back at the tuned values.
+    assert scaling.state_dict()["tuned_weight_decay"] == pytest.approx(1e-4)
+    tuned = scaling.tuned(moved)
+    assert float(tuned.hyperparams["weight_decay"]) == pytest.approx(1e-4)
+    # Through the controller: a batch grown by memory takes its decay along.
+    controller = FaultyController(
+        loss_fn,
+        make_params(),
+        optax.inject_hyperparams(optax.adamw)(learning_rate=BASE_LR, weight_decay=1e-2),
+        make_data(),
+        min_batch=8,
+        max_batch=32,
+        batch_size=32,
+        reference_batch=8,
+        probe=FakeMemoryProbe(BIG),
+        batch_rule="memory",
+        lr_scaling="sqrt",
+        weight_decay_hyperparam="weight_decay",
+    )
+    controller.run(2)
+    held = controller.opt_state.hyperparams
+    assert float(held["weight_decay"]) == pytest.approx(2e-2)
+    assert float(held["learning_rate"]) == pytest.approx(2 * BASE_LR)
+    # A name the state does not hold as an injected constant is refused by name.
+    with pytest.raises(ValueError, match="weight_decay_hyperparam='decay'"):
+        FaultyController(
+            loss_fn,
+            make_params(),
+            optax.inject_hyperparams(optax.adamw)(learning_rate=BASE_LR),
+            make_data(),
+            probe=FakeMemoryProbe(BIG),
+            batch_rule="memory",
+            weight_decay_hyperparam="decay",
+        )

@@ -93,7 +93,14 @@ def test_an_injected_schedule_advances_by_samples_when_the_batch_doubles():
 
 def test_a_constant_injected_rate_is_unaffected_and_a_schedule_outside_injection_is_explained():
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05)
-    controller = make_controller(tx=tx, max_batch=16, batch_size=16, reference_batch=8)
+    controller = make_controller(
+        tx=tx,
+        max_batch=16,
+        batch_size=16,
+        reference_batch=8,
+        lr_scaling="sqrt",
+        batch_rule="memory",
+    )
     controller.run(3)
     assert injected(controller.opt_state) == pytest.approx(0.05 * math.sqrt(2))
     assert controller.schedule_progress == pytest.approx(6.0)
@@ -211,6 +218,9 @@ def test_an_out_of_memory_rollback_restores_the_progress(where):
         probe=FakeMemoryProbe(BIG),
         check_every=1000,
         steps_in_flight=2,
+        # Progress in samples / reference: the rule on the batch alone, under the memory rule.
+        lr_scaling="sqrt",
+        batch_rule="memory",
         **faults,
     )
     infos = controller.run(8)
