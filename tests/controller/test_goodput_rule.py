@@ -19,7 +19,9 @@ BUCKETS = (16, 32, 64, 128, 256, 512)
 def exact(fixed, per_sample, sizes=(32, 64), steps=100):
     """Sums of ``steps`` identical steps of ``fixed + per_sample * B`` seconds at each size."""
     return {
-        b: StepTimes(steps, steps * (fixed + per_sample * b), steps * (fixed + per_sample * b) ** 2)
+        b: StepTimes(
+            steps, steps * (fixed + per_sample * b), steps * (fixed + per_sample * b) ** 2, steps
+        )
         for b in sizes
     }
 
@@ -63,7 +65,7 @@ def test_the_critical_batch_caps_growth():
 
 
 def test_the_batch_in_force_is_measured_before_anything_moves():
-    times = {32: StepTimes(3, 0.03, 3 * 0.01**2 * 1.1), 64: exact(0.010, 1e-6)[64]}
+    times = {32: StepTimes(3, 0.03, 3 * 0.01**2 * 1.1, 3), 64: exact(0.010, 1e-6)[64]}
     decision = decide_batch(
         32, BUCKETS, noise_scale=1e4, noise_interval=(5e3, 2e4), times=times, reference=32
     )
@@ -75,8 +77,8 @@ def test_a_gain_inside_the_noise_does_not_move_the_batch():
     # The batch in force timed over 400 steps, the other over 4 (10% apart step to step):
     # throughputs 8% apart, which the lower bound does not support.
     times = {
-        32: StepTimes(400, 400 * 0.010, 400 * 0.010**2 * 1.0001),
-        64: StepTimes(4, 4 * 0.0185, 4 * 0.0185**2 * 1.01),
+        32: StepTimes(400, 400 * 0.010, 400 * 0.010**2 * 1.0001, 400),
+        64: StepTimes(4, 4 * 0.0185, 4 * 0.0185**2 * 1.01, 4),
     }
     decision = decide_batch(
         32, (32, 64), noise_scale=1e6, noise_interval=(1e5, 1e7), times=times, reference=32
@@ -88,8 +90,8 @@ def test_a_gain_inside_the_noise_does_not_move_the_batch():
 
 def test_a_trial_is_kept_on_its_gain_and_reverted_without_it():
     times = {
-        32: StepTimes(400, 4.0, 400 * 0.01**2),
-        64: StepTimes(400, 400 * 0.019, 400 * 0.019**2),
+        32: StepTimes(400, 4.0, 400 * 0.01**2, 400),
+        64: StepTimes(400, 400 * 0.019, 400 * 0.019**2, 400),
     }
     # 64 samples per 19 ms against 32 per 10 ms: +5% throughput.
     args = dict(noise_scale=1e4, noise_interval=(5e3, 2e4), times=times, reference=32)
@@ -100,7 +102,7 @@ def test_a_trial_is_kept_on_its_gain_and_reverted_without_it():
 
 
 def test_an_unmeasured_size_is_explored_one_step_at_a_time():
-    one = {32: StepTimes(100, 100 * 0.01, 100 * 0.01**2)}
+    one = {32: StepTimes(100, 100 * 0.01, 100 * 0.01**2, 100)}
     decision = decide_batch(
         32, BUCKETS, noise_scale=1000.0, noise_interval=(800.0, 1200.0), times=one, reference=32
     )

@@ -258,6 +258,9 @@ class Controller:
             margin=config.goodput_margin,
             critical_multiple=config.critical_multiple,
             assumed_step_time=config.assumed_step_time,
+            # Blocks of the steps between two checks (each holding one check's flush), at most
+            # ten steps, so that a long check interval still gives a spread soon.
+            block=min(config.check_every, 10),
             every=max(1, round(config.goodput_every * self._feeder.num_examples)),
         )
         self._probe = memory_probe.prepare_probe(probe)

@@ -19,7 +19,7 @@ averages (:mod:`._noise_scale`), each with an uncertainty. The rule:
   over the batch in force beats ``margin``: its throughput at the lower end, the present one at
   the upper end, and the noise scale at the end of its interval least favourable to the move.
 * **Explore** otherwise: the nearest candidate whose throughput is not yet known (never
-  measured, measured over too few steps, or measured while the model's fit has drifted) is tried
+  measured, or measured over too few blocks of steps for its spread) is tried
   when the upper bound of its gain beats ``margin`` (the optimistic prior of :mod:`._throughput`
   makes an unmeasured larger size hopeful). Its measurement then decides the trial: once known,
   it is kept if its goodput beats the size it left by the margin, and the run goes back
@@ -111,7 +111,7 @@ def decide_batch(
       >>> # A GPU-like device: 10 ms a step plus 0.01 ms a sample, timed over 100 steps at 32 and
       >>> # 64 with no jitter; noise scale 500.
       >>> seconds = {b: 0.010 + 0.00001 * b for b in (32, 64)}
-      >>> gpu = {b: StepTimes(100, 100 * t, 100 * t * t) for b, t in seconds.items()}
+      >>> gpu = {b: StepTimes(100, 100 * t, 100 * t * t, 100) for b, t in seconds.items()}
       >>> decide_batch(
       ...     32,
       ...     (32, 64, 128, 256, 512, 1024),

@@ -61,6 +61,9 @@ class GoodputTracker:
       margin, critical_multiple: as for :func:`._goodput.decide_batch`.
       assumed_step_time: ``(fixed_seconds, seconds_per_sample)``: decide with this step-time
         model instead of the measured one (a study of the statistics alone); None: measured.
+      block: the consecutive steps timed as one block (``ControllerConfig.check_every``: the
+        steps between two memory checks, each block holding one check's flush), whose means'
+        spread is the throughput's uncertainty (:class:`._throughput.StepTimes`).
       every: the samples between decisions (``ControllerConfig.goodput_every`` of an epoch):
         the decisions run on a sample clock, so that each rests on about the same new evidence
         whatever the batch (a check sooner than that keeps the batch).
@@ -95,12 +98,17 @@ class GoodputTracker:
         margin: float,
         critical_multiple: float,
         assumed_step_time: tuple[float, float] | None = None,
+        block: int = 1,
         every: int = 1,
     ) -> None:
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"`block` must be a whole number of steps >= 1, got {block!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"`every` must be a whole number of samples >= 1, got {every!r}")
         self._horizon, self._lag, self._reference = horizon, lag, reference
-        self._every = every
+        self._every, self._block = every, block
+        # The block being timed at last_key: (steps, seconds) not yet added to its sums.
+        self._pending: tuple[int, float] = (0, 0.0)
         # The sample clock: samples read so far, and the reading at the last decision.
         self._samples = 0
         self._decided_at = 0
@@ -130,11 +138,12 @@ class GoodputTracker:
     @property
     def throughput(self) -> dict[ThroughputKey, float]:
         """Samples per second at each key: the samples of its timed steps over their seconds."""
-        return {key: rate for key in self._times if (rate := self.rate(key)) is not None}
+        keys = [*self._times, *([self._last_key] if self._last_key is not None else [])]
+        return {key: rate for key in dict.fromkeys(keys) if (rate := self.rate(key)) is not None}
 
     def rate(self, key: ThroughputKey) -> float | None:
         """The samples per second measured at ``key`` (their sums' ratio), or None."""
-        times = self._times.get(key)
+        times = self._timed(key)
         if times is None or times.steps == 0 or times.seconds <= 0.0:
             return None
         return key[0] * key[1] / times.mean
@@ -171,13 +180,37 @@ class GoodputTracker:
         self._recent.append((step, self._noise))
 
     def observe_throughput(self, key: ThroughputKey, *, seconds: float) -> None:
-        """Adds a step of ``seconds`` at ``key`` to its sums; the first step read at a key after
-        steps at another (the first after a move, when pipelines and caches are cold) is left
-        out. Steps that compiled or re-ran after an out-of-memory error are not given here."""
+        """Adds a step of ``seconds`` at ``key`` to the block being timed there, and a full
+        block to its sums; the first step read at a key after steps at another (the first after
+        a move, when pipelines and caches are cold) is left out, and the block timed at the key
+        before is added as it stands. Steps that compiled or re-ran after an out-of-memory error
+        are not given here."""
         first = key != self._last_key
+        if first:
+            self._close_block()
         self._last_key = key
-        if not first and math.isfinite(seconds) and seconds > 0.0:
-            self._times[key] = self._times.get(key, StepTimes()).add(seconds)
+        if first or not math.isfinite(seconds) or seconds <= 0.0:
+            return
+        steps, total = self._pending
+        self._pending = (steps + 1, total + seconds)
+        if steps + 1 >= self._block:
+            self._close_block()
+
+    def _timed(self, key: ThroughputKey) -> StepTimes | None:
+        """The sums at ``key``, with the block being timed there as it stands."""
+        times = self._times.get(key)
+        steps, total = self._pending
+        if key != self._last_key or not steps:
+            return times
+        return (times or StepTimes()).add(total, steps)
+
+    def _close_block(self) -> None:
+        """Adds the block being timed at ``last_key`` to its sums."""
+        steps, total = self._pending
+        if steps and self._last_key is not None:
+            key = self._last_key
+            self._times[key] = self._times.get(key, StepTimes()).add(total, steps)
+        self._pending = (0, 0.0)
 
     def decide(
         self,
@@ -255,6 +288,7 @@ class GoodputTracker:
                     _ASSUMED_STEPS,
                     _ASSUMED_STEPS * (fixed + per_sample * b),
                     _ASSUMED_STEPS * (fixed + per_sample * b) ** 2,
+                    _ASSUMED_STEPS,
                 )
                 for b in keys
             }
@@ -265,22 +299,35 @@ class GoodputTracker:
         for bucket, mine, common in zip(buckets, local, agreed, strict=True):
             if mine is None or common is None:
                 continue
-            own = self._times[keys[bucket]]
+            own = self._timed(keys[bucket])
+            assert own is not None  # it has a rate
             slower = mine / common  # >= 1 on the slowest process's pace
-            times[bucket] = StepTimes(own.steps, own.seconds * slower, own.seconds_sq * slower**2)
+            times[bucket] = own.scaled(slower)
         return times
 
     def state_dict(self) -> dict[str, Any]:
         """The noise averages, the recent ones ``[step, *averages]``, the step-time sums
-        ``[micro, micro-batches, policy, steps, seconds, seconds_sq]``, the last key timed and
+        ``[micro, micro-batches, policy, steps, seconds, seconds_sq, blocks]``, the block being
+        timed ``[steps, seconds]``, the last key timed and
         the trial ``[from, to]`` (or null) and the sample clock ``[samples read, samples at the
         last decision]``, JSON-ready."""
         # Each process times its own steps: every process saves process 0's sums.
         keys = list(self._times)
-        flat = agreement.agree_on_figures([f for key in keys for f in self._times[key]])
+        width = len(StepTimes._fields)
+        flat = agreement.agree_on_figures(
+            [f for key in keys for f in self._times[key]] + list(self._pending)
+        )
         step_times = [
-            [*key, int(flat[3 * i]), flat[3 * i + 1], flat[3 * i + 2]] for i, key in enumerate(keys)
+            [
+                *key,
+                int(flat[width * i]),
+                flat[width * i + 1],
+                flat[width * i + 2],
+                int(flat[width * i + 3]),
+            ]
+            for i, key in enumerate(keys)
         ]
+        pending = [int(flat[-2]), flat[-1]]
         return {
             "noise": list(self._noise),
             "recent_noise": [[step, *noise] for step, noise in self._recent],
@@ -288,6 +335,7 @@ class GoodputTracker:
             "last_key": None if self._last_key is None else list(self._last_key),
             "trial": None if self._trial is None else list(self._trial),
             "clock": [self._samples, self._decided_at],
+            "block": pending,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -318,11 +366,19 @@ class GoodputTracker:
                 f"the second no larger, got {clock!r}"
             )
         self._noise, self._times, self._last_key, self._trial = noise, times, last_key, trial
+        block = fields["block"]
+        if not isinstance(block, list | tuple) or len(block) != 2:
+            raise ValueError(f"controller state: `block` must be [steps, seconds], got {block!r}")
+        pending = (
+            records.integer(block[0], "block", 0),
+            records.number(block[1], "block", finite_at_least=0.0),
+        )
         self._samples, self._decided_at = int(clock[0]), int(clock[1])
+        self._pending = pending
         self._recent = collections.deque(recent, maxlen=self._lag + 1)
 
 
-_STATE_KEYS = ("noise", "recent_noise", "step_times", "last_key", "trial", "clock")
+_STATE_KEYS = ("noise", "recent_noise", "step_times", "last_key", "trial", "clock", "block")
 _NOISE_FIELDS = len(NoiseScaleEstimate._fields)
 
 
@@ -372,15 +428,16 @@ def _step_times(value: Any) -> dict[ThroughputKey, StepTimes]:
         raise ValueError(f"controller state: `step_times` must be a list, got {value!r}")
     times = {}
     for entry in value:
-        if not isinstance(entry, list | tuple) or len(entry) != 6:
+        if not isinstance(entry, list | tuple) or len(entry) != 7:
             raise ValueError(
                 "controller state: each `step_times` entry must be [micro, micro-batches, "
-                f"policy, steps, seconds, seconds_sq], got {entry!r}"
+                f"policy, steps, seconds, seconds_sq, blocks], got {entry!r}"
             )
         key = _key(entry[:3], "step_times")
         steps = records.integer(entry[3], "step_times steps", 0)
-        seconds, squares = (records.number(v, "step_times seconds") for v in entry[4:])
+        seconds, squares = (records.number(v, "step_times seconds") for v in entry[4:6])
+        blocks = records.integer(entry[6], "step_times blocks", 0)
         if seconds < 0.0 or squares < 0.0:
             raise ValueError(f"controller state: `step_times` seconds must be >= 0, got {entry!r}")
-        times[key] = StepTimes(steps, seconds, squares)
+        times[key] = StepTimes(steps, seconds, squares, blocks)
     return times

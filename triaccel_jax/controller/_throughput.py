@@ -5,8 +5,9 @@ throughput figures. Averaging per-step rates is biased upwards (a mean of ratios
 the shortest intervals), and extrapolating a power law through two noisy points amplifies their
 noise. Instead, as AdaptDL's ``goodput.py`` does (Qiao et al., 2021, §4.1), each batch size keeps
 *sums*: steps, seconds, and the sum of squared step seconds, timed at device completion, with the
-steps right after a move or a compile left out by the caller. A model of step time is fitted over
-the sizes measured:
+steps right after a move or a compile left out by the caller. Steps are added in blocks of consecutive
+steps, and the spread of the block means gives each mean's uncertainty. A model of step time is
+fitted over the sizes measured:
 
     T(B) = fixed + per_sample * B
 
@@ -33,23 +34,46 @@ NOISE_FLOOR = 0.02
 
 
 class StepTimes(NamedTuple):
-    """Sums of the timed steps at one batch size (under one precision policy).
+    """Sums of the timed steps at one batch size (under one precision policy), added in blocks.
+
+    A block is a run of consecutive steps timed together (the controller's are the steps between
+    two memory checks). Its mean is what the spread is measured on: a step's own seconds are an
+    interval between host reads, and with steps in flight a long wait at a flush is followed by
+    short reads, so single steps vary far more than their sums do; blocks of consecutive steps
+    average that out, and their spread gives the mean's (the batch-means estimate of a
+    correlated series' variance).
 
     Attributes:
       steps: how many steps were timed.
       seconds: their total seconds, each from dispatch to device completion.
-      seconds_sq: the sum of each step's seconds squared (for the spread of the mean).
+      seconds_sq: the sum over blocks of ``block steps x (block's mean step seconds)**2``.
+      blocks: how many blocks were added.
     """
 
     steps: int = 0
     seconds: float = 0.0
     seconds_sq: float = 0.0
+    blocks: int = 0
 
-    def add(self, seconds: float) -> StepTimes:
-        """These sums with one more step of ``seconds`` (non-finite or negative: refused)."""
+    def add(self, seconds: float, steps: int = 1) -> StepTimes:
+        """These sums with a block of ``steps`` consecutive steps taking ``seconds`` in all
+        (non-finite or negative seconds, or fewer than one step: refused)."""
         if not (math.isfinite(seconds) and seconds >= 0.0):
             raise ValueError(f"a step's seconds must be finite and >= 0, got {seconds!r}")
-        return StepTimes(self.steps + 1, self.seconds + seconds, self.seconds_sq + seconds**2)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"a block holds a whole number of steps >= 1, got {steps!r}")
+        return StepTimes(
+            self.steps + steps,
+            self.seconds + seconds,
+            self.seconds_sq + seconds**2 / steps,
+            self.blocks + 1,
+        )
+
+    def scaled(self, factor: float) -> StepTimes:
+        """The same steps each ``factor`` times as long."""
+        return StepTimes(
+            self.steps, self.seconds * factor, self.seconds_sq * factor**2, self.blocks
+        )
 
     @property
     def mean(self) -> float:
@@ -58,16 +82,17 @@ class StepTimes(NamedTuple):
 
     @property
     def variance_of_mean(self) -> float:
-        """The variance of :attr:`mean`: the steps' sample variance over their number, floored at
-        ``(NOISE_FLOOR * mean)**2 / steps``; the floor alone for a single step."""
+        """The variance of :attr:`mean`: the blocks' sample variance (weighted by their steps)
+        over their number, floored at ``(NOISE_FLOOR * mean)**2 / steps``; with one block,
+        ``mean**2`` over its steps (one block says little about its own noise)."""
         if not self.steps:
             return math.inf
         mean = self.mean
-        floor = (NOISE_FLOOR * mean) ** 2
-        if self.steps < 2:
-            return max(floor, mean**2) / self.steps  # one step says little about its own noise
-        spread = max(self.seconds_sq - self.steps * mean**2, 0.0) / (self.steps - 1)
-        return max(spread, floor) / self.steps
+        floor = (NOISE_FLOOR * mean) ** 2 / self.steps
+        if self.blocks < 2:
+            return max(floor, mean**2 / self.steps)
+        spread = max(self.seconds_sq / self.steps - mean**2, 0.0) / (self.blocks - 1)
+        return max(spread, floor)
 
 
 class StepTimeModel(NamedTuple):
