@@ -88,8 +88,12 @@ def test_controller_takes_a_config_or_keywords_but_not_both():
     assert controller.config is config and controller.buckets == (8, 16)
     with pytest.raises(TypeError, match="not both"):
         triaccel_jax.Controller(loss, params, optax.sgd(0.1), data, config=config, min_batch=8)
-    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['min_batchs'\]"):
+    # A mistyped keyword is named with the nearest valid one, and every valid one is listed.
+    with pytest.raises(TypeError) as error:
         triaccel_jax.Controller(loss, params, optax.sgd(0.1), data, min_batchs=8)
+    message = str(error.value)
+    assert "'min_batchs' (did you mean 'min_batch'?)" in message
+    assert all(field.name in message for field in dataclasses.fields(ControllerConfig))
 
 
 # -- feeding ---------------------------------------------------------------------------------------

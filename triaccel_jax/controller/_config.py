@@ -9,6 +9,7 @@ controller's parts read their settings from one place.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import warnings
 from collections.abc import Mapping
@@ -417,7 +418,14 @@ def resolve_config(
     """
     unknown = sorted(set(settings) - _SETTINGS)
     if unknown:
-        raise TypeError(f"Controller got unexpected keyword arguments {unknown}")
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, _SETTINGS, n=1)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise TypeError(
+            f"Controller got unexpected keyword arguments {', '.join(hints)}; its settings are "
+            f"{', '.join(sorted(_SETTINGS))} (the fields of ControllerConfig)"
+        )
     if config is None:
         return ControllerConfig(**settings)
     if not isinstance(config, ControllerConfig):
