@@ -69,6 +69,19 @@ def test_signals_inside_jit_are_traced_scalars():
     assert triaccel_jax.signals(state)["encoder/layers/1/kernel"]["state_dtype"] == "bfloat16"
 
 
+def test_signals_can_be_returned_from_jit():
+    # The whole record comes back from jit (no string in it there), with the eager figures.
+    tx = triaccel_jax.triaccel(0.1)
+    _, state = tx.update(GRADS, tx.init(PARAMS), PARAMS)
+    inside = jax.jit(triaccel_jax.signals)(state)
+    outside = triaccel_jax.signals(state)
+    assert set(inside) == set(outside)
+    for key, record in outside.items():
+        assert set(inside[key]) == set(record) - {"state_dtype"}
+        for name in triaccel_jax.transforms.LeafSignals._fields:
+            np.testing.assert_allclose(inside[key][name], record[name], rtol=1e-6)
+
+
 def test_signals_without_triaccel_state_is_an_error():
     state = optax.adam(0.1).init(PARAMS)
     with pytest.raises(ValueError, match="no triaccel state"):

@@ -43,7 +43,9 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
       keyed by ``"a/b/kernel"``-style paths of the params, for the leaves the optimizer acts
       on: every field of the state's per-leaf signals (Python floats, and ints for counters
       such as ``dropped_estimates``; traced scalars when called inside ``jit``), the dtype of
-      the state's moments (the gradient EMA for ``curvature_signals``), and the leaf's bias-corrected curvature EMA as a
+      the state's moments (the gradient EMA for ``curvature_signals``) as a string, left out
+      inside ``jit`` (a string is not an array ``jit`` can return; the dtype is static and
+      read outside), and the leaf's bias-corrected curvature EMA as a
       :class:`triaccel_jax.transforms.CompressedDiagonal` (NumPy arrays; traced inside ``jit``), which
       :func:`triaccel_jax.plan_precision` uses to weigh each weight by its own curvature.
 
@@ -61,6 +63,10 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
       ['dense/kernel']
       >>> triaccel_jax.signals(state)["dense/kernel"]["state_dtype"]
       'float32'
+      >>> import jax  # inside jit: the same figures, the dtype's name left out
+      >>> inside = jax.jit(triaccel_jax.signals)(state)["dense/kernel"]
+      >>> float(inside["trace"]) == triaccel_jax.signals(state)["dense/kernel"]["trace"]
+      True
     """
     result: dict[str, dict[str, Any]] = {}
     for state in _states(opt_state, ""):
@@ -91,7 +97,8 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
             if key in result:
                 raise ValueError(f"two states hold signals for leaf {key!r}")
             record: dict[str, Any] = dict(zip(SIGNAL_NAMES, leaf_values, strict=True))
-            record["state_dtype"] = moment.dtype.name
+            if not traced:
+                record["state_dtype"] = moment.dtype.name
             record["curvature_store"] = _bias_corrected(store, leaf_values, traced=traced)
             result[key] = record
     return result
