@@ -159,3 +159,33 @@ def test_weight_decay_follows_the_batch_so_that_the_decay_per_sample_is_kept():
             batch_rule="memory",
             weight_decay_hyperparam="decay",
         )
+
+
+def test_the_first_rescaling_of_the_tuned_rate_is_warned_about_once():
+    # Reference 16, grown 16 -> 64 by memory, then an out-of-memory error shrinks it to 32: the
+    # rate is rescaled twice, one warning says so with the rule and the figures, and the event
+    # log keeps both.
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=BASE_LR)
+    controller = FaultyController(
+        loss_fn,
+        make_params(),
+        tx,
+        make_data(),
+        faults={6: 1},
+        **{
+            **shrink_settings(),
+            "min_batch": 16,
+            "batch_size": 16,
+            "reference_batch": 16,
+            "check_every": 2,
+        },
+        batch_rule="memory",
+        patience=1,
+    )
+    with pytest.warns(UserWarning, match="rescales the learning rate") as caught:
+        controller.run(10)
+    said = [w for w in caught if "rescales the learning rate" in str(w.message)]
+    assert len(said) == 1
+    message = str(said[0].message)
+    assert "reference_batch=16" in message and "linear rule" in message
+    assert [e.kind for e in controller.events].count("learning_rate") == 2

@@ -20,6 +20,7 @@ import copy
 import functools
 import math
 import time
+import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -263,6 +264,7 @@ class Controller:
             block=min(config.check_every, 10),
             every=max(1, round(config.goodput_every * self._feeder.num_examples)),
         )
+        self._rescale_said = False  # whether the first rescaling of the rate was warned about
         self._probe = memory_probe.prepare_probe(probe)
         self._callback = logging_lib.logging_callback(callback)  # logs each step at DEBUG
 
@@ -1180,6 +1182,18 @@ class Controller:
         opt_state, event = self._lr.for_step(self._opt_state, samples, noise)
         if event is not None:
             self._log(event.kind, event.old, event.new, event.reason, **event.figures)
+            if not self._rescale_said:
+                # The user's tuned rate changing is said where a person sees it, once; every
+                # later change is in the event log (and logged at INFO).
+                self._rescale_said = True
+                warnings.warn(
+                    f"the Controller rescales the learning rate with the batch: {event.reason} "
+                    f"(reference_batch={self._lr.reference}: the batch the rate was tuned at; "
+                    "lr_scaling='none' leaves the rate alone). Said once: later changes are in "
+                    "Controller.events.",
+                    UserWarning,
+                    stacklevel=2,
+                )
         if opt_state is not self._opt_state:
             self._opt_state = self._place(opt_state)
 
