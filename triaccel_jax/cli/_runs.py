@@ -4,8 +4,9 @@
 * ``bf16``: ``optax.adamw`` with every layer computing in bfloat16 (fp32 masters and state) at
   the same fixed batch: static mixed precision;
 * ``triaccel``: ``triaccel_jax.triaccel`` (curvature step sizes), the planner re-planning each
-  leaf's precision every ``--replan-every`` steps, and the batch following the memory budget
-  (buckets up to ``--max-batch``, square-root learning-rate scaling).
+  leaf's precision every ``--replan-every`` steps, and the batch moved by goodput within the
+  memory budget (buckets up to ``--max-batch``; the learning rate follows the square root of
+  AdaScale's gain, the controller's default under goodput).
 """
 
 from __future__ import annotations
@@ -122,7 +123,6 @@ def build_controller(
             probe=probe,
             replan_every=args.replan_every,
             first_replan=min(args.first_replan, args.replan_every),
-            lr_scaling="sqrt",
             # A grow's bigger step compiles on a worker thread while training goes on.
             compile_in_background=(
                 args.compile_in_background

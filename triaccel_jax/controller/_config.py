@@ -261,7 +261,8 @@ class ControllerConfig:
         validation.check_choice("batch_rule", self.batch_rule, BATCH_RULES)
         validation.check_choice("precision_rule", self.precision_rule, PRECISION_RULES)
         validation.check_choice("noise_estimator", self.noise_estimator, NOISE_ESTIMATORS)
-        if self.moves_by_goodput and self.learning_rate_rule not in GAIN_RULES:
+        movable = self.min_batch < self.max_batch
+        if self.moves_by_goodput and movable and self.learning_rate_rule not in GAIN_RULES:
             warnings.warn(
                 f"batch_rule='goodput' with lr_scaling={self.learning_rate_rule!r}: goodput "
                 "grows the batch where its efficiency model (Pollux) says a step of B samples "
