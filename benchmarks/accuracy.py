@@ -125,7 +125,7 @@ from accuracy.workloads import WORKLOADS
 from accuracy.workloads import Workload
 from accuracy.workloads import load_splits
 
-from triaccel_jax.cli import _compilation_cache as compilation_cache
+from triaccel_jax._src import compilation_cache
 
 # --quick: batch 32 growing to 64 (two buckets: each is a compile per run), checks every 2
 # steps, a first plan at step 4 and re-plans every 8.

@@ -94,7 +94,7 @@ from accuracy.stats import paired_interval
 from accuracy.tuning import log_grid
 
 import triaccel_jax
-from triaccel_jax.cli import _compilation_cache as compilation_cache
+from triaccel_jax._src import compilation_cache
 from triaccel_jax.cli import _task as task
 
 VALIDATION = 6_000

@@ -61,7 +61,7 @@ from accuracy.workloads import Workload
 from accuracy.workloads import load_splits
 
 import triaccel_jax
-from triaccel_jax.cli import _compilation_cache as compilation_cache
+from triaccel_jax._src import compilation_cache
 from triaccel_jax.cli import _task as task
 
 OPTIMIZERS = ("adamw", "leaf", "block")

@@ -9,10 +9,16 @@ beside it (the default prepend import mode), so every test module imports them b
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import jax
 import pytest
+
+# The controller turns JAX's persistent compilation cache on by default; the tests count and time
+# compiles, and must not read executables a test (or an earlier run) wrote, so it is off here
+# (subprocesses inherit it). tests/cli/test_compilation_cache.py turns it on where it is tested.
+os.environ["TRIACCEL_COMPILATION_CACHE"] = "off"
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles: list[str] = []  # the name of every function compiled, in order

@@ -1,4 +1,5 @@
-"""The main job's persistent compilation cache: a second identical run compiles nothing."""
+"""JAX's persistent compilation cache: the main job's (a second identical run compiles nothing)
+and the controller's default."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import sys
 
 import jax
 import pytest
+from jax._src import compilation_cache as jax_cache
 
+from triaccel_jax._src import compilation_cache
 from triaccel_jax.cli import _arguments as arguments
-from triaccel_jax.cli import _compilation_cache as compilation_cache
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--dataset", "digits", "--epochs", "1", "--max-steps", "4", "--batch-size", "32"]
@@ -113,3 +115,66 @@ def test_the_cache_settings_are_restored_after_the_job(tmp_path, count_compiles)
     with count_compiles():
         jax.jit(lambda x: x * 3 + 1)(2.0)
     assert count_compiles.count == 1
+
+
+@pytest.fixture
+def jax_cache_settings():
+    """Restores JAX's cache settings after a test that changes them for the process."""
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_enable_compilation_cache",
+        *compilation_cache._SETTINGS,
+    )
+    saved = {name: getattr(jax.config, name) for name in names}
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    jax_cache.reset_cache()
+
+
+def _controller(**settings):
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import triaccel_jax
+
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    return triaccel_jax.Controller(
+        lambda p, batch: jnp.mean((batch @ p) ** 2),
+        jnp.ones(4),
+        optax.sgd(0.1),
+        x,
+        min_batch=16,
+        max_batch=16,
+        probe=triaccel_jax.FakeMemoryProbe(10**12),
+        **settings,
+    )
+
+
+def test_the_controller_turns_the_persistent_cache_on_by_default(
+    tmp_path, monkeypatch, jax_cache_settings
+):
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setenv(compilation_cache.ENVIRONMENT_VARIABLE, str(tmp_path / "cache"))
+    _controller(compilation_cache=False).run(2)
+    assert jax.config.jax_compilation_cache_dir is None  # switched off: left alone
+    controller = _controller()
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
+    controller.run(2)
+    assert any((tmp_path / "cache").iterdir()), "the step was not written to the cache"
+    # A folder the user set in JAX's configuration is kept; "off" in the variable is respected.
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+    _controller()
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setenv(compilation_cache.ENVIRONMENT_VARIABLE, "off")
+    _controller()
+    assert jax.config.jax_compilation_cache_dir is None
+    # A cache switched off in JAX (the main job's --no-compilation-cache) stays off.
+    monkeypatch.setenv(compilation_cache.ENVIRONMENT_VARIABLE, str(tmp_path / "cache"))
+    jax.config.update("jax_enable_compilation_cache", False)
+    _controller()
+    assert jax.config.jax_compilation_cache_dir is None
+    with pytest.raises(ValueError, match="compilation_cache"):
+        _controller(compilation_cache="yes")

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import jax
 
+from triaccel_jax._src import compilation_cache
 from triaccel_jax.cli import _arguments as arguments
-from triaccel_jax.cli import _compilation_cache as compilation_cache
 from triaccel_jax.cli import _data_source as data_source
 from triaccel_jax.cli import _results as results_lib
 from triaccel_jax.cli import _runs as runs

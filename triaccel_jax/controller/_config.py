@@ -142,6 +142,13 @@ class ControllerConfig:
       compile_in_background: compile the step a grown bucket or a re-planned policy needs on a
         worker thread while training continues on the current one, and switch at the first step
         after it is ready (False: compile in the step that decides, which is deterministic).
+      compilation_cache: True (the default): the controller turns JAX's persistent compilation
+        cache on for the process, so a second run of the same steps (a restarted job, the next
+        notebook session) loads its executables instead of compiling them: in the user's cache
+        folder (``$XDG_CACHE_HOME/triaccel_jax/jax``, else ``~/.cache/triaccel_jax/jax``), or in
+        ``$TRIACCEL_COMPILATION_CACHE`` (``0`` or ``off`` turns it off). A cache folder set in
+        JAX's own configuration (``jax_compilation_cache_dir``) is used as it is. False: JAX's
+        settings are left alone.
       fused_update: None (default): the step runs ``tx.update`` and ``optax.apply_updates``.
         The optimizer's fused form (:func:`triaccel_jax.transforms.fused_triaccel` of the
         arguments ``tx`` was made with): the step writes the moments and the new params in one
@@ -230,6 +237,7 @@ class ControllerConfig:
     seed: int = 0
     steps_in_flight: int = 1
     compile_in_background: bool = False
+    compilation_cache: bool = True
     fused_update: FusedTriAccel | None = None
     noise_horizon: int | None = None
     measure_noise_scale: bool = False
@@ -301,6 +309,10 @@ class ControllerConfig:
                     "`assumed_step_time` must be (fixed_seconds, seconds_per_sample), two finite "
                     f"numbers >= 0 not both 0, got {assumed!r}"
                 )
+        if not isinstance(self.compilation_cache, bool):
+            raise ValueError(
+                f"`compilation_cache` must be True or False, got {self.compilation_cache!r}"
+            )
         if self.speed_trials not in (None, True, False):
             raise ValueError(
                 f"`speed_trials` must be None, True or False, got {self.speed_trials!r}"

@@ -32,6 +32,7 @@ import numpy as np
 import optax
 
 from triaccel_jax import training
+from triaccel_jax._src import compilation_cache
 from triaccel_jax._src import validation
 from triaccel_jax._src.readonly import ReadOnly
 from triaccel_jax.controller import _agreement as agreement
@@ -205,6 +206,8 @@ class Controller:
         if faults is not None:
             validation.check_callable("faults", faults)
         self._faults = faults
+        if config.compilation_cache:
+            compilation_cache.enable_by_default()
         self._feeder = feeding.BatchFeeder(data, config.num_examples, mesh, config.data_axis)
         layout = config.layout(self._feeder.multiple)
         self._buckets, self._global = layout.buckets, layout.global_batch

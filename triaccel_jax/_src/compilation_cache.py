@@ -1,14 +1,16 @@
-"""The main job's persistent compilation cache: where it lives, and turning it on for one job.
+"""JAX's persistent compilation cache: where it lives, turning it on for a process or one job.
 
 JAX can write every compiled executable to a folder and read it back in a later process
-(``jax_compilation_cache_dir``), so a second identical run of the main job compiles nothing
-(issue 14, docs/design.md §8). The main job turns it on by default, in the user's cache folder
+(``jax_compilation_cache_dir``), so a second identical run compiles nothing (docs/design.md
+§8). The controller (:func:`enable_by_default`, ``ControllerConfig.compilation_cache``) and the
+main job (:func:`persistent_cache`) turn it on by default, in the user's cache folder
 (``$XDG_CACHE_HOME/triaccel_jax/jax``, else ``~/.cache/triaccel_jax/jax``) rather than under
 ``--output-dir``: an executable depends on the program, the JAX version and the device, which
 JAX's cache key already holds, not on where results are written, so runs writing to different
 output folders share their compiles. ``--compilation-cache DIR`` or the environment variable
 ``TRIACCEL_COMPILATION_CACHE`` moves it; ``--no-compilation-cache`` or
-``TRIACCEL_COMPILATION_CACHE=0`` (or ``off``) turns it off. The flag wins over the variable.
+``TRIACCEL_COMPILATION_CACHE=0`` (or ``off``) turns it off. The flag wins over the variable. A
+cache folder the user set in JAX's own configuration is left as it is.
 """
 
 from __future__ import annotations
@@ -118,3 +120,41 @@ def persistent_cache(path: pathlib.Path | None) -> Iterator[None]:
         for name, value in saved.items():
             jax.config.update(name, value)
         jax_cache.reset_cache()
+
+
+def enable_by_default(environ: Mapping[str, str] | None = None) -> pathlib.Path | None:
+    """Turns JAX's persistent compilation cache on for the rest of the process, in the folder
+    :func:`resolve_cache_dir` gives (``TRIACCEL_COMPILATION_CACHE``, else the user's cache
+    folder), unless JAX's own ``jax_compilation_cache_dir`` is already set (the user chose;
+    nothing is changed), JAX's cache is switched off (``jax_enable_compilation_cache`` False, as
+    the main job's ``--no-compilation-cache`` leaves it), or the variable turns it off.
+
+    Unlike :func:`persistent_cache` this is not undone: a controller compiles for as long as it
+    trains, and every later compile of the process may read and write the folder. Calling it
+    again changes nothing.
+
+    Returns:
+      The folder in use (the user's own when set), or None when the cache is off.
+
+    Example:
+      >>> import jax
+      >>> from triaccel_jax._src.compilation_cache import enable_by_default
+      >>> saved = jax.config.jax_compilation_cache_dir
+      >>> jax.config.update("jax_compilation_cache_dir", "/tmp/my_jax_cache")
+      >>> str(enable_by_default({"TRIACCEL_COMPILATION_CACHE": "/tmp/other"}))  # the user's kept
+      '/tmp/my_jax_cache'
+      >>> jax.config.update("jax_compilation_cache_dir", saved)
+    """
+    chosen = jax.config.jax_compilation_cache_dir
+    if chosen:
+        return pathlib.Path(chosen)
+    if not jax.config.jax_enable_compilation_cache:
+        return None
+    path = resolve_cache_dir(None, False, environ)
+    if path is None:
+        return None
+    path.mkdir(parents=True, exist_ok=True)
+    jax_cache.reset_cache()
+    for name, value in {**_SETTINGS, "jax_compilation_cache_dir": str(path)}.items():
+        jax.config.update(name, value)
+    return path
