@@ -138,7 +138,9 @@ def test_preconditioned_norms_weigh_each_element_by_the_second_moment_held():
     out = jax.jit(step)(
         params, state, None, (x, y), np.int32(0), np.float32(1.0), LossScaling().init()
     )
-    weights = jax.tree.map(lambda v: 1.0 / (jnp.sqrt(v) + 1e-8) ** 2, nu)
+    # Adam's preconditioner up to one factor: the mean of nu over every element.
+    mean = (float(jnp.sum(nu["w"])) + float(jnp.sum(nu["b"]))) / 8
+    weights = jax.tree.map(lambda v: mean / (jnp.sqrt(v) + 1e-3 * mean**0.5) ** 2, nu)
 
     def weighted(g):
         return sum(
@@ -156,6 +158,18 @@ def test_preconditioned_norms_weigh_each_element_by_the_second_moment_held():
     assert float(m["grad_sq_norm"]) == pytest.approx(
         sum(float(jnp.sum(g**2)) for g in jax.tree.leaves(whole)), rel=1e-5
     )
+    # The weighted norms do not depend on nu's scale (it warms up from 0 over thousands of
+    # steps, and the noise scale averages the norms across them); before any second moment the
+    # step carries no estimate.
+    for scale, expected in ((1e-6, m["preconditioned_grad_sq_norm"]), (0.0, 0.0)):
+        scaled = (state[0]._replace(nu=jax.tree.map(lambda v, s=scale: v * s, nu)), *state[1:])
+        again = jax.jit(step)(
+            params, scaled, None, (x, y), np.int32(0), np.float32(1.0), LossScaling().init()
+        ).metrics
+        assert float(again["preconditioned_grad_sq_norm"]) == pytest.approx(
+            float(expected), rel=1e-4
+        )
+        assert float(again["preconditioned_micro_grad_sq_norm"]) >= 0.0
 
 
 def test_preconditioned_norms_need_a_second_moment_and_say_so():

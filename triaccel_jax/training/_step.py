@@ -640,8 +640,17 @@ def _noise_weights(kind: str | None, opt_state: Any, params: Any) -> Any:
     return _preconditioner_weights(opt_state, params)
 
 
-def _preconditioner_weights(opt_state: Any, params: Any, eps: float = 1e-8) -> Any:
-    """``1 / (sqrt(nu) + eps)^2`` per element, from the one ``nu`` in ``opt_state``.
+def _preconditioner_weights(opt_state: Any, params: Any, floor: float = 1e-3) -> Any:
+    """``m / (sqrt(nu) + floor sqrt(m))^2`` per element, from the one ``nu`` in ``opt_state``,
+    with ``m`` the mean of ``nu`` over every element.
+
+    Adam's preconditioner ``1 / (sqrt(nu) + eps)^2`` up to one factor a step: the factor makes
+    the weighted norms independent of ``nu``'s scale, which moves by orders of magnitude as the
+    second moment warms up (it starts at 0 and is not bias-corrected in the state); unscaled,
+    the first steps' norms (1e16 at ``nu = 0``) outweighed every later one in the noise scale's
+    averages for thousands of steps. The ratio of a step's two weighted norms is unchanged. The
+    floor keeps an element whose ``nu`` is still 0 among warm ones at a weight of at most 1e6;
+    before any second moment (``m = 0``) every weight is 0: the step carries no estimate.
 
     Raises:
       ValueError: ``opt_state`` holds no ``nu`` with the params' structure and shapes, or several.
@@ -660,7 +669,17 @@ def _preconditioner_weights(opt_state: Any, params: Any, eps: float = 1e-8) -> A
             "such: use an optimizer with one (optax.adam, optax.adamw, triaccel_jax.triaccel), "
             "or noise_weights=None"
         )
-    return jax.tree.map(lambda v: 1.0 / jnp.square(jnp.sqrt(v.astype(jnp.float32)) + eps), found[0])
+    nu = jax.tree.map(lambda v: v.astype(jnp.float32), found[0])
+    leaves = jax.tree.leaves(nu)
+    size = sum(leaf.size for leaf in leaves)
+    mean = sum(jnp.sum(leaf) for leaf in leaves) / size
+    root = jnp.sqrt(mean)
+
+    def weight(v):
+        denominator = jnp.square(jnp.sqrt(v) + floor * root)
+        return jnp.where(mean > 0, mean / jnp.where(denominator > 0, denominator, 1.0), 0.0)
+
+    return jax.tree.map(weight, nu)
 
 
 def _curvature_weights(opt_state: Any, params: Any) -> Any:
