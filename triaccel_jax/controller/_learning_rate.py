@@ -464,9 +464,10 @@ class LearningRateScaling:
         if self._base_lr is not None:
             assert self._hyperparam is not None  # base_lr is only found under a named hyperparam
             opt_state = set_hyperparam(opt_state, self._hyperparam, self._base_lr * self._factor)
-        if self._base_decay is not None:
-            assert self._decay_hyperparam is not None
-            opt_state = set_hyperparam(opt_state, self._decay_hyperparam, self.decay_for(batch))
+        decay = self.decay_for(batch)
+        if decay is not None:
+            assert self._decay_hyperparam is not None  # a decay is only scaled under its name
+            opt_state = set_hyperparam(opt_state, self._decay_hyperparam, decay)
         return LearningRateChange(old, self._factor, opt_state, old_batch)
 
     def for_step(
