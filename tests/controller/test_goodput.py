@@ -464,3 +464,36 @@ def test_goodput_scales_the_rate_and_the_schedule_by_the_gain_its_model_assumes(
     assert 1.2 < gains[-1] < 4.0
     assert controller.schedule_progress == pytest.approx(sum(gains), rel=1e-3)
     assert controller.schedule_progress < 40 * 32 / 8
+
+
+def test_with_samples_per_second_flat_in_the_batch_the_measured_batch_stays_at_the_reference():
+    # Each step sleeps in proportion to its samples: samples per second are the same at every
+    # batch, so goodput is the efficiency alone, highest at the reference batch 8. Measured
+    # throughput may try 16 once, but must come back and not wander (a rule extrapolating from
+    # biased and stale per-step rates went 8 -> 16 -> 32 -> 16 and stayed at 16).
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4096, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=8) + 3.0 * rng.normal(size=4096)).astype(np.float32)
+
+    def loss(params, batch):
+        inputs, targets = batch
+        size = inputs.shape[0]  # known when the step is traced: the sleep is compiled in
+        jax.debug.callback(lambda: time.sleep(2e-4 * size))
+        return jnp.mean((inputs @ params - targets) ** 2)
+
+    controller = triaccel_jax.Controller(
+        loss,
+        jnp.zeros(8),
+        optax.sgd(0.01),
+        (x, y),
+        probe=triaccel_jax.FakeMemoryProbe(10**12),
+        min_batch=8,
+        max_batch=128,
+        batch_size=8,
+        check_every=5,
+    )
+    infos = controller.run(200)
+    batches = [i.batch_size for i in infos]
+    assert controller.batch_size == 8 and max(batches) <= 16, batches
+    turns = [e for e in controller.events if e.kind in ("grow", "shrink")]
+    assert len(turns) <= 2, turns
