@@ -134,3 +134,29 @@ def test_on_steady_noise_the_noise_scale_estimate_is_steady():
     estimates = np.array([i.noise_scale for i in controller.run(400)][100:])
     low, high = np.percentile(estimates[10:] / estimates[:-10], [5, 95])
     assert low > 0.8 and high < 1.25, (low, high)
+
+
+def test_a_trial_left_by_goodput_keeps_the_users_policy_and_replans_nothing(make_controller):
+    # Steps slower per sample the larger they are: goodput tries 16 and goes back to 8. That
+    # return is goodput's, not memory's: the bf16 policy the user set stays and precision is not
+    # re-planned "for memory" (before: "memory needs 0 B saved" and the user's policy was lost).
+    def slower_per_sample_as_the_batch_grows(params, batch, *, policy, rng):
+        size = batch["x"].shape[0]  # known when the step is traced: the sleep is compiled in
+        jax.debug.callback(lambda: time.sleep(3e-4 * size * size))
+        return loss_fn(params, batch, policy=policy, rng=rng)
+
+    controller = make_controller(
+        loss_fn=slower_per_sample_as_the_batch_grows,
+        max_batch=32,
+        replan_every=1000,
+        probe=triaccel_jax.BudgetMemoryProbe(2**34),
+    )
+    policy = PrecisionPolicy.uniform(controller.params, "bf16")
+    controller.set_policy(policy)
+    steps = 0
+    while steps < 400 and not any(e.kind == "shrink" for e in controller.events):
+        steps += len(controller.run(20))
+    moves = [(e.kind, e.old, e.new) for e in controller.events if e.kind in ("grow", "shrink")]
+    assert moves == [("grow", 8, 16), ("shrink", 16, 8)], controller.events
+    assert not [e for e in controller.events if e.kind == "replan"], controller.events
+    assert controller.policy == policy
