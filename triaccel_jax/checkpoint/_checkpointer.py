@@ -4,7 +4,7 @@ Arrays (params, optimizer state, BatchNorm statistics) go through orbax's standa
 handler; the policy, the controller's state (with the sampler's cursor) and any user metadata go
 in a JSON item beside them. Orbax writes each step to a temporary folder and renames it when
 complete, so an interrupted save leaves the previous checkpoint usable. Loading never unpickles
-anything: both items are data formats (docs/design.md §6, issue 5).
+anything: both items are data formats (docs/design.md §6).
 
 The JSON item also records each array's shape, dtype and CRC-32: orbax and tensorstore do not
 checksum array data (a few overwritten bytes in a compressed chunk restore silently as wrong

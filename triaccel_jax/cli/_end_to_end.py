@@ -1,6 +1,6 @@
 """The main job end to end, one run per process: time to FP32's accuracy, memory, throughput.
 
-``benchmarks/gpu_check.py --sections end-to-end`` (issue 14) runs the main job three times, FP32
+``benchmarks/gpu_check.py --sections end-to-end`` runs the main job three times, FP32
 AdamW and static bf16 AdamW at a fixed batch and Tri-Accel growing its batch into free memory,
 each in a process of its own (``peak_bytes_in_use`` is a process-wide high-water mark, and a
 fresh process compiles from an empty in-memory cache, as a user's run does). It reads each run's
@@ -8,7 +8,7 @@ fresh process compiles from an empty in-memory cache, as a user's run does). It 
 ``peak_bytes_in_use`` at the batch the run trained at and at the common batch (on CPU, which
 has no memory statistics, ``memory_report``'s figure instead, labelled so), the wall time to
 reach FP32's final test accuracy with and without compiles, and the final accuracy; then each
-target of issue 14 as a ratio, "met" or "missed".
+target as a ratio, "met" or "missed".
 """
 
 from __future__ import annotations
