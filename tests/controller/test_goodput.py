@@ -432,8 +432,9 @@ def test_goodput_scales_the_rate_and_the_schedule_by_the_gain_its_model_assumes(
 
     assert ControllerConfig().learning_rate_rule == "sqrt_adascale"
     assert ControllerConfig(batch_rule="memory").learning_rate_rule == "sqrt"
-    with pytest.warns(UserWarning, match="does not scale the learning rate by that gain"):
+    with pytest.warns(UserWarning, match="does not scale the learning rate by that gain") as said:
         ControllerConfig(lr_scaling="sqrt")
+    assert said[0].filename == __file__  # the user's line, not the library's
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ControllerConfig(lr_scaling="adascale")

@@ -188,4 +188,5 @@ def test_the_first_rescaling_of_the_tuned_rate_is_warned_about_once():
     assert len(said) == 1
     message = str(said[0].message)
     assert "reference_batch=16" in message and "linear rule" in message
+    assert said[0].filename == __file__  # the user's call, not a line of the library
     assert [e.kind for e in controller.events].count("learning_rate") == 2

@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import warnings
 from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
+from triaccel_jax._src import caller
 from triaccel_jax._src import validation
 from triaccel_jax.controller import _buckets as buckets_lib
 from triaccel_jax.precision import PlannerConfig
@@ -271,15 +271,13 @@ class ControllerConfig:
         validation.check_choice("noise_estimator", self.noise_estimator, NOISE_ESTIMATORS)
         movable = self.min_batch < self.max_batch
         if self.moves_by_goodput and movable and self.learning_rate_rule not in GAIN_RULES:
-            warnings.warn(
+            caller.warn(
                 f"batch_rule='goodput' with lr_scaling={self.learning_rate_rule!r}: goodput "
                 "grows the batch where its efficiency model (Pollux) says a step of B samples "
                 "makes AdaScale's gain in progress, and this rule does not scale the learning "
                 "rate by that gain, so the batch it picks may train slower than predicted. Use "
                 "lr_scaling='sqrt_adascale' (Adam-like optimizers) or 'adascale' (SGD-like), "
                 "with noise_estimator 'simple' or 'preconditioned'",
-                UserWarning,
-                stacklevel=3,
             )
         if self.noise_estimator == "hessian" and self.lr_scaling in GAIN_RULES:
             raise ValueError(

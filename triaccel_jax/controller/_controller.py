@@ -20,7 +20,6 @@ import copy
 import functools
 import math
 import time
-import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ import numpy as np
 import optax
 
 from triaccel_jax import training
+from triaccel_jax._src import caller
 from triaccel_jax._src import compilation_cache
 from triaccel_jax._src import validation
 from triaccel_jax._src.readonly import ReadOnly
@@ -1189,13 +1189,11 @@ class Controller:
                 # The user's tuned rate changing is said where a person sees it, once; every
                 # later change is in the event log (and logged at INFO).
                 self._rescale_said = True
-                warnings.warn(
+                caller.warn(
                     f"the Controller rescales the learning rate with the batch: {event.reason} "
                     f"(reference_batch={self._lr.reference}: the batch the rate was tuned at; "
                     "lr_scaling='none' leaves the rate alone). Said once: later changes are in "
-                    "Controller.events.",
-                    UserWarning,
-                    stacklevel=2,
+                    "Controller.events."
                 )
         if opt_state is not self._opt_state:
             self._opt_state = self._place(opt_state)
