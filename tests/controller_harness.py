@@ -20,6 +20,8 @@ factory as the ``make_controller`` fixture. It offers:
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +54,18 @@ def make_params() -> dict[str, jax.Array]:
 def loss_fn(params, batch, *, policy, rng):
     hidden = jnp.tanh(batch["x"] @ params["w1"])
     return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+
+def slower_per_sample(seconds: float):
+    """The harness's loss with a sleep in the step of ``seconds x batch^2``: samples per second
+    fall as the (micro-)batch grows, as measured on this CPU, but by a wide margin."""
+
+    def loss(params, batch, *, policy, rng):
+        size = batch["x"].shape[0]  # known when the step is traced: the sleep is compiled in
+        jax.debug.callback(lambda: time.sleep(seconds * size * size))
+        return loss_fn(params, batch, policy=policy, rng=rng)
+
+    return loss
 
 
 def linear_probe(limit=20_000, base=1_000, per_sample=100, **kwargs) -> FakeMemoryProbe:

@@ -13,8 +13,8 @@ import numpy as np
 import optax
 import pytest
 from controller_harness import linear_probe
-from controller_harness import loss_fn
 from controller_harness import make_controller
+from controller_harness import slower_per_sample
 
 import triaccel_jax
 from triaccel_jax import training
@@ -238,14 +238,25 @@ def test_measure_noise_scale_splits_even_micro_batches_and_runs_odd_ones_whole()
 BUCKETS = (16, 32, 64, 128, 256)
 
 
-def goodput_controller(probe, *, target_noise=0.5, **settings):
-    rng = np.random.default_rng(5)
+def noisy_regression(target_noise, *, seed=5, seconds_per_sample=0.0):
+    """Linear regression data ``(x, y)`` with noisy targets and its loss; with
+    ``seconds_per_sample`` each step sleeps in proportion to its samples."""
+    rng = np.random.default_rng(seed)
     x = rng.normal(size=(4096, 8)).astype(np.float32)
     y = (x @ rng.normal(size=8) + target_noise * rng.normal(size=4096)).astype(np.float32)
 
     def loss(params, batch):
         inputs, targets = batch
+        if seconds_per_sample:
+            size = inputs.shape[0]  # known when the step is traced: the sleep is compiled in
+            jax.debug.callback(lambda: time.sleep(seconds_per_sample * size))
         return jnp.mean((inputs @ params - targets) ** 2)
+
+    return (x, y), loss
+
+
+def goodput_controller(probe, *, target_noise=0.5, **settings):
+    data, loss = noisy_regression(target_noise)
 
     defaults = dict(
         min_batch=8,
@@ -258,7 +269,7 @@ def goodput_controller(probe, *, target_noise=0.5, **settings):
         assumed_step_time=(0.010, 1e-5),
     )
     return triaccel_jax.Controller(
-        loss, jnp.zeros(8), optax.sgd(0.02), (x, y), probe=probe, **{**defaults, **settings}
+        loss, jnp.zeros(8), optax.sgd(0.02), data, probe=probe, **{**defaults, **settings}
     )
 
 
@@ -309,12 +320,8 @@ def test_with_a_fixed_global_batch_the_default_rule_moves_only_the_micro_batch_b
     assert {i.batch_size for i in capped_infos} == {256} and capped.micro_batch == 32
 
 
-def slower_per_sample_as_the_batch_grows(params, batch, *, policy, rng):
-    """The harness's loss, with a sleep in the step growing as the square of the (micro-)batch:
-    samples per second fall with the batch, as measured on this CPU, but by a wide margin."""
-    size = batch["x"].shape[0]  # known when the step is traced: the sleep is compiled in
-    jax.debug.callback(lambda: time.sleep(3e-4 * size * size))
-    return loss_fn(params, batch, policy=policy, rng=rng)
+# Samples per second fall with the batch, by a wide margin.
+slower_per_sample_as_the_batch_grows = slower_per_sample(3e-4)
 
 
 def test_by_default_a_batch_measured_slower_is_tried_once_and_left():
@@ -439,20 +446,13 @@ def test_goodput_scales_the_rate_and_the_schedule_by_the_gain_its_model_assumes(
         warnings.simplefilter("error")
         ControllerConfig(lr_scaling="adascale")
         ControllerConfig(batch_rule="memory", lr_scaling="sqrt")
-    rng = np.random.default_rng(5)
-    x = rng.normal(size=(4096, 8)).astype(np.float32)
-    y = (x @ rng.normal(size=8) + 3.0 * rng.normal(size=4096)).astype(np.float32)
-
-    def loss(params, batch):
-        inputs, targets = batch
-        return jnp.mean((inputs @ params - targets) ** 2)
-
+    data, loss = noisy_regression(3.0)
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.02)
     controller = triaccel_jax.Controller(
         loss,
         jnp.zeros(8),
         tx,
-        (x, y),
+        data,
         probe=triaccel_jax.FakeMemoryProbe(10**12),
         min_batch=32,
         max_batch=32,
@@ -472,21 +472,12 @@ def test_with_samples_per_second_flat_in_the_batch_the_measured_batch_stays_at_t
     # batch, so goodput is the efficiency alone, highest at the reference batch 8. Measured
     # throughput may try 16 once, but must come back and not wander (a rule extrapolating from
     # biased and stale per-step rates went 8 -> 16 -> 32 -> 16 and stayed at 16).
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(4096, 8)).astype(np.float32)
-    y = (x @ rng.normal(size=8) + 3.0 * rng.normal(size=4096)).astype(np.float32)
-
-    def loss(params, batch):
-        inputs, targets = batch
-        size = inputs.shape[0]  # known when the step is traced: the sleep is compiled in
-        jax.debug.callback(lambda: time.sleep(2e-4 * size))
-        return jnp.mean((inputs @ params - targets) ** 2)
-
+    data, loss = noisy_regression(3.0, seed=0, seconds_per_sample=2e-4)
     controller = triaccel_jax.Controller(
         loss,
         jnp.zeros(8),
         optax.sgd(0.01),
-        (x, y),
+        data,
         probe=triaccel_jax.FakeMemoryProbe(10**12),
         min_batch=8,
         max_batch=128,

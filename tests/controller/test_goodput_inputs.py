@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from controller_harness import loss_fn
+from controller_harness import slower_per_sample
 
 import triaccel_jax
 from triaccel_jax import PrecisionPolicy
@@ -47,11 +46,7 @@ def test_the_goodput_batch_never_goes_below_the_reference_batch(make_controller)
     # second; against the reference batch 32 the efficiency model would promise a batch of 8
     # more than one sample's progress per sample. The batch stays at 32 or above (below it,
     # goodput went 32 -> 64 -> 16 -> 8).
-    def slower_per_sample_as_the_batch_grows(params, batch, *, policy, rng):
-        size = batch["x"].shape[0]  # known when the step is traced: the sleep is compiled in
-        jax.debug.callback(lambda: time.sleep(1e-4 * size * size))
-        return loss_fn(params, batch, policy=policy, rng=rng)
-
+    slower_per_sample_as_the_batch_grows = slower_per_sample(1e-4)
     controller = make_controller(
         loss_fn=slower_per_sample_as_the_batch_grows,
         min_batch=8,
@@ -140,11 +135,7 @@ def test_a_trial_left_by_goodput_keeps_the_users_policy_and_replans_nothing(make
     # Steps slower per sample the larger they are: goodput tries 16 and goes back to 8. That
     # return is goodput's, not memory's: the bf16 policy the user set stays and precision is not
     # re-planned "for memory" (before: "memory needs 0 B saved" and the user's policy was lost).
-    def slower_per_sample_as_the_batch_grows(params, batch, *, policy, rng):
-        size = batch["x"].shape[0]  # known when the step is traced: the sleep is compiled in
-        jax.debug.callback(lambda: time.sleep(3e-4 * size * size))
-        return loss_fn(params, batch, policy=policy, rng=rng)
-
+    slower_per_sample_as_the_batch_grows = slower_per_sample(3e-4)
     controller = make_controller(
         loss_fn=slower_per_sample_as_the_batch_grows,
         max_batch=32,
