@@ -691,7 +691,7 @@ def test_the_first_replan_moves_leaves_at_once_and_first_replan_sets_when():
     assert [e.step for e in early.events if e.kind == "replan"] == [2]
     assert early.policy == default.policy
     with pytest.raises(ValueError, match="first_replan"):
-        make_controller(first_replan=2)  # precision is not planned
+        make_controller(replan_every=None, first_replan=2)  # precision is not planned
 
 
 @pytest.mark.parametrize("replan_every", [None, 5])

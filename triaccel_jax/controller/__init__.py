@@ -39,6 +39,8 @@ plan, trials and waiting re-plan), ``_out_of_memory`` (the retry rule and fault 
 ``_agreement`` (memory figures agreed across processes).
 """
 
+from triaccel_jax.controller._adaptive_batches import AdaptiveBatches
+from triaccel_jax.controller._adaptive_batches import StepSettings
 from triaccel_jax.controller._buckets import BucketDecision
 from triaccel_jax.controller._buckets import bucket_sizes
 from triaccel_jax.controller._buckets import decide_bucket
@@ -68,6 +70,7 @@ from triaccel_jax.controller._sampler import ElasticSampler
 from triaccel_jax.controller._state_record import ControllerCheckpoint
 
 __all__ = (
+    "AdaptiveBatches",
     "BatchLayout",
     "BucketDecision",
     "BudgetMemoryProbe",
@@ -86,6 +89,7 @@ __all__ = (
     "OutOfMemoryFaults",
     "Replan",
     "StepInfo",
+    "StepSettings",
     "TensorBoardWriter",
     "bucket_sizes",
     "decide_bucket",

@@ -34,6 +34,11 @@ PRECISION_RULES = ("speed", "memory")
 NOISE_HORIZON_STEPS = 200
 
 
+# replan_every="auto" with an optimizer that holds the signals: a re-plan every 100 steps, the
+# first at step 20 (the first plan leaves the all-fp32 start early; the accuracy study's rhythm).
+AUTO_REPLAN_EVERY, AUTO_FIRST_REPLAN = 100, 20
+
+
 class BatchLayout(NamedTuple):
     """The batch sizes a configuration allows on a given data-parallel width.
 
@@ -124,7 +129,11 @@ class ControllerConfig:
       patience: consecutive checks a bucket change must be indicated at, >= 1.
       check_every: steps between memory checks, >= 1.
       replan_every: steps between precision re-plans (None: precision is not planned).
-      first_replan: the step of the first re-plan (default ``replan_every``); later ones follow
+        ``"auto"`` (the default): every 100 steps from step 20 when the optimizer holds the
+        signals the planner reads (``triaccel``, ``scale_by_curvature`` or the observer
+        ``curvature_signals`` in its chain), else not planned.
+      first_replan: the step of the first re-plan (default ``replan_every``, 20 under
+        ``"auto"``); later ones follow
         every ``replan_every`` steps. The first plan moves leaves at once (no hysteresis: there
         is no earlier plan to flip back to), so a small ``first_replan`` puts the planned policy
         in force early instead of after two full intervals.
@@ -229,7 +238,7 @@ class ControllerConfig:
     high_water: float = 0.95
     patience: int = 2
     check_every: int = 10
-    replan_every: int | None = None
+    replan_every: int | str | None = "auto"
     first_replan: int | None = None
     planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
     loss_scaling: LossScaling = dataclasses.field(default_factory=LossScaling)
@@ -258,12 +267,16 @@ class ControllerConfig:
         validation.check_integer("patience", self.patience, 1)
         validation.check_integer("check_every", self.check_every, 1)
         validation.check_integer("steps_in_flight", self.steps_in_flight, 0)
-        if self.replan_every is not None:
+        if self.replan_every is not None and self.replan_every != "auto":
             validation.check_integer("replan_every", self.replan_every, 1)
         if self.first_replan is not None:
             validation.check_integer("first_replan", self.first_replan, 1)
             if self.replan_every is None:
                 raise ValueError("`first_replan` needs `replan_every` (precision is not planned)")
+        if isinstance(self.replan_every, str) and self.replan_every != "auto":
+            raise ValueError(
+                f"`replan_every` must be a number of steps, 'auto' or None, got {self.replan_every!r}"
+            )
         if self.lr_scaling is not None:
             validation.check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         validation.check_choice("batch_rule", self.batch_rule, BATCH_RULES)
@@ -329,6 +342,30 @@ class ControllerConfig:
                     f"`{name}` must be a {kind.__module__.rsplit('.', 1)[0]}.{kind.__name__}, "
                     f"e.g. {name}={kind.__name__}(...), got {type(value).__name__}"
                 )
+
+    def with_planning(self, holds_signals: bool) -> ControllerConfig:
+        """These settings with ``replan_every="auto"`` resolved: every 100 steps from step 20
+        (unless ``first_replan`` says otherwise) when ``holds_signals``, else None.
+
+        Example:
+          >>> from triaccel_jax.controller import ControllerConfig
+          >>> resolved = ControllerConfig().with_planning(holds_signals=True)
+          >>> resolved.replan_every, resolved.first_replan
+          (100, 20)
+          >>> print(ControllerConfig().with_planning(holds_signals=False).replan_every)
+          None
+        """
+        if self.replan_every != "auto":
+            return self
+        if not holds_signals:
+            if self.first_replan is not None:
+                raise ValueError(
+                    "`first_replan` is set but the optimizer holds no signals to plan precision "
+                    "from (put triaccel_jax.curvature_signals() first in its chain)"
+                )
+            return dataclasses.replace(self, replan_every=None)
+        first = AUTO_FIRST_REPLAN if self.first_replan is None else self.first_replan
+        return dataclasses.replace(self, replan_every=AUTO_REPLAN_EVERY, first_replan=first)
 
     def noise_horizon_for(self, reference_batch: int) -> int:
         """The noise horizon in samples: ``noise_horizon``, or 200 reference batches."""
@@ -418,7 +455,7 @@ _SETTINGS = frozenset(f.name for f in dataclasses.fields(ControllerConfig))
 
 
 def resolve_config(
-    config: ControllerConfig | None, settings: Mapping[str, Any]
+    config: ControllerConfig | None, settings: Mapping[str, Any], owner: str = "Controller"
 ) -> ControllerConfig:
     """The controller's settings from ``config=`` or from keywords (not both), or a clear error.
 
@@ -434,7 +471,7 @@ def resolve_config(
             close = difflib.get_close_matches(name, _SETTINGS, n=1)
             hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise TypeError(
-            f"Controller got unexpected keyword arguments {', '.join(hints)}; its settings are "
+            f"{owner} got unexpected keyword arguments {', '.join(hints)}; its settings are "
             f"{', '.join(sorted(_SETTINGS))} (the fields of ControllerConfig)"
         )
     if config is None:

@@ -226,6 +226,8 @@ class Controller:
         self._params = self._place(params)
         self._opt_state = self._place(tx.init(self._params) if opt_state is None else opt_state)
         self._model_state = self._place(model_state)
+        # replan_every="auto": precision is planned when the optimizer holds the signals.
+        self._config = config = config.with_planning(_holds_signals(self._opt_state))
         # A fused form that cannot fuse the optimizer is refused here, not at the first step.
         self._fused(self._opt_state)
         if config.noise_estimator == "hessian":
@@ -975,23 +977,15 @@ class Controller:
         """The bucket of highest goodput among those memory allows (``batch_rule="goodput"``):
         up to the memory decision's bucket when it grows, else up to the bucket in force.
         Returns the decision and its figures for the event log."""
-        micro = self._bucket.micro
-        cap = memory.bucket if memory.kind == "grow" else micro
-        ceiling = self._bucket.ceiling
-        allowed = [b for b in self._buckets if b <= cap and (ceiling is None or b < ceiling)]
-        if micro not in allowed:
-            allowed = sorted({*allowed, micro})
         signature = self._precision.signature
-        move = self._goodput.decide(
-            micro,
-            allowed,
-            {b: (b, self._num_micro(b), signature) for b in allowed},
-            measurable=self._measures_noise(micro),
+        return self._goodput.within_memory(
+            memory,
+            self._bucket.micro,
+            self._buckets,
+            self._bucket.ceiling,
+            lambda b: (b, self._num_micro(b), signature),
+            measurable=self._measures_noise(self._bucket.micro),
         )
-        if move.bucket == micro:
-            return memory._replace(kind="keep", bucket=micro), move.figures
-        kind = "grow" if move.bucket > micro else "shrink"
-        return memory._replace(kind=kind, bucket=move.bucket, reason=move.reason), move.figures
 
     def _refuse_grow(self, bucket: int) -> bool:
         """Logs a ``"reject"`` and returns True when ``bucket``'s compiled peak is too high."""
@@ -1317,6 +1311,15 @@ class Controller:
     def _log(self, kind: str, old: Any, new: Any, reason: str, **figures: Any) -> None:
         self._events.append(events_lib.Event(self._step_count, kind, old, new, reason, figures))
         logging_lib.log_event(self._events[-1])
+
+
+def _holds_signals(opt_state: Any) -> bool:
+    """Whether ``opt_state`` holds the signals the precision planner reads."""
+    try:
+        signals(opt_state)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _lowers(before: PrecisionPolicy, after: PrecisionPolicy) -> bool:

@@ -140,6 +140,10 @@ class BatchFeeder:
             self.sample_spec,
         )
 
+    def host_batch(self, indices: np.ndarray) -> Any:
+        """The samples at ``indices``, as the data holds them (on the host for arrays)."""
+        return self._fetch(indices)
+
     def device_batch(self, indices: np.ndarray, num_micro: int, micro: int) -> Any:
         """The samples at ``indices`` as ``num_micro`` micro-batches of ``micro`` on the devices."""
         grid = indices.reshape(num_micro, micro)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from typing import NamedTuple
 from triaccel_jax.controller import _agreement as agreement
 from triaccel_jax.controller import _goodput as goodput
 from triaccel_jax.controller import _state_record as records
+from triaccel_jax.controller._buckets import BucketDecision
 from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
 from triaccel_jax.controller._noise_scale import observe_noise
 from triaccel_jax.controller._throughput import StepTimes
@@ -277,6 +279,43 @@ class GoodputTracker:
             "goodput": decision.figures,
         }
         return GoodputMove(decision.batch, decision.reason, figures)
+
+    def within_memory(
+        self,
+        memory: BucketDecision,
+        current: int,
+        buckets: Sequence[int],
+        ceiling: int | None,
+        key_of: Callable[[int], ThroughputKey],
+        *,
+        measurable: bool,
+    ) -> tuple[BucketDecision, dict[str, Any]]:
+        """Memory's decision with goodput's choice of bucket: the bucket of highest goodput
+        among those memory allows (:meth:`decide`), up to the memory decision's bucket when it
+        grows, else up to ``current``, and below an out-of-memory ``ceiling``.
+
+        Args:
+          memory: what :func:`triaccel_jax.controller.decide_bucket` chose (not a shrink for
+            memory pressure: that one is taken as it is).
+          current: the bucket in force.
+          buckets: every bucket, ascending.
+          ceiling: the smallest bucket that ran out of memory, or None.
+          key_of: the key a bucket's step times are kept under.
+          measurable: whether a step at ``current`` measures the noise scale.
+
+        Returns:
+          ``(decision, figures)``: a "keep", "grow" or "shrink" to goodput's bucket, and the
+          figures it decided from, for the event log.
+        """
+        cap = memory.bucket if memory.kind == "grow" else current
+        allowed = [b for b in buckets if b <= cap and (ceiling is None or b < ceiling)]
+        if current not in allowed:
+            allowed = sorted({*allowed, current})
+        move = self.decide(current, allowed, {b: key_of(b) for b in allowed}, measurable=measurable)
+        if move.bucket == current:
+            return memory._replace(kind="keep", bucket=current), move.figures
+        kind = "grow" if move.bucket > current else "shrink"
+        return memory._replace(kind=kind, bucket=move.bucket, reason=move.reason), move.figures
 
     def _agreed_times(self, keys: Mapping[int, ThroughputKey]) -> dict[int, StepTimes]:
         """The step times of each bucket, as every process agrees on them (the pace of the

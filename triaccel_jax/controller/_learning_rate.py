@@ -460,15 +460,37 @@ class LearningRateScaling:
         """Sets the factor for ``batch`` (and ``noise``, with ``"adascale"``); returns it with
         ``opt_state`` holding the scaled rate."""
         old, old_batch = self._factor, self._batch
+        for name, value in self._settle(batch, noise).items():
+            opt_state = set_hyperparam(opt_state, name, value)
+        return LearningRateChange(old, self._factor, opt_state, old_batch)
+
+    def _settle(self, batch: int, noise: NoiseScaleEstimate | None) -> dict[str, float]:
+        """Sets the factor for ``batch``; returns the injected values it gives, by name."""
         self._factor, self._batch, self._stale = self.factor_for(batch, noise), batch, False
+        values = {}
         if self._base_lr is not None:
             assert self._hyperparam is not None  # base_lr is only found under a named hyperparam
-            opt_state = set_hyperparam(opt_state, self._hyperparam, self._base_lr * self._factor)
+            values[self._hyperparam] = self._base_lr * self._factor
         decay = self.decay_for(batch)
         if decay is not None:
             assert self._decay_hyperparam is not None  # a decay is only scaled under its name
-            opt_state = set_hyperparam(opt_state, self._decay_hyperparam, decay)
-        return LearningRateChange(old, self._factor, opt_state, old_batch)
+            values[self._decay_hyperparam] = decay
+        return values
+
+    def values_for(
+        self, samples: int, noise: NoiseScaleEstimate | None = None
+    ) -> tuple[dict[str, float], RateEvent | None]:
+        """The injected values a step of ``samples`` trains with, for a loop that writes the
+        optimizer state itself (:class:`triaccel_jax.controller.AdaptiveBatches`): sets the
+        factor as :meth:`for_step` does and returns ``({name: value}, event)``, the event as
+        :meth:`for_step`'s."""
+        old, old_batch = self._factor, self._batch
+        values = self._settle(samples, noise)
+        event = None
+        if self._factor != old and samples != old_batch:
+            change = LearningRateChange(old, self._factor, None, old_batch)
+            event = self._describe(change, samples, noise)
+        return values, event
 
     def for_step(
         self, opt_state: Any, samples: int, noise: NoiseScaleEstimate | None = None
@@ -535,15 +557,22 @@ class LearningRateScaling:
         scale-invariant iterations). Call after :meth:`for_step` for the step."""
         self._progress += self.gain if self._scaling in GAIN_RULES else samples / self._reference
 
+    def schedule_count(self) -> tuple[str, int] | None:
+        """``(name, count)``: the injected schedule the controller moves and the count its next
+        update is evaluated at, ``floor(progress)``; None when the rate is not such a schedule.
+        A part in 10^9 absorbs the rounding of a sum of fractions (three steps of a third of the
+        reference count as one reference step)."""
+        if not self._moves_schedule:
+            return None
+        assert self._hyperparam is not None  # a schedule is only found under a named hyperparam
+        return self._hyperparam, math.floor(self._progress + 1e-9)
+
     def at_progress(self, opt_state: Any) -> Any:
         """``opt_state`` whose next update evaluates the learning-rate schedule at
-        ``floor(progress)`` (:func:`set_schedule_count`); ``opt_state`` itself when the rate is
-        not a schedule the controller moves. A part in 10^9 absorbs the rounding of a sum of
-        fractions (three steps of a third of the reference count as one reference step)."""
-        if not self._moves_schedule:
-            return opt_state
-        assert self._hyperparam is not None  # a schedule is only found under a named hyperparam
-        return set_schedule_count(opt_state, self._hyperparam, math.floor(self._progress + 1e-9))
+        :meth:`schedule_count` (:func:`set_schedule_count`); ``opt_state`` itself when the rate
+        is not a schedule the controller moves."""
+        moved = self.schedule_count()
+        return opt_state if moved is None else set_schedule_count(opt_state, *moved)
 
     def rewind(self, progress: float) -> None:
         """Goes back to ``progress`` (a rollback restored an older optimizer state): the state's

@@ -9,6 +9,7 @@ unfused optimizer update, and the skip of an overflowing step. See ``docs/design
 (section 5).
 """
 
+from triaccel_jax.training._noise_norms import value_and_grad_with_noise
 from triaccel_jax.training._step import ACCEPTED_LOSS_FORMS
 from triaccel_jax.training._step import AppliedGradients
 from triaccel_jax.training._step import StepOutput
@@ -31,4 +32,5 @@ __all__ = (
     "loss_scaling_for",
     "make_train_step",
     "normalize_loss_fn",
+    "value_and_grad_with_noise",
 )
