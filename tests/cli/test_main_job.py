@@ -99,6 +99,14 @@ def test_main_job_writes_the_table_and_plots(tiny_job):
     record = json.loads((tmp_path / "results.json").read_text())
     elastic = record["results"][2]
     assert elastic["name"] == "triaccel"
+    # Every run's policies are recorded from its first step, for the precision map's panels.
+    policies = {run["name"]: run["policies"] for run in record["results"]}
+    assert all(runs[0]["step"] == 0 for runs in policies.values())
+    dtypes = {
+        name: {d for p in runs for d in p["leaves"].values()} for name, runs in policies.items()
+    }
+    assert dtypes["fp32"] == {"fp32"} and dtypes["bf16"] == {"bf16"}
+    assert set(policies["fp32"][0]["leaves"]) == set(policies["triaccel"][0]["leaves"])
     # The default batch rule, goodput: every step measures the gradient noise scale, the batch
     # stays among the buckets, and any move is goodput's (a run grown by memory: grown_job).
     assert all(h["noise_scale"] is not None for h in elastic["history"])

@@ -100,7 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_plots:
         from triaccel_jax.cli import _plots as plots
 
-        pictures = plots.write_plots(results, output, labels=RUN_LABELS)
+        elastic = next((r for r in results if r.name == "triaccel"), None)
+        note = (
+            None
+            if elastic is None
+            else "Tri-Accel: " + results_lib.precision_summary(elastic, platform) + "."
+        )
+        pictures = plots.write_plots(results, output, labels=RUN_LABELS, precision_note=note)
     written = results_lib.write_results(output, table, notes, args, source, platform, results)
     print("\nwrote " + ", ".join(str(p) for p in [*written, *pictures]))
     return 0

@@ -117,6 +117,45 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
     return "\n".join(lines)
 
 
+def precision_summary(elastic: Any, platform: str) -> str:
+    """What Tri-Accel's precision did and why, as a clause (for the notes and the precision map).
+
+    Args:
+      elastic: the Tri-Accel run's result (``events``, ``policies``).
+      platform: the JAX platform the run ran on.
+
+    Returns:
+      E.g. ``"precision stayed float32: memory never needed a lower one, ..."``.
+    """
+    kinds = [e["kind"] for e in elastic.events]
+    trials = [e for e in elastic.events if e["kind"] == "precision_trial"]
+    for_memory = [
+        e
+        for e in elastic.events
+        if e["kind"] == "replan" and str(e["reason"]).startswith("memory needs")
+    ]
+    last = elastic.policies[-1]["leaves"] if elastic.policies else {}
+    counts = {dtype: list(last.values()).count(dtype) for dtype in sorted(set(last.values()))}
+    mix = ", ".join(f"{n} leaves {dtype}" for dtype, n in counts.items()) or "the start"
+    parts = [f"{len(for_memory)} re-plan(s) for memory"] if for_memory else []
+    parts += [f"a trial of lower precision: {e['reason']}" for e in trials]
+    if parts:
+        precision = f"precision: {'; '.join(parts)}; it ended at {mix}"
+    elif kinds.count("replan"):
+        precision = f"precision was re-planned {kinds.count('replan')} time(s), ending at {mix}"
+    elif platform == "cpu":
+        precision = (
+            "precision stayed float32: memory never needed a lower one, and on a CPU, where "
+            "bf16 is emulated, a lower precision is not tried for speed (precision_rule="
+            "'speed')"
+        )
+    else:
+        precision = (
+            "precision stayed float32: memory never needed a lower one and no plan lowered a leaf"
+        )
+    return precision
+
+
 def reading_notes(
     results: Sequence[Any], source: Any, platform: str, args: Any, test_size: int
 ) -> str:
@@ -156,7 +195,6 @@ def reading_notes(
     elastic = next((r for r in results if r.name == "triaccel"), None)
     if elastic is not None and elastic.history:
         batches = [int(h["batch"]) for h in elastic.history]
-        kinds = [e["kind"] for e in elastic.events]
         moves = [e for e in elastic.events if e["kind"] in ("grow", "shrink", "oom")]
         if moves:
             path = " -> ".join([str(batches[0]), *(str(e["new"]) for e in moves)])
@@ -166,32 +204,7 @@ def reading_notes(
                 f"the batch stayed at {batches[0]}: no other bucket's goodput (measured samples/s "
                 "x statistical efficiency) beat it by the margin, within memory"
             )
-        trials = [e for e in elastic.events if e["kind"] == "precision_trial"]
-        for_memory = [
-            e
-            for e in elastic.events
-            if e["kind"] == "replan" and str(e["reason"]).startswith("memory needs")
-        ]
-        last = elastic.policies[-1]["leaves"] if elastic.policies else {}
-        counts = {dtype: list(last.values()).count(dtype) for dtype in sorted(set(last.values()))}
-        mix = ", ".join(f"{n} leaves {dtype}" for dtype, n in counts.items()) or "the start"
-        parts = [f"{len(for_memory)} re-plan(s) for memory"] if for_memory else []
-        parts += [f"a trial of lower precision: {e['reason']}" for e in trials]
-        if parts:
-            precision = f"precision: {'; '.join(parts)}; it ended at {mix}"
-        elif kinds.count("replan"):
-            precision = f"precision was re-planned {kinds.count('replan')} time(s), ending at {mix}"
-        elif platform == "cpu":
-            precision = (
-                "precision stayed float32: memory never needed a lower one, and on a CPU, where "
-                "bf16 is emulated, a lower precision is not tried for speed (precision_rule="
-                "'speed')"
-            )
-        else:
-            precision = (
-                "precision stayed float32: memory never needed a lower one and no plan lowered "
-                "a leaf"
-            )
+        precision = precision_summary(elastic, platform)
         scales = elastic.step_scales[-1]["scales"] if elastic.step_scales else {}
         spread = (
             f"per-layer step scales ended between {min(scales.values()):.2f} and "

@@ -69,7 +69,9 @@ class RunResult:
     epoch_accuracy: list[float]
     evals: list[dict[str, float]]
     events: list[dict[str, Any]]
-    policies: list[dict[str, Any]]  # {"step": the first step it ran, "leaves": {path: dtype}}
+    # Each policy the run trained under (FP32's: every leaf fp32): {"step": the first step it ran,
+    # "leaves": {path: compute dtype}}.
+    policies: list[dict[str, Any]]
     # Tri-Accel's per-leaf step-size scales over training: {"step", "scales": {path: scale}}.
     step_scales: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
@@ -246,7 +248,10 @@ def _train_epochs(
                 grown = grown or info.batch_size > args.batch_size
                 replanned = any(e.kind == "replan" for e in info.events)
                 policy = controller.policy
-                if run == "triaccel" and policy is not None and (not log.policies or replanned):
+                if not log.policies or (replanned and policy is not None):
+                    # Every run's: FP32's (no policy: every leaf in fp32) and static bf16's too,
+                    # for the precision map's side-by-side panels.
+                    policy = policy or policy_lib.PrecisionPolicy.uniform(controller.params)
                     leaves = {path: policy.compute(path) for path in policy}
                     log.policies.append({"step": info.step - 1, "leaves": leaves})
                 _advance(progress, info.batch_size)

@@ -26,6 +26,10 @@ from triaccel_jax._src import validation
 from triaccel_jax.controller import _events as events_lib
 
 EXTRA = "pip install 'triaccel-jax[tensorboard]'"
+# The package is not on PyPI yet: the extra's form in a clone, and the one package it brings.
+FROM_CLONE = (
+    "pip install -e '.[tensorboard]' in a clone of triaccel_jax, or pip install tensorboardX"
+)
 _WRITER_METHODS = ("write_scalars", "write_texts", "flush")
 
 
@@ -64,7 +68,8 @@ class TensorBoardWriter:
         except ImportError as error:
             raise ImportError(
                 f"writing TensorBoard files needs tensorboardX, which could not be imported "
-                f"({error}); install the tensorboard extra: {EXTRA}"
+                f"({error}); install the tensorboard extra: {EXTRA} (from a clone: "
+                f"{FROM_CLONE})"
             ) from error
         self._writer = SummaryWriter(os.fspath(logdir))
 

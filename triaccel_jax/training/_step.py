@@ -361,11 +361,13 @@ def normalize_loss_fn(
                 raise TypeError(
                     f"the loss function's aux must be a dict of metrics, got {type(aux).__name__}"
                 )
-        elif isinstance(out, tuple):
+        elif isinstance(out, tuple | list):
+            # Checked here: JAX's own error for it is "Value '{}' with dtype object ...".
             raise TypeError(
-                f"the loss function returned a tuple of {len(out)}, where a scalar loss was "
-                "expected: a loss that returns (loss, aux) needs has_aux=True "
-                "(ControllerConfig(has_aux=True) under the controller)"
+                f"the loss function returned a {type(out).__name__} of {len(out)}, where a "
+                "scalar loss was expected: a loss that returns (loss, aux) needs has_aux=True "
+                "(Controller(..., has_aux=True) or ControllerConfig(has_aux=True) under the "
+                "controller)"
             )
         else:
             loss, aux = out, {}
@@ -377,7 +379,12 @@ def normalize_loss_fn(
                     "aux['model_state'] holding the updated model state"
                 )
             model_state = aux.pop(MODEL_STATE)
-        loss = jnp.asarray(loss)
+        try:
+            loss = jnp.asarray(loss)
+        except TypeError:  # a dict or another container: JAX's "dtype object" error
+            raise TypeError(
+                f"the loss function must return a scalar float loss, got a {type(loss).__name__}"
+            ) from None
         if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
             raise TypeError(
                 f"the loss function must return a scalar float loss, got shape {loss.shape} "

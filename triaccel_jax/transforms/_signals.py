@@ -33,6 +33,10 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
     ``optax.multi_transform``, in a Flax train state's ``opt_state``, or in an
     ``nnx.Optimizer``'s ``opt_state`` (whose paths end in ``/value``, as nnx's own do).
 
+    Under the observer ``step_scale`` is always 1.0: it measures and leaves the updates untouched,
+    and only :func:`triaccel_jax.scale_by_triaccel` and :func:`triaccel_jax.scale_by_curvature`
+    compute a per-leaf step scale and apply it.
+
     Args:
       opt_state: an optimizer state holding one or more :func:`triaccel_jax.scale_by_triaccel`
         or :func:`triaccel_jax.curvature_signals` states whose leaves do not overlap.
