@@ -91,16 +91,39 @@ html_static_path = ["_static"]
 html_css_files = ["triaccel.css"]
 
 
-# --- API summaries --------------------------------------------------------------------------------
-# A line `<!-- api-summary: MODULE -->` in a page becomes an autosummary table of every name in
-# MODULE.__all__, so the reference lists a name the day it is exported. For `triaccel_jax` itself
-# each re-exported name links to the subpackage that documents it.
+# --- The API reference, by task -------------------------------------------------------------------
+# The reference is grouped by what a user does (docs/api/*.md: optimizers and observers, precision,
+# the controller, Flax, checkpoints, data, models, kernels), not by the package a name lives in.
+# Each page places names with markers, which the build expands into autodoc entries, so that every
+# public name is documented exactly once, under its package (`triaccel_jax.transforms.triaccel`):
+#
+#   <!-- api: triaccel_jax.transforms: curvature_signals signals LeafSignals -->
+#       one autodoc entry per name, in the order given;
+#   <!-- api-rest: triaccel_jax.transforms -->
+#       every name of the package's __all__ that no marker (and no hand-written `.. py:data::`
+#       with `:module:`, for constants autodoc cannot describe) places: a name exported tomorrow
+#       is documented the day it is exported, at the end of its package's page, until a marker
+#       places it where a reader looks for it; each package has exactly one such marker;
+#   <!-- api-contents -->
+#       a summary table (name and first line) of every entry on the page, in page order;
+#   <!-- api-summary: MODULE: name name -->, <!-- api-summary: MODULE -->
+#       a summary table of the names given, or of all of MODULE.__all__ (links, not entries).
+#
+# A name placed twice, a name that is not public, or a package without a home is a warning (an
+# error in the build); tests/package/test_docs.py checks the same on the sources.
 
-_SUMMARY = re.compile(r"^<!-- api-summary: ([\w.]+) -->$", re.M)
-# The packages the API pages document with automodule, each name under its first package here.
+_DOCS = os.path.dirname(os.path.abspath(__file__))
+_API_PAGES = (
+    "api",
+    *(f"api/{n[:-3]}" for n in sorted(os.listdir(os.path.join(_DOCS, "api"))) if n.endswith(".md")),
+)
+_MARKER = re.compile(r"<!-- (api-contents|api-summary|api-rest|api)(?::\s*(.*?))?\s*-->", re.S)
+_MANUAL = re.compile(r"^\s*\.\. py:data:: (\w+)\n\s+:module: ([\w.]+)", re.M)
+# The packages the reference documents with markers (no two export the same name); the kernels
+# page documents triaccel_jax.kernels with automodule.
 _HOMES = (
-    "triaccel_jax.policy",
     "triaccel_jax.transforms",
+    "triaccel_jax.policy",
     "triaccel_jax.precision",
     "triaccel_jax.training",
     "triaccel_jax.controller",
@@ -111,22 +134,156 @@ _HOMES = (
 )
 
 
-def _summary(match: re.Match) -> str:
-    name = match.group(1)
-    module = importlib.import_module(name)
-    entries = []
-    for member in module.__all__:
-        if name == "triaccel_jax":
-            home = next(h for h in _HOMES if member in importlib.import_module(h).__all__)
-            entries.append(f"   ~{home}.{member}")
-        else:
-            entries.append(f"   ~{name}.{member}")
-    lines = ["```{eval-rst}", ".. autosummary::", "   :nosignatures:", "", *entries, "```"]
-    return "\n".join(lines)
+def _public(module: str) -> list[str]:
+    return list(importlib.import_module(module).__all__)
 
 
-def _expand_summaries(app, docname, source):
-    source[0] = _SUMMARY.sub(_summary, source[0])
+def _read_layout():
+    """Per page, its entries [(module, name, how)], and the problems found in the markers."""
+    pages: dict[str, list[tuple[str, str, str]]] = {}
+    problems: list[str] = []
+    placed: dict[tuple[str, str], str] = {}
+    rests: dict[str, str] = {}
+    texts = {}
+    for page in _API_PAGES:
+        with open(os.path.join(_DOCS, page + ".md")) as f:
+            texts[page] = f.read()
+    for page, text in texts.items():
+        entries = pages.setdefault(page, [])
+        for match in _MANUAL.finditer(text):
+            entries.append((match.group(2), match.group(1), "manual"))
+        for match in _MARKER.finditer(text):
+            kind, arg = match.group(1), match.group(2) or ""
+            if kind == "api":
+                module, _, names = arg.partition(":")
+                entries.extend((module.strip(), n, "auto") for n in names.split())
+            elif kind == "api-rest":
+                if arg in rests:
+                    problems.append(f"{arg} has two api-rest markers ({rests[arg]}, {page})")
+                rests[arg] = page
+        for module, name, _ in entries:
+            if (module, name) in placed:
+                problems.append(f"{module}.{name} is placed twice ({placed[module, name]}, {page})")
+            placed[module, name] = page
+            if module not in _HOMES or name not in _public(module):
+                problems.append(f"{page}: {module}.{name} is not a public name documented there")
+    for module in _HOMES:
+        if module not in rests:
+            problems.append(f"{module} has no page (no <!-- api-rest: {module} --> marker)")
+    rest = {module: [n for n in _public(module) if (module, n) not in placed] for module in _HOMES}
+    return pages, rest, rests, problems
+
+
+_PAGES, _REST, _HOME_PAGE, _LAYOUT_PROBLEMS = _read_layout()
+
+
+def _entry(module: str, name: str) -> str:
+    obj = getattr(importlib.import_module(module), name)
+    if isinstance(obj, type):
+        kind = "exception" if issubclass(obj, BaseException) else "class"
+    elif callable(obj):
+        kind = "function"
+    else:
+        kind = "data"
+    return f".. auto{kind}:: {module}.{name}"
+
+
+def _entries(pairs, declare=()) -> str:
+    """Autodoc entries; the first entry of a module in ``declare`` declares the module there."""
+    lines = ["```{eval-rst}"]
+    current = None
+    declare = set(declare)
+    pairs = list(pairs)
+    if not pairs:
+        return ""
+    for module, name in pairs:
+        if module != current:
+            directive = "module" if module in declare else "currentmodule"
+            lines += [f".. py:{directive}:: {module}", ""]
+            declare.discard(module)
+            current = module
+        lines += [_entry(module, name), ""]
+    return "\n".join([*lines, "```"])
+
+
+def _table(pairs) -> str:
+    if not pairs:
+        return ""
+    rows = [f"   ~{module}.{name}" for module, name in pairs]
+    return "\n".join(["```{eval-rst}", ".. autosummary::", "   :nosignatures:", "", *rows, "```"])
+
+
+def _expand_markers(app, docname, source):
+    if docname not in _PAGES:
+        return
+    constants = [(m, n) for m, n, how in _PAGES[docname] if how == "manual"]
+    # Each package is declared (`.. py:module::`, the target of a link to the package) at its
+    # first entry on the page that holds its api-rest marker.
+    undeclared = {m for m, page in _HOME_PAGE.items() if page == docname}
+
+    def entries(pairs):
+        pairs = list(pairs)
+        text = _entries(pairs, undeclared)
+        undeclared.difference_update(m for m, _ in pairs)
+        return text
+
+    def expand(match: re.Match) -> str:
+        kind, arg = match.group(1), (match.group(2) or "").strip()
+        if kind == "api":
+            module, _, names = arg.partition(":")
+            return entries((module.strip(), n) for n in names.split())
+        if kind == "api-rest":
+            if arg in undeclared:  # no entry of its own here: declared without one
+                undeclared.discard(arg)
+                return "\n".join(
+                    (
+                        "```{eval-rst}",
+                        f".. py:module:: {arg}",
+                        "```",
+                        _entries((arg, n) for n in _REST[arg]),
+                    )
+                )
+            return entries((arg, n) for n in _REST[arg])
+        if kind == "api-summary":
+            module, _, names = arg.partition(":")
+            module = module.strip()
+            names = names.split() or importlib.import_module(module).__all__
+            if module == "triaccel_jax":
+                return _table((_home_of(n), n) for n in names)
+            return _table((module, n) for n in names)
+        # api-contents: the page's entries, the rest in its place, constants listed after.
+        pairs = []
+        for m in _MARKER.finditer(source[0]):
+            if m.group(1) == "api":
+                module, _, names = (m.group(2) or "").partition(":")
+                pairs += [(module.strip(), n) for n in names.split()]
+            elif m.group(1) == "api-rest":
+                pairs += [(m.group(2).strip(), n) for n in _REST[m.group(2).strip()]]
+        table = _table(pairs)
+        if constants:
+            table += (
+                "\n\nConstants: " + ", ".join(f"{{py:data}}`~{m}.{n}`" for m, n in constants) + "."
+            )
+        return table
+
+    source[0] = _MARKER.sub(expand, source[0])
+
+
+def _home_of(name: str) -> str:
+    obj = getattr(triaccel_jax, name)
+    for home in _HOMES:
+        package = importlib.import_module(home)
+        if name in package.__all__ and getattr(package, name) is obj:
+            return home
+    raise LookupError(f"triaccel_jax.{name} is exported by none of {_HOMES}")
+
+
+def _report_layout(app):
+    for problem in _LAYOUT_PROBLEMS:
+        _logger.warning("API reference: %s", problem, type="triaccel", subtype="api")
+    for module, names in _REST.items():
+        if names:
+            _logger.info("API reference: %s placed by api-rest only: %s", module, ", ".join(names))
 
 
 # Napoleon reads the first line of a "Returns:" section as "type: description". A ``literal``
@@ -239,5 +396,6 @@ def setup(app):
     app.connect("object-description-transform", _public_annotations, priority=400)
     app.connect("autodoc-process-signature", _public_signature)
     app.connect("missing-reference", _resolve_reexports)
-    app.connect("source-read", _expand_summaries)
+    app.connect("source-read", _expand_markers)
+    app.connect("builder-inited", _report_layout)
     app.connect("autodoc-process-docstring", _join_split_literals, priority=400)
