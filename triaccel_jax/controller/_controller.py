@@ -467,26 +467,114 @@ class Controller:
         """Runs one training step and reads it: ``run(1)[0]``."""
         return self.run(1)[0]
 
-    def run(self, num_steps: int) -> list[StepInfo]:
-        """Runs ``num_steps`` steps; returns their :class:`StepInfo`.
+    def run(
+        self,
+        num_steps: int | None = None,
+        *,
+        epochs: int | None = None,
+        evaluate: Callable[[Any, Any], Mapping[str, Any]] | None = None,
+        evaluate_every: int | None = None,
+    ) -> list[StepInfo]:
+        """Runs ``num_steps`` steps, or to the end of ``epochs`` more epochs; returns their
+        :class:`StepInfo`.
 
         With ``steps_in_flight`` > 0 (the default), step ``n + 1`` is dispatched before step
         ``n``'s metrics are read, so the device never waits for the host; the callback gets each
         :class:`StepInfo` in order, that many steps late, while the controller's state is the
         last dispatched step's (docs/design.md §8). Every step is read before it returns.
+
+        Args:
+          num_steps: the steps to run (not with ``epochs``).
+          epochs: run until ``epochs`` more epochs have ended (from the start of an epoch,
+            exactly that many; the sampler serves every sample once an epoch, and the step that
+            serves an epoch's last sample may take its rest from the next one).
+          evaluate: ``evaluate(params, model_state)`` returning a mapping of metrics (e.g. a
+            test accuracy), called with every step before it read: at the end of each epoch, and
+            every ``evaluate_every`` steps when given. Each result is an ``"evaluate"`` event
+            (its metrics in the figures, with the epoch and the samples seen), so it reaches the
+            event log, the logger and a metric writer.
+          evaluate_every: steps between evaluations besides the epochs' ends.
+
+        Raises:
+          TypeError: neither or both of ``num_steps`` and ``epochs`` given.
+          ValueError: ``evaluate_every`` without ``evaluate``, or a count below its minimum.
+
+        Example:
+          >>> import jax.numpy as jnp, numpy as np, optax, triaccel_jax
+          >>> x = np.random.default_rng(0).normal(size=(256, 2)).astype(np.float32)
+          >>> controller = triaccel_jax.Controller(
+          ...     lambda p, b: jnp.mean((b @ p - 1.0) ** 2),
+          ...     jnp.zeros(2),
+          ...     optax.sgd(0.05),
+          ...     x,
+          ...     min_batch=32,
+          ...     max_batch=32,
+          ...     probe=triaccel_jax.BudgetMemoryProbe(2**30),
+          ... )
+          >>> infos = controller.run(
+          ...     epochs=2,
+          ...     evaluate=lambda params, _: {"loss": float(jnp.mean((x @ params - 1) ** 2))},
+          ... )
+          >>> len(infos), [e.figures["epoch"] for e in controller.events if e.kind == "evaluate"]
+          (16, [1, 2])
         """
-        validation.check_integer("num_steps", num_steps, 0)
+        if (num_steps is None) == (epochs is None):
+            raise TypeError("run() takes num_steps or epochs=, one of them")
+        if evaluate is not None:
+            validation.check_callable("evaluate", evaluate)
+        if evaluate_every is not None:
+            if evaluate is None:
+                raise ValueError("`evaluate_every` needs `evaluate`")
+            validation.check_integer("evaluate_every", evaluate_every, 1)
+        if num_steps is not None:
+            validation.check_integer("num_steps", num_steps, 0)
+        end = None
+        if epochs is not None:
+            validation.check_integer("epochs", epochs, 1)
+            end = (self._sampler.epoch + epochs) * self._sampler.num_examples
         self._flush()
         self._in_flight.take_finished()
         # A step's seconds run from the previous read: not from before this call.
         self._in_flight.last_finish = time.perf_counter()
         window = self._config.steps_in_flight
-        for _ in range(num_steps):
+        done = 0
+        while (done < num_steps) if end is None else (self._sampler.samples_seen < end):
+            epoch = self._sampler.epoch
             self._dispatch()
+            done += 1
             while len(self._in_flight.pending) > window:
                 self._finish_oldest()
+            if evaluate is not None and (
+                self._sampler.epoch > epoch
+                or (evaluate_every is not None and self._step_count % evaluate_every == 0)
+            ):
+                self._evaluate(evaluate)
         self._flush()
         return self._in_flight.take_finished()
+
+    def _evaluate(self, evaluate: Callable[[Any, Any], Mapping[str, Any]]) -> None:
+        """Reads every queued step, then logs ``evaluate``'s metrics of the state after them."""
+        self._flush()
+        start = time.perf_counter()
+        metrics = evaluate(self._params, self._model_state)
+        if not isinstance(metrics, Mapping):
+            raise TypeError(
+                f"`evaluate` must return a mapping of metrics, got {type(metrics).__name__}"
+            )
+        figures = {str(k): v for k, v in jax.device_get(dict(metrics)).items()}
+        seen = self._sampler.samples_seen
+        self._log(
+            "evaluate",
+            None,
+            None,
+            f"evaluated after {seen} samples ({seen / self._sampler.num_examples:.3g} epochs)",
+            epoch=seen // self._sampler.num_examples,
+            samples=seen,
+            seconds=time.perf_counter() - start,
+            **figures,
+        )
+        # The evaluation's time is no step's: the next step's seconds start after it.
+        self._in_flight.last_finish = time.perf_counter()
 
     def set_policy(self, policy: PrecisionPolicy | None) -> None:
         """Switches the precision policy from the next step (the optimizer state's moments are

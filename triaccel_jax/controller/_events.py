@@ -24,7 +24,8 @@ class Event(NamedTuple):
         the rates themselves), ``"update_scale"`` (the batch's factor on the update, where the
         rate is a schedule or not injected; both logged when a change of batch changes the
         rate, not for each move of AdaScale's gain: :class:`StepInfo` has every step's),
-        ``"compile"``, ``"restore"``, or, with
+        ``"compile"``, ``"restore"``, ``"evaluate"`` (the metrics of :meth:`Controller.run`'s
+        ``evaluate`` in the figures), or, with
         ``compile_in_background``, ``"grow_decided"`` and ``"replan_decided"`` (the step the
         change needs is compiling). Each is also logged (``triaccel_jax.controller`` logger:
         ``"oom"`` at WARNING, the others at INFO).
