@@ -3,7 +3,7 @@
 #
 #   ensure_venv test      -> .venv exists and holds `pip install -e ".[test]"` (the test extra
 #                            includes the optional flax, checkpoint and tensorboard extras' packages: the
-#                            suite tests those features; a plain `pip install triaccel-jax` lacks them)
+#                            suite tests those features; a plain `pip install -e .` lacks them)
 #   ensure_kernels_venv   -> .venv-kernels holds `pip install -e ".[kernels-dev,test]"` in the first
 #                            interpreter that can install it; $VENV_PY then points at it (or: returns 1)
 #

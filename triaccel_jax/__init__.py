@@ -17,7 +17,7 @@ host-side controller. One subpackage per stage of the data path::
 The names most code needs are re-exported here; the design is in ``docs/design.md``.
 ``import triaccel_jax`` needs only jax, optax, numpy and psutil: the subpackages that need Flax,
 orbax, matplotlib or tensorflow-datasets are imported on first use, and one used without its
-extra raises an ``ImportError`` naming it (``pip install 'triaccel-jax[flax]'``, ``[checkpoint]``).
+extra raises an ``ImportError`` naming it (``pip install -e '.[flax]'`` in a clone, ``[checkpoint]``).
 """
 
 import importlib as _importlib

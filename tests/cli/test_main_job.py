@@ -339,5 +339,5 @@ def test_the_command_without_its_extra_names_every_missing_package_at_once():
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == (
         "error: the main job (triaccel, python -m triaccel_jax) needs Flax, scikit-learn and "
-        "matplotlib, which are not installed: pip install 'triaccel-jax[demo]'"
+        "matplotlib, which are not installed: pip install -e '.[demo]' (in a clone of triaccel_jax)"
     )

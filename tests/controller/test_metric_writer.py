@@ -128,10 +128,10 @@ def test_a_loss_metric_is_written_and_a_non_number_is_not(make_controller):
 def test_without_tensorboardx_a_folder_is_an_import_error_naming_the_extra(monkeypatch, tmp_path):
     # None in sys.modules makes the import fail, as when tensorboardX is not installed.
     monkeypatch.setitem(sys.modules, "tensorboardX", None)
-    with pytest.raises(ImportError, match=r"pip install 'triaccel-jax\[tensorboard\]'") as error:
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[tensorboard\]'") as error:
         MetricWriterCallback(tmp_path / "logs")
     # The package is not on PyPI yet: the message also says what works from a clone.
-    assert "pip install -e '.[tensorboard]' in a clone" in str(error.value)
+    assert "pip install -e '.[tensorboard]' (in a clone of triaccel_jax)" in str(error.value)
     assert "pip install tensorboardX" in str(error.value)
     assert not (tmp_path / "logs").exists()
     # A writer given as an object needs no tensorboardX.

@@ -64,7 +64,7 @@ def test_a_feature_without_its_extra_names_the_extra(statement, feature, extra):
     kind, _, message = out.strip().partition(" | ")
     assert kind.split()[0] == "ModuleNotFoundError", out
     assert message.startswith(f"{feature} needs "), message
-    assert f"pip install 'triaccel-jax[{extra}]'" in message
+    assert f"pip install -e '.[{extra}]' (in a clone of triaccel_jax)" in message
 
 
 def test_optax_only_use_works_without_flax_and_orbax():
@@ -109,7 +109,7 @@ def test_is_installed_finds_without_importing(monkeypatch):
     assert not extras.is_installed("no_such_module_triaccel.sub")
     monkeypatch.setitem(sys.modules, "flax", None)
     assert not extras.is_installed("flax")
-    with pytest.raises(ModuleNotFoundError, match=r"pip install 'triaccel-jax\[flax\]'"):
+    with pytest.raises(ModuleNotFoundError, match=r"pip install -e '\.\[flax\]'"):
         extras.require("flax", "this feature")
     with pytest.raises(ValueError, match="unknown extra"):
         extras.require("flask", "this feature")

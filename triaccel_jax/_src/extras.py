@@ -1,6 +1,6 @@
 """Optional dependencies: a feature used without its extra says which extra to install.
 
-``pip install triaccel-jax`` installs only what the optax transforms, the precision planner and
+The core install (``pip install -e .`` in a clone: the package is not on PyPI yet) holds only what the optax transforms, the precision planner and
 the controller need (jax, optax, numpy, psutil). Flax (``triaccel_jax.flax``,
 ``triaccel_jax.models``, the main job) and orbax (``triaccel_jax.checkpoint``) are extras; each
 subpackage that needs one calls :func:`require` before importing it.
@@ -10,6 +10,18 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+
+
+def install_hint(extra: str) -> str:
+    """How to install ``extra``: from a clone, as the package is not on PyPI yet.
+
+    Example:
+      >>> from triaccel_jax._src.extras import install_hint
+      >>> install_hint("flax")
+      "pip install -e '.[flax]' (in a clone of triaccel_jax)"
+    """
+    return f"pip install -e '.[{extra}]' (in a clone of triaccel_jax)"
+
 
 # What each extra of pyproject.toml provides, for the messages: (module, pip name) pairs.
 EXTRAS = {
@@ -65,6 +77,6 @@ def require(extra: str, feature: str) -> None:
         listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
         which = "which is" if len(names) == 1 else "which are"
         raise ModuleNotFoundError(
-            f"{feature} needs {listed}, {which} not installed: pip install 'triaccel-jax[{extra}]'",
+            f"{feature} needs {listed}, {which} not installed: {install_hint(extra)}",
             name=missing[0][0],
         )

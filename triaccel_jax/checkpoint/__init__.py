@@ -5,7 +5,7 @@ array's shape, dtype and CRC-32) beside them; restoring verifies the record and 
 :class:`CheckpointError` naming the step and the problem.
 
 orbax is the ``checkpoint`` extra: without it, importing this package raises an ``ImportError``
-that says ``pip install 'triaccel-jax[checkpoint]'``. orbax itself is imported on the first save
+that says ``pip install -e '.[checkpoint]'``. orbax itself is imported on the first save
 or restore (it takes about a second), and ``import triaccel_jax`` imports this package only when
 ``triaccel_jax.Checkpointer`` or ``triaccel_jax.CheckpointError`` is first used.
 """

@@ -8,7 +8,7 @@ loss curve beside the batch growing and the policy changing.
 Given a folder, the callback writes TensorBoard event files with :class:`TensorBoardWriter`, over
 tensorboardX, which writes the files without TensorFlow (a few MB of numpy and protobuf, where
 ``clu.metric_writers`` imports TensorFlow, a 2.6 GB environment). tensorboardX is the optional
-``tensorboard`` extra (``pip install 'triaccel-jax[tensorboard]'``), imported only when a writer
+``tensorboard`` extra (``pip install -e '.[tensorboard]'`` in a clone), imported only when a writer
 is made: ``import triaccel_jax`` never imports it. Any object with ``write_scalars``,
 ``write_texts`` and ``flush`` (every ``clu.metric_writers.MetricWriter``, for instance) can be
 given instead of a folder.
@@ -22,14 +22,10 @@ from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
 
+from triaccel_jax._src import extras
 from triaccel_jax._src import validation
 from triaccel_jax.controller import _events as events_lib
 
-EXTRA = "pip install 'triaccel-jax[tensorboard]'"
-# The package is not on PyPI yet: the extra's form in a clone, and the one package it brings.
-FROM_CLONE = (
-    "pip install -e '.[tensorboard]' in a clone of triaccel_jax, or pip install tensorboardX"
-)
 _WRITER_METHODS = ("write_scalars", "write_texts", "flush")
 
 
@@ -53,7 +49,7 @@ class TensorBoardWriter:
       ...     try:
       ...         writer = TensorBoardWriter(logdir)
       ...     except ImportError as error:  # tensorboardX is an optional extra
-      ...         print("pip install 'triaccel-jax[tensorboard]'" in str(error))
+      ...         print("pip install -e '.[tensorboard]'" in str(error))
       ...     else:
       ...         writer.write_scalars(1, {"loss": 0.5})
       ...         writer.write_texts(1, {"events/grow": "16 -> 32"})
@@ -68,8 +64,8 @@ class TensorBoardWriter:
         except ImportError as error:
             raise ImportError(
                 f"writing TensorBoard files needs tensorboardX, which could not be imported "
-                f"({error}); install the tensorboard extra: {EXTRA} (from a clone: "
-                f"{FROM_CLONE})"
+                f"({error}); install the tensorboard extra, {extras.install_hint('tensorboard')}, "
+                "or pip install tensorboardX"
             ) from error
         self._writer = SummaryWriter(os.fspath(logdir))
 
@@ -136,7 +132,7 @@ class MetricWriterCallback:
 
     Raises:
       ImportError: ``writer`` is a folder and tensorboardX is not installed; the message says
-        ``pip install 'triaccel-jax[tensorboard]'``.
+        ``pip install -e '.[tensorboard]'`` in a clone.
       TypeError: ``writer`` is neither a folder nor a writer.
 
     Example:

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from triaccel_jax._src import extras
 from triaccel_jax.data import _fashion_mnist
 
 FASHION_MNIST_DIR = _fashion_mnist.FASHION_MNIST_DIR
@@ -111,7 +112,7 @@ def load_digits(split: str = "train", *, test_size: int = 360, seed: int = 0) ->
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError:
         raise ImportError(
-            "the digits data set ships with scikit-learn: pip install 'triaccel-jax[demo]'"
+            f"the digits data set ships with scikit-learn: {extras.install_hint('demo')}"
         ) from None
     images, labels = sklearn_digits(return_X_y=True)
     order = np.random.default_rng(seed).permutation(len(images))

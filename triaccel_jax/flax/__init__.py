@@ -12,7 +12,7 @@
 ``nnx.Optimizer(model, triaccel_jax.triaccel(...), wrt=nnx.Param)`` needs nothing from here: it
 forwards keyword arguments of ``update`` to ``tx.update`` already, and
 :func:`triaccel_jax.signals` reads its ``opt_state``. Importing this package imports Flax; without
-it (``pip install 'triaccel-jax[flax]'`` installs it) the import raises an ``ImportError`` that
+it (``pip install -e '.[flax]'`` in a clone installs it) the import raises an ``ImportError`` that
 names the extra.
 """
 

@@ -2,7 +2,7 @@
 
 SmallCNN, ResNet-20 (CIFAR), ResNet-18 (CIFAR-style stem), EfficientNet-B0 and the BatchNorm
 they share. They need Flax, the ``flax`` extra: without it, importing this package raises an
-``ImportError`` that says ``pip install 'triaccel-jax[flax]'``.
+``ImportError`` that says ``pip install -e '.[flax]'``.
 """
 
 from triaccel_jax._src import extras as _extras
