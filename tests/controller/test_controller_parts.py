@@ -85,7 +85,9 @@ def test_controller_takes_a_config_or_keywords_but_not_both():
     controller = triaccel_jax.Controller(
         loss, params, optax.sgd(0.1), data, probe=probe, config=config
     )
-    assert controller.config is config and controller.buckets == (8, 16)
+    # The settings in force: replan_every="auto" resolved (sgd holds no signals: not planned).
+    assert controller.config == dataclasses.replace(config, replan_every=None)
+    assert controller.buckets == (8, 16)
     with pytest.raises(TypeError, match="not both"):
         triaccel_jax.Controller(loss, params, optax.sgd(0.1), data, config=config, min_batch=8)
     # A mistyped keyword is named with the nearest valid one, and every valid one is listed.
@@ -303,3 +305,30 @@ def test_replan_converts_the_state_only_when_the_policy_changes_and_keeps_the_st
     assert second.changed and second.plan.policy.compute("w") == "bf16"
     assert isinstance(second.plan, PrecisionPlan) and not second.plan.pending
     assert second.leaves_by_dtype == {"bf16": 1} and second.opt_state is not opt_state
+
+
+def test_precision_is_planned_by_default_over_an_optimizer_holding_the_signals():
+    params = {"w": jnp.zeros(4)}
+    data = np.ones((64, 4), np.float32)
+    loss = lambda p, b, *, policy, rng: jnp.mean((b @ p["w"]) ** 2)
+    probe = triaccel_jax.BudgetMemoryProbe(2**30)
+    observed = optax.chain(triaccel_jax.curvature_signals(), optax.sgd(0.1))
+
+    def planning(tx, **settings):
+        controller = triaccel_jax.Controller(
+            loss, params, tx, data, probe=probe, min_batch=8, max_batch=8, **settings
+        )
+        config = controller.config
+        return config.replan_every, config.first_replan, controller.policy is not None
+
+    # The recommended chain (the observer first) is planned every 100 steps from step 20.
+    assert planning(observed) == (100, 20, True)
+    assert planning(observed, first_replan=5) == (100, 5, True)
+    # No signals to plan from, or a policy given (the user's choice): not planned.
+    assert planning(optax.sgd(0.1)) == (None, None, False)
+    fp32 = triaccel_jax.PrecisionPolicy.uniform(params)
+    assert planning(observed, policy=fp32)[:2] == (None, None)
+    with pytest.raises(ValueError, match="first_replan.*no signals"):
+        planning(optax.sgd(0.1), first_replan=5)
+    with pytest.raises(ValueError, match="'auto' or None"):
+        ControllerConfig(replan_every="sometimes")

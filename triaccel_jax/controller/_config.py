@@ -131,7 +131,8 @@ class ControllerConfig:
       replan_every: steps between precision re-plans (None: precision is not planned).
         ``"auto"`` (the default): every 100 steps from step 20 when the optimizer holds the
         signals the planner reads (``triaccel``, ``scale_by_curvature`` or the observer
-        ``curvature_signals`` in its chain), else not planned.
+        ``curvature_signals`` in its chain) and the controller is given no ``policy``, else
+        not planned (:attr:`Controller.config` holds the settings resolved).
       first_replan: the step of the first re-plan (default ``replan_every``, 20 under
         ``"auto"``); later ones follow
         every ``replan_every`` steps. The first plan moves leaves at once (no hysteresis: there
@@ -267,16 +268,17 @@ class ControllerConfig:
         validation.check_integer("patience", self.patience, 1)
         validation.check_integer("check_every", self.check_every, 1)
         validation.check_integer("steps_in_flight", self.steps_in_flight, 0)
+        if isinstance(self.replan_every, str) and self.replan_every != "auto":
+            raise ValueError(
+                f"`replan_every` must be a number of steps, 'auto' or None, got {self.replan_every!r}"
+            )
         if self.replan_every is not None and self.replan_every != "auto":
             validation.check_integer("replan_every", self.replan_every, 1)
         if self.first_replan is not None:
             validation.check_integer("first_replan", self.first_replan, 1)
             if self.replan_every is None:
                 raise ValueError("`first_replan` needs `replan_every` (precision is not planned)")
-        if isinstance(self.replan_every, str) and self.replan_every != "auto":
-            raise ValueError(
-                f"`replan_every` must be a number of steps, 'auto' or None, got {self.replan_every!r}"
-            )
+
         if self.lr_scaling is not None:
             validation.check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         validation.check_choice("batch_rule", self.batch_rule, BATCH_RULES)

@@ -226,8 +226,11 @@ class Controller:
         self._params = self._place(params)
         self._opt_state = self._place(tx.init(self._params) if opt_state is None else opt_state)
         self._model_state = self._place(model_state)
-        # replan_every="auto": precision is planned when the optimizer holds the signals.
-        self._config = config = config.with_planning(_holds_signals(self._opt_state))
+        # replan_every="auto": precision is planned when the optimizer holds the signals and no
+        # policy was given (a policy given is the user's choice of precision, kept).
+        self._config = config = config.with_planning(
+            policy is None and _holds_signals(self._opt_state)
+        )
         # A fused form that cannot fuse the optimizer is refused here, not at the first step.
         self._fused(self._opt_state)
         if config.noise_estimator == "hessian":
