@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from triaccel_jax import kernels
 from triaccel_jax._src import arrays
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
-from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import cast as cast_lib
 from triaccel_jax.kernels import quantize as quantize_lib
 from triaccel_jax.transforms._curvature_signals import CurvatureSignalsState
@@ -137,7 +137,7 @@ def _check_options(
         )
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"`seed` must be an int, got {seed!r}")
-    validation.check_choice("impl", impl, _dispatch.IMPLS)
+    validation.check_choice("impl", impl, kernels.IMPLS)
     return format, block_size, min_size, tuple(second_moments), seed
 
 
@@ -269,10 +269,15 @@ def quantize_state(
       >>> adam = state.inner_state[0]
       >>> adam.mu["w"].codes.dtype, adam.nu["w"].codes.dtype, adam.mu["b"].dtype
       (dtype('int8'), dtype('uint8'), dtype('float32'))
+
+      Any optimizer: SGD's momentum, stored in 8 bits and updated under ``jit``:
+
+      >>> tx = triaccel_jax.quantize_state(optax.sgd(0.1, momentum=0.9), min_size=1024)
+      >>> state = tx.init(params)
       >>> grads = jax.tree.map(jnp.ones_like, params)
       >>> updates, state = jax.jit(tx.update)(grads, state, params)
-      >>> round(float(updates["w"][0, 0]), 6)
-      -0.001
+      >>> round(float(updates["w"][0, 0]), 6), state.inner_state[0].trace["w"].codes.dtype
+      (-0.1, dtype('int8'))
 
     References:
       Dettmers, Lewis, Shleifer & Zettlemoyer, 2021, "8-bit Optimizers via Block-wise
@@ -413,11 +418,12 @@ def compiled_state_bytes(
       >>> import jax.numpy as jnp, optax
       >>> from triaccel_jax.transforms import compiled_state_bytes, quantize_state
       >>> params = {"w": jnp.zeros((256, 256))}
-      >>> compiled_state_bytes(optax.adamw(1e-3), params).bytes_per_parameter
-      12.0...
-      >>> measured = compiled_state_bytes(quantize_state(optax.adamw(1e-3)), params)
+      >>> sgd = optax.sgd(0.1, momentum=0.9)  # float32 params and momentum: 8 bytes
+      >>> compiled_state_bytes(sgd, params).bytes_per_parameter
+      8.0...
+      >>> measured = compiled_state_bytes(quantize_state(sgd), params)  # 4 + 1 + 4 / 256
       >>> round(measured.bytes_per_parameter, 3)
-      6.031
+      5.016
     """
     abstract_params = arrays.abstract_tree(params)
     abstract_state = jax.eval_shape(tx.init, abstract_params)
