@@ -58,8 +58,34 @@ def fused_update_op(moment_dtype: Any) -> str:
     return f"fused_update/{jnp.dtype(moment_dtype).name}"
 
 
-OPS = tuple(cast_op(t, r) for t in CAST_TARGETS for r in ROUNDINGS) + tuple(
-    fused_update_op(m) for m in MOMENT_DTYPES
+QUANTIZE_MAPS = ("linear", "sqrt")
+
+
+def quantize_op(mapping: str, rounding: str) -> str:
+    """The table's name for block-wise quantization: ``"quantize/<map>/<rounding>"``.
+
+    Example:
+      >>> quantize_op("sqrt", "stochastic")
+      'quantize/sqrt/stochastic'
+    """
+    return f"quantize/{mapping}/{rounding}"
+
+
+def dequantize_op(mapping: str) -> str:
+    """The table's name for block-wise dequantization: ``"dequantize/<map>"``.
+
+    Example:
+      >>> dequantize_op("linear")
+      'dequantize/linear'
+    """
+    return f"dequantize/{mapping}"
+
+
+OPS = (
+    tuple(cast_op(t, r) for t in CAST_TARGETS for r in ROUNDINGS)
+    + tuple(fused_update_op(m) for m in MOMENT_DTYPES)
+    + tuple(quantize_op(m, r) for m in QUANTIZE_MAPS for r in ROUNDINGS)
+    + tuple(dequantize_op(m) for m in QUANTIZE_MAPS)
 )
 
 
@@ -276,7 +302,8 @@ def resolve(impl: str, kernel: str, op: str | None = None) -> str:
     Args:
       impl: ``"auto"``, ``"reference"`` or ``"triton"``.
       kernel: the kernel's name, for error messages.
-      op: the operation's name in the auto table (:func:`cast_op`, :func:`fused_update_op`);
+      op: the operation's name in the auto table (:func:`cast_op`, :func:`fused_update_op`,
+        :func:`quantize_op`, :func:`dequantize_op`);
         None: ``kernel``, which no table lists, so ``"auto"`` gives the reference.
 
     Returns:

@@ -163,6 +163,15 @@ VARIANTS = (
         ),
         standard_promotion=_OPTAX_PROMOTES,
     ),
+    # AdamW's moments in 8-bit blocks (small blocks and leaves, so the harness's leaves convert).
+    Variant(
+        "int8-state-adamw",
+        lambda lr, **kw: optax.chain(
+            triaccel_jax.curvature_signals(),
+            triaccel_jax.quantize_state(optax.adamw(lr, **kw), block_size=8, min_size=16),
+        ),
+        standard_promotion=_OPTAX_PROMOTES,
+    ),
     # The guide's recipe: Tri-Accel's step scale over Muon's step.
     Variant(
         "curvature-scaled-muon",

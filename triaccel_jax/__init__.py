@@ -40,6 +40,7 @@ from triaccel_jax.precision import memory_report
 from triaccel_jax.precision import plan_precision
 from triaccel_jax.transforms import TriAccelConfig
 from triaccel_jax.transforms import curvature_signals
+from triaccel_jax.transforms import quantize_state
 from triaccel_jax.transforms import scale_by_curvature
 from triaccel_jax.transforms import scale_by_triaccel
 from triaccel_jax.transforms import signals
@@ -70,6 +71,7 @@ __all__ = (
     "master_params",
     "memory_report",
     "plan_precision",
+    "quantize_state",
     "scale_by_curvature",
     "scale_by_triaccel",
     "signals",

@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triaccel_jax.kernels import _cast_triton
 from triaccel_jax.kernels import _fused_update_triton
 from triaccel_jax.kernels import _launch
+from triaccel_jax.kernels import _quantize_triton
 from triaccel_jax.kernels import _triton_common as common
 
 # sm_90 (H100/H200). The third field is the warp size: 32 on NVIDIA GPUs, as Triton's CUDA driver
@@ -128,6 +129,45 @@ def fused_variants():
         )
 
 
+def quantize_variants(launch=_launch.DEFAULT, block_size=256):
+    """The block-wise quantize kernel for both maps and roundings, and the dequantize kernel for
+    both maps, at ``block_size`` (a tile of ``launch.block`` elements)."""
+    width, rows = _quantize_triton.tile(block_size, launch)
+    for mapping, stochastic in itertools.product(("linear", "sqrt"), (False, True)):
+        yield (
+            f"quantize[{mapping},{'stochastic' if stochastic else 'nearest'},block={block_size}]",
+            _quantize_triton.quantize_kernel,
+            {
+                "x_ptr": "*fp32",
+                "words_ptr": "*i32",
+                "n": "i32",
+                "blocks": "i32",
+                "codes_ptr": "*i8" if mapping == "linear" else "*u8",
+                "scales_ptr": "*fp32",
+            },
+            {
+                "BLOCK_SIZE": block_size,
+                "WIDTH": width,
+                "ROWS": rows,
+                "SQRT": mapping == "sqrt",
+                "STOCHASTIC": stochastic,
+            },
+        )
+    for mapping in ("linear", "sqrt"):
+        yield (
+            f"dequantize[{mapping},block={block_size}]",
+            _quantize_triton.dequantize_kernel,
+            {
+                "codes_ptr": "*i8" if mapping == "linear" else "*u8",
+                "scales_ptr": "*fp32",
+                "n": "i32",
+                "blocks": "i32",
+                "out_ptr": "*fp32",
+            },
+            {"BLOCK_SIZE": block_size, "WIDTH": width, "ROWS": rows, "SQRT": mapping == "sqrt"},
+        )
+
+
 def candidate_variants():
     """The widest variant of each kernel (bf16 stochastic, scaled; bf16 moments, fp8 copy) at
     every launch candidate of ``_launch.CANDIDATES`` other than the default, which the variants
@@ -147,6 +187,17 @@ def candidate_variants():
                 {**constexprs, "BLOCK": launch.block},
                 launch.num_warps,
             )
+        # The block-wise quantizer's widest variant (sqrt map, stochastic) and its dequantize,
+        # whose tile follows the launch's elements per program.
+        quantize = list(quantize_variants(launch))
+        for name, kernel, signature, constexprs in (quantize[3], quantize[5]):
+            yield (
+                f"{name}@block={launch.block},num_warps={launch.num_warps}",
+                kernel,
+                signature,
+                constexprs,
+                launch.num_warps,
+            )
 
 
 def compile_variant(kernel, signature: dict, constexprs: dict, num_warps: int = common.NUM_WARPS):
@@ -164,7 +215,12 @@ def main(argv: list[str]) -> int:
     else:
         variants = (
             (*variant, common.NUM_WARPS)
-            for variant in itertools.chain(cast_variants(), fused_variants())
+            for variant in itertools.chain(
+                cast_variants(),
+                fused_variants(),
+                quantize_variants(),
+                quantize_variants(block_size=100),  # a block size that is not a power of two
+            )
         )
     failures = 0
     for name, kernel, signature, constexprs, num_warps in variants:

@@ -24,6 +24,7 @@ TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float8_e4m3fn": torch.float8_e4m3fn,
     "int32": torch.int32,
+    "int8": torch.int8,
     "uint8": torch.uint8,
     "uint16": torch.uint16,
 }
@@ -55,9 +56,11 @@ def empty(shape, dtype) -> torch.Tensor:
 
 def launch(kernel, grid, arguments, out_dtypes, n, metaparameters) -> list[np.ndarray]:
     """Launches ``kernel`` on ``arguments`` (JAX arrays or Python scalars) plus one fresh output
-    of ``n`` elements per dtype in ``out_dtypes``; returns the outputs as numpy arrays."""
+    of ``n`` elements per dtype in ``out_dtypes`` (``n`` a sequence: one size per output);
+    returns the outputs as numpy arrays."""
     inputs = [a if isinstance(a, int | float) else to_torch(a) for a in arguments]
-    outputs = [empty((n,), dtype) for dtype in out_dtypes]
+    sizes = list(n) if isinstance(n, list | tuple) else [n] * len(out_dtypes)
+    outputs = [empty((size,), dtype) for size, dtype in zip(sizes, out_dtypes, strict=True)]
     kernel[grid](*inputs, *outputs, **metaparameters)
     return [to_numpy(out, dtype) for out, dtype in zip(outputs, out_dtypes, strict=True)]
 
@@ -161,7 +164,7 @@ def interpreted_jax_triton():
                 grid,
                 filled,
                 [t.dtype for t in out_types],
-                out_types[0].shape[0],
+                [t.shape[0] for t in out_types],
                 metaparams,
             )
             return [o.view(t.dtype) for o, t in zip(outs, out_types, strict=True)]

@@ -32,7 +32,7 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     failed = [r for r in records if not r["ok"]]
     assert result.returncode == 0 and not failed, (failed, result.stderr[-3000:])
-    assert len(records) == 19
+    assert len(records) == 19 + 2 * 6  # cast, fused update; quantize and dequantize at two sizes
     for record in records:
         # The deepest stage: a cubin (ptxas ships in the triton wheel); PTX at the very least.
         assert "ptx" in record["stages"], record
@@ -56,8 +56,9 @@ def test_every_launch_candidate_compiles_for_sm90(tmp_path):
     records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     failed = [r for r in records if not r["ok"]]
     assert result.returncode == 0 and not failed, (failed, result.stderr[-3000:])
-    # Two kernels at every candidate but the default, which the test above compiles.
-    assert len(records) == 2 * (len(_launch.CANDIDATES) - 1)
+    # Four kernels (cast, fused update, quantize, dequantize) at every candidate but the default,
+    # which the test above compiles.
+    assert len(records) == 4 * (len(_launch.CANDIDATES) - 1)
     for record in records:
         assert "cubin" in record["stages"] and record["cubin_bytes"] > 0, record
         assert record["approximate"] == 0 and record["fma"] == 0, record

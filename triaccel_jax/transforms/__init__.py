@@ -28,9 +28,14 @@ model):
 * :func:`fused_triaccel` (a :class:`FusedTriAccel`: a ``triaccel`` optimizer and its fused
   form) and :func:`fused_apply`, a triaccel step that writes the moments, the master and its
   compute copy in one pass per leaf (the fused kernel on CUDA where it is selected), with
-  :func:`unfused_reason` and :func:`uses_triton` to say when it applies.
+  :func:`unfused_reason` and :func:`uses_triton` to say when it applies;
+* :func:`quantize_state`, any optax optimizer's state kept in bfloat16 or block-wise 8-bit
+  codes between its updates (state :class:`QuantizedState`, leaves :class:`QuantizedLeaf` and
+  :class:`Bfloat16Leaf`), and :func:`compiled_state_bytes` (a :class:`StateBytes`), the bytes
+  per parameter of the parameters and a state as XLA's compiled update holds them.
 
-The algorithm is described in the repository's ``docs/design.md`` (sections 3.1 to 3.5, 3.8).
+The algorithm is described in the repository's ``docs/design.md`` (sections 3.1 to 3.5, 3.8,
+3.9).
 """
 
 from triaccel_jax.transforms._alias import scale_by_curvature
@@ -71,8 +76,15 @@ from triaccel_jax.transforms._muon import muon_dimension_numbers
 from triaccel_jax.transforms._signals import mean_curvatures
 from triaccel_jax.transforms._signals import signals
 from triaccel_jax.transforms._state_conversion import convert_state
+from triaccel_jax.transforms._state_precision import Bfloat16Leaf
+from triaccel_jax.transforms._state_precision import QuantizedLeaf
+from triaccel_jax.transforms._state_precision import QuantizedState
+from triaccel_jax.transforms._state_precision import StateBytes
+from triaccel_jax.transforms._state_precision import compiled_state_bytes
+from triaccel_jax.transforms._state_precision import quantize_state
 
 __all__ = (
+    "Bfloat16Leaf",
     "CompressedDiagonal",
     "CurvatureSignalsState",
     "DynamicLossScaleState",
@@ -82,9 +94,13 @@ __all__ = (
     "LeafSignals",
     "LossScaleState",
     "LossScaling",
+    "QuantizedLeaf",
+    "QuantizedState",
+    "StateBytes",
     "TriAccelConfig",
     "all_finite",
     "block_counts",
+    "compiled_state_bytes",
     "compress_diagonal",
     "convert_state",
     "curvature_signals",
@@ -101,6 +117,7 @@ __all__ = (
     "mean_curvatures",
     "muon_dimension_numbers",
     "needs_loss_scaling",
+    "quantize_state",
     "scale_by_curvature",
     "scale_by_triaccel",
     "select_tree",

@@ -1,0 +1,480 @@
+"""``quantize_state``: any optimizer's state in bfloat16 or 8-bit blocks, and what it composes with.
+
+The shared checks (jit against eager, cond, no recompilation, masked, MultiSteps, apply_if_finite,
+inject_hyperparams, the controller) run on the harness variant ``int8-state-adamw``; these tests
+cover the state's layout, the numbers, the compositions the harness does not (the wrapper over
+an injected optimizer, orbax, Muon), the compiled bytes and the errors.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import triaccel_jax
+from triaccel_jax.controller._learning_rate import find_hyperparam
+from triaccel_jax.controller._learning_rate import set_hyperparam
+from triaccel_jax.transforms import Bfloat16Leaf
+from triaccel_jax.transforms import QuantizedLeaf
+from triaccel_jax.transforms import QuantizedState
+from triaccel_jax.transforms import compiled_state_bytes
+from triaccel_jax.transforms import quantize_state
+
+pytestmark = pytest.mark.standard_promotion(
+    "optax's own optimizers promote inside (a float to the power of an int32 count)"
+)
+
+
+def make_params(seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return {
+        "dense": {
+            "kernel": jax.random.normal(keys[0], (40, 30)) * 0.1,
+            "bias": jnp.zeros((30,)),
+        },
+        "out": jax.random.normal(keys[1], (30, 5)) * 0.1,
+    }
+
+
+def grads_like(params, seed):
+    keys = jax.random.split(jax.random.key(seed), len(jax.tree.leaves(params)))
+    leaves, treedef = jax.tree.flatten(params)
+    grads = [
+        jax.random.normal(k, p.shape) * jnp.exp(jax.random.normal(k, p.shape))
+        for k, p in zip(keys, leaves, strict=True)
+    ]
+    return treedef.unflatten(grads)
+
+
+def run(tx, params, steps, seed=0):
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for step in range(steps):
+        updates, state = update(grads_like(params, seed + step), state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+# -- the state's layout --------------------------------------------------------------------------
+
+
+def test_adamw_moments_are_stored_as_codes_and_the_rest_as_the_inner_keeps_it():
+    params = make_params()
+    state = quantize_state(optax.adamw(1e-2), block_size=64, min_size=100).init(params)
+    assert isinstance(state, QuantizedState)
+    adam = state.inner_state[0]
+    for moment, mapping, dtype in (("mu", "linear", jnp.int8), ("nu", "sqrt", jnp.uint8)):
+        kernel = getattr(adam, moment)["dense"]["kernel"]
+        assert isinstance(kernel, QuantizedLeaf)
+        assert (kernel.mapping, kernel.dtype) == (mapping, "float32")
+        chex.assert_shape(kernel.codes, (40, 30))
+        chex.assert_type(kernel.codes, dtype)
+        chex.assert_shape(kernel.scales, (-(-1200 // 64),))
+        # The 30-element bias is under min_size: the inner's float32.
+        chex.assert_type(getattr(adam, moment)["dense"]["bias"], jnp.float32)
+    chex.assert_type(adam.count, jnp.int32)
+    chex.assert_shape(state.key, (2,))
+    chex.assert_type(state.key, jnp.uint32)
+
+
+def test_bf16_and_fp32_formats():
+    params = make_params()
+    state = quantize_state(optax.adamw(1e-2), format="bf16", min_size=100).init(params)
+    mu = state.inner_state[0].mu["dense"]["kernel"]
+    assert isinstance(mu, Bfloat16Leaf) and mu.value.dtype == jnp.bfloat16 and mu.dtype == "float32"
+    fp32 = quantize_state(optax.adamw(1e-2), format="fp32", min_size=100).init(params)
+    chex.assert_trees_all_equal(fp32.inner_state, optax.adamw(1e-2).init(params))
+
+
+def test_the_state_keeps_its_shapes_and_dtypes_and_the_step_compiles_once(count_compiles):
+    tx = quantize_state(optax.adamw(1e-2), block_size=64, min_size=100)
+    params = make_params()
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    _, new_state = update(grads_like(params, 0), state, params)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state, new_state)
+    assert jax.tree.structure(state) == jax.tree.structure(new_state)
+    with count_compiles() as counter:
+        for step in range(1, 4):
+            _, new_state = update(grads_like(params, step), new_state, params)
+        jax.block_until_ready(new_state)
+    assert counter.count == 0
+    assert int(new_state.count) == 4
+
+
+# -- the numbers ---------------------------------------------------------------------------------
+
+
+def test_the_first_update_is_adamws_and_fp32_state_is_adamw_exactly():
+    params = make_params()
+    grads = grads_like(params, 0)
+    reference, _ = optax.adamw(1e-2).update(grads, optax.adamw(1e-2).init(params), params)
+    tx = quantize_state(optax.adamw(1e-2), block_size=64, min_size=100)
+    first, _ = tx.update(grads, tx.init(params), params)
+    chex.assert_trees_all_close(first, reference, rtol=1e-6, atol=0)
+    fp32, _ = run(quantize_state(optax.adamw(1e-2), format="fp32"), params, 5)
+    plain, _ = run(optax.adamw(1e-2), params, 5)
+    chex.assert_trees_all_equal(fp32, plain)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_moments_stay_close_to_float32_adamws(fmt):
+    params = make_params()
+    _, plain = run(optax.adamw(1e-2), params, 20)
+    _, stored = run(quantize_state(optax.adamw(1e-2), format=fmt, min_size=100), params, 20)
+    for moment in ("mu", "nu"):
+        exact = getattr(plain[0], moment)["dense"]["kernel"]
+        node = getattr(stored.inner_state[0], moment)["dense"]["kernel"]
+        if fmt == "bf16":
+            value = node.value.astype(jnp.float32)
+        else:
+            value = triaccel_jax.kernels.quantize.dequantize_blocks(
+                node.codes, node.scales, block_size=256, mapping=node.mapping
+            )
+        # Relative to the moment's scale: 20 steps of re-quantization each step.
+        scale = float(jnp.max(jnp.abs(exact)))
+        assert float(jnp.max(jnp.abs(value - exact))) < (0.03 if fmt == "int8" else 0.01) * scale
+
+
+def test_the_same_seed_gives_the_same_state_and_another_seed_another():
+    params = make_params()
+    a = run(quantize_state(optax.adamw(1e-2), min_size=100, seed=1), params, 3)[1]
+    b = run(quantize_state(optax.adamw(1e-2), min_size=100, seed=1), params, 3)[1]
+    c = run(quantize_state(optax.adamw(1e-2), min_size=100, seed=2), params, 3)[1]
+    chex.assert_trees_all_equal(a, b)
+    codes_a, codes_c = (np.asarray(s.inner_state[0].mu["dense"]["kernel"].codes) for s in (a, c))
+    assert np.any(codes_a != codes_c)
+
+
+def _classification_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 20)).astype(np.float32)
+    teacher = rng.normal(size=(20, 4)).astype(np.float32)
+    y = np.argmax(np.tanh(x @ teacher) + 0.3 * rng.normal(size=(512, 4)), axis=1)
+    return jnp.asarray(x), jnp.asarray(y)
+
+
+def _mlp_loss(params, x, y):
+    hidden = jax.nn.relu(x @ params["w1"] + params["b1"])
+    logits = hidden @ params["w2"] + params["b2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _train(tx, steps=300):
+    x, y = _classification_data()
+    keys = jax.random.split(jax.random.key(0), 2)
+    params = {
+        "w1": jax.random.normal(keys[0], (20, 256)) * 0.2,
+        "b1": jnp.zeros(256),
+        "w2": jax.random.normal(keys[1], (256, 4)) * 0.05,
+        "b2": jnp.zeros(4),
+    }
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, i):
+        batch = jax.random.choice(jax.random.fold_in(jax.random.key(1), i), 512, (64,))
+        loss, grads = jax.value_and_grad(_mlp_loss)(params, x[batch], y[batch])
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    for i in range(steps):
+        params, state, _ = step(params, state, i)
+    return float(_mlp_loss(params, x, y))
+
+
+def test_8bit_adamw_trains_a_small_model_as_well_as_float32_adamw():
+    fp32 = _train(optax.adamw(3e-3))
+    int8 = _train(quantize_state(optax.adamw(3e-3), block_size=64, min_size=256))
+    bf16 = _train(quantize_state(optax.adamw(3e-3), format="bf16", min_size=256))
+    first = _mlp_loss(
+        {"w1": jnp.zeros((20, 256)), "b1": jnp.zeros(256), "w2": jnp.zeros((256, 4)),
+         "b2": jnp.zeros(4)},
+        *_classification_data(),
+    )  # fmt: skip
+    assert fp32 < 0.5 * float(first)  # it trained
+    assert int8 <= fp32 * 1.05 + 0.01, (int8, fp32)
+    assert bf16 <= fp32 * 1.05 + 0.01, (bf16, fp32)
+
+
+def test_muon_momentum_is_stored_and_muon_still_trains():
+    tx = quantize_state(
+        optax.contrib.muon(0.02, adam_learning_rate=3e-3), block_size=64, min_size=256
+    )
+    params = {
+        "w1": jnp.zeros((20, 256)),
+        "b1": jnp.zeros(256),
+        "w2": jnp.zeros((256, 4)),
+        "b2": jnp.zeros(4),
+    }
+    is_stored = lambda node: isinstance(node, QuantizedLeaf)
+    stored = [n for n in jax.tree.leaves(tx.init(params), is_leaf=is_stored) if is_stored(n)]
+    # Muon's momentum of both matrices, and Adam's moments (the fallback) of the 256 biases; the
+    # 4 biases are under min_size.
+    assert sorted((n.codes.shape, n.mapping) for n in stored) == [
+        ((20, 256), "linear"),
+        ((256,), "linear"),
+        ((256,), "sqrt"),
+        ((256, 4), "linear"),
+    ]
+    # 100 steps take both from 1.39 to 0.17. Trained on to 300, both fit the training set (0.007
+    # in float32, 0.021 with the 8-bit momentum): there the quantized momentum's noise floor shows.
+    fp32 = _train(optax.contrib.muon(0.02, adam_learning_rate=3e-3), steps=100)
+    int8 = _train(tx, steps=100)
+    assert int8 <= fp32 * 1.05 + 0.01, (int8, fp32)
+
+
+# -- compositions --------------------------------------------------------------------------------
+
+
+def test_an_injected_learning_rate_stays_findable_and_settable_inside_the_wrapper():
+    params = make_params()
+    grads = grads_like(params, 0)
+    inner = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)
+    tx = quantize_state(inner, min_size=100)
+    state = tx.init(params)
+    found = find_hyperparam(state, "learning_rate")
+    assert found is not None and found.value == pytest.approx(1e-2)
+    assert state.inner_state.hyperparams["learning_rate"].dtype == jnp.float32  # not converted
+    zero = set_hyperparam(state, "learning_rate", 0.0)
+    updates, new_state = jax.jit(tx.update)(grads, zero, params)
+    chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
+    assert find_hyperparam(new_state, "learning_rate").value == 0.0
+
+
+def test_inject_hyperparams_over_a_factory_that_builds_the_wrapper():
+    params = make_params()
+    factory = optax.inject_hyperparams(
+        lambda learning_rate: quantize_state(optax.adamw(learning_rate), min_size=100)
+    )
+    tx = factory(learning_rate=1e-2)
+    state = tx.init(params)
+    assert find_hyperparam(state, "learning_rate").value == pytest.approx(1e-2)
+    _, state = jax.jit(tx.update)(grads_like(params, 0), state, params)
+    assert isinstance(state.inner_state, QuantizedState)
+    scaled, _ = jax.jit(tx.update)(
+        grads_like(params, 0), set_hyperparam(state, "learning_rate", 0.0), params
+    )
+    chex.assert_trees_all_equal(scaled, jax.tree.map(jnp.zeros_like, scaled))
+
+
+def test_extra_arguments_reach_the_inner_optimizer():
+    seen = []
+
+    def update(updates, state, params=None, *, value_fn):
+        seen.append(value_fn)
+        return updates, state
+
+    inner = optax.GradientTransformationExtraArgs(lambda params: (), update)
+    tx = quantize_state(inner)
+    tx.update({"w": jnp.ones(3)}, tx.init({"w": jnp.ones(3)}), value_fn="loss")
+    assert seen == ["loss"]
+
+
+def test_multisteps_accumulates_over_the_wrapper():
+    params = make_params()
+    tx = optax.MultiSteps(quantize_state(optax.adamw(1e-2), min_size=100), every_k_schedule=2)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    first, state = update(grads_like(params, 0), state, params)
+    chex.assert_trees_all_equal(first, jax.tree.map(jnp.zeros_like, first))
+    second, state = update(grads_like(params, 1), state, params)
+    assert all(float(jnp.max(jnp.abs(u))) > 0 for u in jax.tree.leaves(second))
+    assert int(state.inner_opt_state.count) == 1
+
+
+def test_the_curvature_signals_state_is_never_converted():
+    params = make_params()
+    tx = quantize_state(
+        optax.chain(triaccel_jax.curvature_signals(), optax.adamw(1e-2)), min_size=100
+    )
+    _, state = run(tx, params, 3)
+    assert set(triaccel_jax.signals(state)) == {"dense/bias", "dense/kernel", "out"}
+    assert isinstance(state.inner_state[1][0].mu["dense"]["kernel"], QuantizedLeaf)
+
+
+def test_bfloat16_params_keep_bfloat16_updates_and_state():
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), make_params())
+    tx = quantize_state(optax.adamw(1e-2), min_size=100)
+    state = tx.init(params)
+    assert state.inner_state[0].mu["dense"]["kernel"].dtype == "bfloat16"
+    grads = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads_like(params, 0))
+    updates, new_state = jax.jit(tx.update)(grads, state, params)
+    chex.assert_trees_all_equal_dtypes(updates, grads)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state, new_state)
+
+
+def test_a_checkpoint_round_trip_of_the_quantized_state_is_exact(tmp_path):
+    params = make_params()
+    tx = quantize_state(optax.adamw(1e-2), block_size=64, min_size=100)
+    params, state = run(tx, params, 3)
+    with triaccel_jax.Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(3, {"params": params, "opt_state": state})
+        template = jax.tree.map(jnp.zeros_like, {"params": params, "opt_state": state})
+        restored, _ = checkpointer.restore(template)
+    chex.assert_trees_all_equal(restored["opt_state"], state)
+    assert jax.tree.structure(restored["opt_state"]) == jax.tree.structure(state)
+    # Training on from the restored state is training on from the saved one.
+    grads = grads_like(params, 9)
+    chex.assert_trees_all_equal(
+        tx.update(grads, restored["opt_state"], params), tx.update(grads, state, params)
+    )
+
+
+def test_the_controller_trains_with_an_8bit_state_as_with_float32():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 64)).astype(np.float32)
+    data = (x, (x @ rng.normal(size=(64, 8))).astype(np.float32))
+
+    def loss(params, batch, *, policy, rng):
+        inputs, targets = batch
+        return jnp.mean((inputs @ params["kernel"] - targets) ** 2)
+
+    def train(tx):
+        controller = triaccel_jax.Controller(
+            loss, {"kernel": jnp.zeros((64, 8))}, tx, data,
+            min_batch=32, max_batch=32, probe=triaccel_jax.BudgetMemoryProbe(2**30),
+        )  # fmt: skip
+        losses = [info.loss for info in controller.run(60)]
+        return np.mean(losses[:5]), np.mean(losses[-5:])
+
+    start, fp32 = train(optax.adamw(3e-2))
+    _, int8 = train(quantize_state(optax.adamw(3e-2), block_size=64, min_size=256))
+    assert fp32 < 0.2 * start  # 60.5 to 6.7
+    assert int8 <= 1.05 * fp32, (int8, fp32)
+
+
+# -- per-leaf formats ----------------------------------------------------------------------------
+
+
+def test_a_mapping_chooses_the_format_per_parameter():
+    params = make_params()
+    tx = quantize_state(
+        optax.adamw(1e-2), format={"dense/kernel": "int8", "out": "bf16"}, min_size=100
+    )
+    adam = tx.init(params).inner_state[0]
+    assert isinstance(adam.mu["dense"]["kernel"], QuantizedLeaf)
+    assert isinstance(adam.nu["out"], Bfloat16Leaf)
+    assert adam.mu["dense"]["bias"].dtype == jnp.float32  # no entry: as the inner keeps it
+
+
+def test_a_callable_chooses_the_format_per_state_leaf():
+    asked = []
+
+    def choose(path, leaf):
+        asked.append(path)
+        return "int8" if path.endswith("mu/out") else None
+
+    params = make_params()
+    adam = quantize_state(optax.adamw(1e-2), format=choose, min_size=100).init(params)
+    adam = adam.inner_state[0]
+    assert isinstance(adam.mu["out"], QuantizedLeaf)
+    assert adam.nu["out"].dtype == jnp.float32
+    assert "0/mu/dense/kernel" in asked and "0/count" in asked
+
+
+# -- compiled bytes ------------------------------------------------------------------------------
+
+
+def _cnn_sized_params():
+    # The small CNN's leaves (triaccel_jax.models.SmallCNN on 28x28x1 inputs, 421,642 params).
+    shapes = {
+        "Conv_0": {"kernel": (3, 3, 1, 32), "bias": (32,)},
+        "Conv_1": {"kernel": (3, 3, 32, 64), "bias": (64,)},
+        "Dense_0": {"kernel": (3136, 128), "bias": (128,)},
+        "Dense_1": {"kernel": (128, 10), "bias": (10,)},
+    }
+    return jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32),
+        shapes,
+        is_leaf=lambda node: isinstance(node, tuple),
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "fp32", "bf16", "int8"),
+    [
+        ("adamw", lambda: optax.adamw(1e-3), 12.0, 8.02, 6.06),
+        (
+            "muon",
+            lambda: optax.contrib.muon(
+                0.02,
+                adam_learning_rate=1e-3,
+                muon_weight_dimension_numbers=triaccel_jax.transforms.muon_dimension_numbers,
+            ),
+            8.0,
+            6.01,
+            5.03,
+        ),
+    ],
+)
+def test_compiled_bytes_per_parameter_drop_with_the_state_format(name, make, fp32, bf16, int8):
+    params = _cnn_sized_params()
+    measured = {
+        fmt: compiled_state_bytes(quantize_state(make(), format=fmt), params)
+        for fmt in ("fp32", "bf16", "int8")
+    }
+    assert measured["fp32"].parameters == 421_642
+    for fmt, expected in (("fp32", fp32), ("bf16", bf16), ("int8", int8)):
+        assert measured[fmt].bytes_per_parameter == pytest.approx(expected, abs=0.01), (name, fmt)
+    # XLA's figure is the arithmetic of the state's dtypes: no hidden copy, no padding.
+    state = jax.eval_shape(quantize_state(make(), format="int8").init, params)
+    exact = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state))
+    assert measured["int8"].state_bytes == exact
+
+
+def test_block_size_and_min_size_trade_scales_and_small_leaves_for_bytes():
+    params = _cnn_sized_params()
+    tx = quantize_state(optax.adamw(1e-3), block_size=2048, min_size=256)
+    # 4 bytes of params, 2 of codes, 8 / 2048 of scales, the biases' 8 bytes each.
+    assert compiled_state_bytes(tx, params).bytes_per_parameter < 6.01
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"format": "int4"}, ValueError, "format"),
+        ({"format": {"dense/kernel": "fp8"}}, ValueError, "dense/kernel"),
+        ({"format": {1: "int8"}}, TypeError, "parameter paths"),
+        ({"format": 8}, TypeError, "format"),
+        ({"block_size": 0}, ValueError, "block_size"),
+        ({"block_size": 64.0}, TypeError, "block_size"),
+        ({"block_size": "64"}, TypeError, "block_size"),
+        ({"min_size": -1}, ValueError, "min_size"),
+        ({"min_size": 1.5}, TypeError, "min_size"),
+        ({"seed": 0.5}, TypeError, "seed"),
+        ({"second_moments": "nu"}, TypeError, "second_moments"),
+        ({"impl": "pallas"}, ValueError, "impl"),
+    ],
+)
+def test_bad_options_are_named(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        quantize_state(optax.adamw(1e-3), **kwargs)
+
+
+def test_a_non_float_leaf_asked_to_be_quantized_is_an_error():
+    def init(params):
+        return {"visits": jnp.zeros((5000,), jnp.int32), "ema": jnp.zeros((5000,))}
+
+    inner = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
+    # Asked for explicitly, by a callable or a mapping: an error naming the leaf.
+    with pytest.raises(ValueError, match="'visits' is int32"):
+        quantize_state(inner, format=lambda path, leaf: "int8").init({})
+    with pytest.raises(ValueError, match="'visits' is int32"):
+        quantize_state(inner, format={"visits": "bf16"}).init({})
+    # A format for the whole state converts the float leaves and leaves integers alone.
+    state = quantize_state(inner).init({})
+    assert state.inner_state["visits"].dtype == jnp.int32
+    assert isinstance(state.inner_state["ema"], QuantizedLeaf)
+
+
+def test_a_callable_returning_an_unknown_format_is_an_error():
+    with pytest.raises(ValueError, match="format"):
+        quantize_state(optax.adamw(1e-3), format=lambda path, leaf: "int4").init(make_params())
