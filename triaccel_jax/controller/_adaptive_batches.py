@@ -254,7 +254,7 @@ class AdaptiveBatches:
       >>> def loss(w, batch):
       ...     inputs, targets = batch
       ...     return jnp.mean((inputs @ w - targets) ** 2)
-      >>> tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+      >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05, momentum=0.9)
       >>> @jax.jit
       ... def train_step(w, opt_state, batch):
       ...     value, grads, norms = value_and_grad_with_noise(loss)(w, batch)
@@ -275,7 +275,7 @@ class AdaptiveBatches:
       ...         opt_state = settings.apply(opt_state)
       ...         w, opt_state, metrics = train_step(w, opt_state, batch)
       ...         batches.report(metrics)
-      >>> batches.step_count, batches.epoch, bool(metrics["loss"] < 0.05)
+      >>> batches.step_count, batches.epoch, bool(metrics["loss"] < 0.2)  # from 14 at w = 0
       (48, 3, True)
 
     References:
