@@ -332,3 +332,21 @@ def test_precision_is_planned_by_default_over_an_optimizer_holding_the_signals()
         planning(optax.sgd(0.1), first_replan=5)
     with pytest.raises(ValueError, match="'auto' or None"):
         ControllerConfig(replan_every="sometimes")
+
+
+@pytest.mark.standard_promotion("optax's adamw promotes its step count inside")
+def test_the_controller_reports_parameters_and_state_in_bytes_per_parameter():
+    params = {"w": jnp.zeros((64, 128))}
+    data = np.ones((64, 64), np.float32)
+    loss = lambda p, b, *, policy, rng: jnp.mean((b @ p["w"]) ** 2)
+
+    def held(tx):
+        controller = triaccel_jax.Controller(
+            loss, params, tx, data, probe=triaccel_jax.BudgetMemoryProbe(2**30), max_batch=16
+        )
+        controller.run(2)
+        return controller.bytes_per_parameter
+
+    assert held(optax.adamw(1e-3)) == pytest.approx(12.0, abs=1e-2)
+    eight_bit = triaccel_jax.quantize_state(optax.adamw(1e-3), min_size=1024)
+    assert held(eight_bit) == pytest.approx(4 + 2 * (1 + 4 / 256), abs=1e-2)

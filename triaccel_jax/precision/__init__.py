@@ -21,12 +21,16 @@ from triaccel_jax.precision._memory import compute_copy_dtype
 from triaccel_jax.precision._memory import memory_report
 from triaccel_jax.precision._planner import PlannerConfig
 from triaccel_jax.precision._planner import plan_precision
+from triaccel_jax.precision._state_formats import StateFormatPlan
+from triaccel_jax.precision._state_formats import plan_state_formats
 
 __all__ = (
     "MemoryReport",
     "PlannerConfig",
+    "StateFormatPlan",
     "compiled_peak_bytes",
     "compute_copy_dtype",
     "memory_report",
     "plan_precision",
+    "plan_state_formats",
 )
