@@ -328,7 +328,7 @@ def test_precision_is_planned_by_default_over_an_optimizer_holding_the_signals()
     assert planning(optax.sgd(0.1)) == (None, None, False)
     fp32 = triaccel_jax.PrecisionPolicy.uniform(params)
     assert planning(observed, policy=fp32)[:2] == (None, None)
-    with pytest.raises(ValueError, match="first_replan.*no signals"):
+    with pytest.raises(ValueError, match=r"first_replan.*no signals"):
         planning(optax.sgd(0.1), first_replan=5)
     with pytest.raises(ValueError, match="'auto' or None"):
         ControllerConfig(replan_every="sometimes")

@@ -105,7 +105,7 @@ def test_any_signals_stay_within_the_budget_and_a_larger_budget_never_costs_byte
     curvatures, noise, budgets, rate
 ):
     paths = sorted(PARAMS)
-    sig = signals(dict(zip(paths, curvatures)), dict(zip(paths, noise)))
+    sig = signals(dict(zip(paths, curvatures, strict=True)), dict(zip(paths, noise, strict=True)))
     small, large = sorted(budgets)
     tight = plan_state_formats(sig, PARAMS, learning_rate=rate, budget=small, min_size=0)
     loose = plan_state_formats(sig, PARAMS, learning_rate=rate, budget=large, min_size=0)
