@@ -150,13 +150,13 @@ def _concat(parts: list[Any]) -> Any:
 
 def _rows(batch: Any) -> int:
     """The samples in a batch: its leaves' leading axis, which all must share."""
-    sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batch)}
-    if len(sizes) != 1 or None in sizes:
+    sizes = {int(np.shape(leaf)[0]) if np.ndim(leaf) else -1 for leaf in jax.tree.leaves(batch)}
+    if len(sizes) != 1 or -1 in sizes:
         raise ValueError(
             "every leaf of a batch from `data` must have the samples on its leading axis, and "
-            f"all the same number of them; got leading sizes {sorted(sizes, key=str)}"
+            f"all the same number of them; got leading sizes {sorted(sizes)} (-1: a scalar)"
         )
-    return int(sizes.pop())
+    return sizes.pop()
 
 
 class _Stream:

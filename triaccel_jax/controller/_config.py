@@ -410,10 +410,11 @@ class ControllerConfig:
           >>> [s for s in range(1, 400) if config.replan_due(s)]
           [20, 120, 220, 320]
         """
-        if self.replan_every is None or step <= 0:
-            return False
-        first = self.replan_every if self.first_replan is None else self.first_replan
-        return step >= first and (step - first) % self.replan_every == 0
+        every = self.replan_every
+        if not isinstance(every, int) or step <= 0:
+            return False  # None: not planned; "auto" is resolved by the controller first
+        first = every if self.first_replan is None else self.first_replan
+        return step >= first and (step - first) % every == 0
 
     def is_first_replan(self, step: int) -> bool:
         """Whether the re-plan due before ``step`` is the first one (planned without hysteresis)."""

@@ -556,7 +556,14 @@ class Controller:
         self._in_flight.last_finish = time.perf_counter()
         window = self._config.steps_in_flight
         done = 0
-        while (done < num_steps) if end is None else (self._sampler.samples_seen < end):
+
+        def more() -> bool:
+            if end is not None:
+                return self._sampler.samples_seen < end
+            assert num_steps is not None  # one of the two is given
+            return done < num_steps
+
+        while more():
             epoch = self._sampler.epoch
             self._dispatch()
             done += 1

@@ -208,7 +208,7 @@ def plan_state_formats(
         saved = state_bytes(path, chosen[path]) - state_bytes(path, lower)
         return added / saved, lower, added, saved
 
-    heap = []
+    heap: list[tuple[float, str, tuple[float, str, float, float]]] = []
     for path in movable:
         move = next_move(path)
         if move is not None:
