@@ -13,6 +13,11 @@ reads.
 
 The fused update is also timed against the same update unfused (three jitted stages, each a
 round trip through memory, as an optax chain runs it).
+
+The block-wise 8-bit quantizer (:mod:`triaccel_jax.kernels.quantize`: both maps x both roundings)
+and its dequantizer (both maps) are measured the same way, in blocks of
+:data:`QUANTIZE_BLOCK_SIZE` elements, so the table holds a row for every operation in
+:data:`triaccel_jax.kernels._dispatch.OPS`.
 """
 
 from __future__ import annotations
@@ -31,9 +36,13 @@ from triaccel_jax.kernels import _launch
 from triaccel_jax.kernels import _rounding
 from triaccel_jax.kernels import cast as cast_lib
 from triaccel_jax.kernels import fused_update as fused_lib
+from triaccel_jax.kernels import quantize as quantize_lib
 
 # Candidates are screened with fewer rounds; the winner is timed with the full count.
 _SCREEN_ROUNDS = 2
+# Elements per quantization block: quantize_state's default (Dettmers et al. use 2048). It sets
+# the kernels' tile (one block a row); the bytes moved hardly depend on it (a scale per block).
+QUANTIZE_BLOCK_SIZE = 256
 
 
 class Report:
@@ -80,41 +89,37 @@ def _cast_rows(n: int, triton: bool, iterations: int, report: Report) -> list[di
     rows = []
     for dtype in common.TARGETS:
         for rounding in ("nearest", "stochastic"):
-            op = _dispatch.cast_op(dtype, rounding)
-            bytes_moved = n * (4 + jnp.dtype(dtype).itemsize)
             reference = jax.jit(
                 functools.partial(cast_lib.cast_reference, dtype=dtype, rounding=rounding, key=key)
             )
-            xla = report(
-                f"cast f32->{common.name(dtype)} {rounding}, XLA",
-                common.timed(reference, x, iterations=iterations),
-                bytes_moved,
-            )
-            row: dict[str, Any] = {"op": op, "xla_copy_fraction": xla}
-            if triton:
+
+            def make(launch, dtype=dtype, rounding=rounding):
                 from triaccel_jax.kernels import _cast_triton  # imports triton and jax_triton
 
-                def make(launch, dtype=dtype, rounding=rounding):
-                    stochastic = rounding == "stochastic"
-                    return jax.jit(
-                        functools.partial(
-                            _cast_triton.cast,
-                            dtype=dtype,
-                            rounding=rounding,
-                            words=words if stochastic else None,
-                            scale=None,
-                            launch=launch,
-                        )
+                stochastic = rounding == "stochastic"
+                return jax.jit(
+                    functools.partial(
+                        _cast_triton.cast,
+                        dtype=dtype,
+                        rounding=rounding,
+                        words=words if stochastic else None,
+                        scale=None,
+                        launch=launch,
                     )
-
-                launch, seconds = fastest_launch(make, (x,), iterations)
-                row["triton_copy_fraction"] = report(
-                    f"  Triton, block {launch.block} x {launch.num_warps} warps",
-                    seconds,
-                    bytes_moved,
                 )
-                row["launch"] = _launch_row(launch)
-            rows.append(row)
+
+            rows.append(
+                _row(
+                    _dispatch.cast_op(dtype, rounding),
+                    f"cast f32->{common.name(dtype)} {rounding}",
+                    reference,
+                    make if triton else None,
+                    (x,),
+                    n * (4 + jnp.dtype(dtype).itemsize),
+                    iterations,
+                    report,
+                )
+            )
     return rows
 
 
@@ -135,22 +140,16 @@ def _fused_rows(n: int, triton: bool, iterations: int, report: Report) -> list[d
         bytes_moved = n * (4 + 2 * m + 4) + n * (2 * m + 4 + 2)
         args = (grad, mu, nu, master, 1.0)
         reference = jax.jit(functools.partial(fused_lib.fused_update_reference, **kwargs))
-        label = f"fused update (moments {common.name(moment_dtype)})"
-        xla = report(
-            f"{label}, XLA", common.timed(reference, *args, iterations=iterations), bytes_moved
+        row = _row(
+            _dispatch.fused_update_op(moment_dtype),
+            f"fused update (moments {common.name(moment_dtype)})",
+            reference,
+            functools.partial(_fused_with_launch, kwargs=kwargs) if triton else None,
+            args,
+            bytes_moved,
+            iterations,
+            report,
         )
-        row: dict[str, Any] = {
-            "op": _dispatch.fused_update_op(moment_dtype),
-            "xla_copy_fraction": xla,
-        }
-        if triton:
-            launch, seconds = fastest_launch(
-                functools.partial(_fused_with_launch, kwargs=kwargs), args, iterations
-            )
-            row["triton_copy_fraction"] = report(
-                f"  Triton, block {launch.block} x {launch.num_warps} warps", seconds, bytes_moved
-            )
-            row["launch"] = _launch_row(launch)
         unfused = _unfused_pipeline(moment_dtype, **kwargs)
         report(
             "  unfused: three jitted stages",
@@ -159,6 +158,120 @@ def _fused_rows(n: int, triton: bool, iterations: int, report: Report) -> list[d
         )
         rows.append(row)
     return rows
+
+
+def _quantize_rows(n: int, triton: bool, iterations: int, report: Report) -> list[dict[str, Any]]:
+    """Rows for the block-wise quantize (map x rounding) and dequantize (map) operations."""
+    common.echo(f"\n== block-wise 8-bit quantize and dequantize, blocks of {QUANTIZE_BLOCK_SIZE}")
+    block_size = QUANTIZE_BLOCK_SIZE
+    scale_bytes = 4 * quantize_lib.num_blocks(n, block_size)
+    normal = jax.random.normal(jax.random.key(0), (n,))
+    # Signed values for the linear map (a first moment), non-negative for sqrt (a second moment).
+    inputs = {"linear": normal, "sqrt": normal * normal}
+    key = jax.random.key(1)
+    words = _rounding.seed_words(key)
+    rows = []
+    for mapping in quantize_lib.MAPS:
+        x = inputs[mapping]
+        bytes_moved = n * (4 + 1) + scale_bytes  # float32 in; one byte a code and the scales out
+        for rounding in ("nearest", "stochastic"):
+            reference = jax.jit(
+                functools.partial(
+                    quantize_lib.quantize_blocks_reference,
+                    block_size=block_size,
+                    mapping=mapping,
+                    rounding=rounding,
+                    key=key,
+                )
+            )
+            stochastic = rounding == "stochastic"
+
+            def make(launch, mapping=mapping, stochastic=stochastic):
+                from triaccel_jax.kernels import _quantize_triton  # imports triton, jax_triton
+
+                return jax.jit(
+                    functools.partial(
+                        _quantize_triton.quantize,
+                        block_size=block_size,
+                        mapping=mapping,
+                        words=words if stochastic else None,
+                        launch=launch,
+                    )
+                )
+
+            rows.append(
+                _row(
+                    _dispatch.quantize_op(mapping, rounding),
+                    f"quantize {mapping} {rounding}",
+                    reference,
+                    make if triton else None,
+                    (x,),
+                    bytes_moved,
+                    iterations,
+                    report,
+                )
+            )
+        codes, scales = jax.jit(
+            functools.partial(
+                quantize_lib.quantize_blocks_reference, block_size=block_size, mapping=mapping
+            )
+        )(x)
+        reference = jax.jit(
+            functools.partial(
+                quantize_lib.dequantize_blocks_reference, block_size=block_size, mapping=mapping
+            )
+        )
+
+        def make_dequantize(launch, mapping=mapping):
+            from triaccel_jax.kernels import _quantize_triton  # imports triton, jax_triton
+
+            return jax.jit(
+                functools.partial(
+                    _quantize_triton.dequantize,
+                    block_size=block_size,
+                    mapping=mapping,
+                    launch=launch,
+                )
+            )
+
+        rows.append(
+            _row(
+                _dispatch.dequantize_op(mapping),
+                f"dequantize {mapping} (to float32)",
+                reference,
+                make_dequantize if triton else None,
+                (codes, scales),
+                n * (1 + 4) + scale_bytes,  # codes and scales in, float32 out
+                iterations,
+                report,
+            )
+        )
+    return rows
+
+
+def _row(
+    op: str,
+    label: str,
+    reference: Callable[..., Any],
+    make: Callable[[_launch.LaunchConfig], Callable[..., Any]] | None,
+    args: tuple,
+    bytes_moved: int,
+    iterations: int,
+    report: Report,
+) -> dict[str, Any]:
+    """One operation's auto-table row: XLA's figure, and with ``make`` (Triton can run) the
+    fastest launch candidate's figure and launch."""
+    xla = report(
+        f"{label}, XLA", common.timed(reference, *args, iterations=iterations), bytes_moved
+    )
+    row: dict[str, Any] = {"op": op, "xla_copy_fraction": xla}
+    if make is not None:
+        launch, seconds = fastest_launch(make, args, iterations)
+        row["triton_copy_fraction"] = report(
+            f"  Triton, block {launch.block} x {launch.num_warps} warps", seconds, bytes_moved
+        )
+        row["launch"] = _launch_row(launch)
+    return row
 
 
 def _fused_with_launch(launch: _launch.LaunchConfig, kwargs: dict[str, Any]) -> Callable:
@@ -216,6 +329,7 @@ def bandwidth(n: int, impl: str, iterations: int) -> list[dict[str, Any]]:
     report = Report(ceiling)
     triton = impl == "triton"
     rows = _cast_rows(n, triton, iterations, report) + _fused_rows(n, triton, iterations, report)
+    rows += _quantize_rows(n, triton, iterations, report)
     common.echo("\n== what impl='auto' chooses from these figures (>= 0.8x copy and >= XLA)")
     for row in rows:
         t, x_ = row.get("triton_copy_fraction"), row["xla_copy_fraction"]
@@ -227,13 +341,34 @@ def bandwidth(n: int, impl: str, iterations: int) -> list[dict[str, Any]]:
     return rows
 
 
-def write_table(path: str, rows: list[dict[str, Any]], *, dry_run: bool, source: str) -> None:
-    """Writes the auto table for this device (``kernels/auto_table.json``'s format)."""
+def write_table(
+    path: str, rows: list[dict[str, Any]], *, dry_run: bool, source: str
+) -> dict[str, Any]:
+    """Writes the auto table for this device (``kernels/auto_table.json``'s format); returns it.
+
+    Every operation of :data:`triaccel_jax.kernels._dispatch.OPS` gets an entry: one without a
+    row gets null figures (``"xla"``), and a warning is printed.
+    """
     kind = jax.devices()[0].device_kind
     note = "DRY RUN: tiny sizes, no Triton figures; " if dry_run else ""
+    # An operation this section does not measure (one added to the dispatch since) still gets a
+    # row, with no figures: "xla", as the table's reader treats it, and visibly unmeasured.
+    measured = {row["op"] for row in rows}
+    unmeasured = [op for op in _dispatch.OPS if op not in measured]
+    if unmeasured:
+        common.echo(f"WARNING: no figures for {unmeasured}: written as 'xla', unmeasured")
+        rows = [*rows, *({"op": op} for op in unmeasured)]
+    # In the dispatch's order, whatever order the sections measured in (an unknown op last: the
+    # writer refuses it by name).
+    rows = sorted(rows, key=lambda row: _order(row["op"]))
     table = _dispatch.write_auto_table(path, rows, device_kind=kind, source=note + source)
     chosen = sorted(op for op, row in table["ops"].items() if row["choice"] == "triton")
     common.echo(f"auto table written to {path}: triton for {chosen or 'no operation'}")
+    return table
+
+
+def _order(op: str) -> int:
+    return _dispatch.OPS.index(op) if op in _dispatch.OPS else len(_dispatch.OPS)
 
 
 def _unfused_pipeline(
