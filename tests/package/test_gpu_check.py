@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
 
+import pytest
+
 from triaccel_jax.cli import _end_to_end as e2e
 from triaccel_jax.kernels import _dispatch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bandwidth_section():
+    """benchmarks/gpu_sections/_bandwidth.py, importable once gpu_check.py is loaded by path."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._bandwidth
+
+
+def _assert_every_op_measured_by_xla(path):
+    """The table at ``path`` lists every dispatched op, each with an XLA figure and "xla"."""
+    ops = json.loads(path.read_text())["ops"]
+    assert list(ops) == list(_dispatch.OPS)  # every op, in the dispatch's order
+    for op, entry in ops.items():
+        assert entry["choice"] == "xla" and entry["triton_copy_fraction"] is None, (op, entry)
+        assert entry["xla_copy_fraction"] > 0, (op, entry)  # measured, not filled in
+    assert _dispatch.load_auto_table(path) == dict.fromkeys(_dispatch.OPS, "xla")
 
 
 def test_quick_mode_runs_end_to_end_on_cpu(tmp_path):
@@ -39,10 +62,44 @@ def test_quick_mode_runs_end_to_end_on_cpu(tmp_path):
     assert all(re.search(r"\(target <= [\d.]+\) (met|missed)$", t) for t in targets), targets
     # Without Triton figures the table the bandwidth section writes chooses XLA for every op,
     # and the dispatch reads it back.
-    table = _dispatch.load_auto_table(tmp_path / "auto_table.json")
-    assert table == dict.fromkeys(_dispatch.OPS, "xla")
+    # Every op has its own XLA figure, the block-wise quantize and dequantize ones included.
+    _assert_every_op_measured_by_xla(tmp_path / "auto_table.json")
     # Each run wrote its own results in its own folder (one process per run).
     assert all((tmp_path / run / "results.json").exists() for run in e2e.RUNS)
+
+
+def test_the_dry_run_bandwidth_section_measures_every_dispatched_op(tmp_path):
+    # What a GPU session regenerates kernels/auto_table.json with, in its reduced mode: a row
+    # measured for each op that impl="auto" dispatches (the quantize and dequantize ones too),
+    # so the regenerated table passes test_kernel_auto_table.py's check of every op.
+    path = tmp_path / "auto_table.json"
+    command = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--sections", "bandwidth"]
+    command += ["--bandwidth-log2", "12", "--iterations", "1", "--auto-table", str(path)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    assert "WARNING" not in out, out
+    for op in _dispatch.OPS:  # the summary of what impl="auto" chooses names every op
+        assert re.search(rf"^{re.escape(op)} +Triton +n/a +XLA [\d.]+x +-> xla$", out, re.M), op
+    _assert_every_op_measured_by_xla(path)
+
+
+def test_write_table_lists_an_unmeasured_op_as_xla_with_null_figures(
+    bandwidth_section, tmp_path, capsys
+):
+    path = tmp_path / "auto_table.json"
+    row = {"op": "fused_update/float32", "xla_copy_fraction": 0.9}
+    table = bandwidth_section.write_table(str(path), [row], dry_run=True, source="test")
+    assert list(table["ops"]) == list(_dispatch.OPS)
+    assert table["ops"]["fused_update/float32"]["xla_copy_fraction"] == 0.9
+    assert table["ops"]["dequantize/sqrt"] == {
+        "choice": "xla",
+        "triton_copy_fraction": None,
+        "xla_copy_fraction": None,
+    }
+    assert "WARNING: no figures for" in capsys.readouterr().out
+    assert _dispatch.load_auto_table(path) == dict.fromkeys(_dispatch.OPS, "xla")
 
 
 def test_a_failed_run_fails_the_section(tmp_path):
