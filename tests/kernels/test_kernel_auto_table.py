@@ -167,3 +167,45 @@ def test_write_auto_table_records_the_measured_launch(tmp_path):
         _dispatch.write_auto_table(
             path, [{**row, "launch": {"block": 100, "num_warps": 3}}], device_kind="x"
         )
+
+
+def test_the_gpu_checks_quantize_rows_time_every_launch_and_fill_the_table(monkeypatch, tmp_path):
+    # The bandwidth section's Triton branch for the block-wise quantize and dequantize kernels,
+    # on CPU: jax_triton is a stand-in that runs the kernels under Triton's interpreter (in
+    # .venv-kernels; skipped where torch or triton is missing).
+    pytest.importorskip("torch", reason="the interpreter needs torch (kernels-dev extra)")
+    pytest.importorskip("triton", reason="the interpreter needs triton (kernels-dev extra)")
+    import importlib.util
+    import pathlib
+    import sys
+
+    import kernel_bridge
+
+    from triaccel_jax.kernels import _launch
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", script)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    bandwidth = gpu_check._bandwidth
+    fake, calls = kernel_bridge.interpreted_jax_triton()
+    monkeypatch.setitem(sys.modules, "jax_triton", fake)
+    monkeypatch.setattr(_dispatch, "triton_unavailable_reason", lambda: None)
+    # Two candidates (a tile of 2 and of 16 blocks of 256) keep the interpreter's time short.
+    candidates = (_launch.LaunchConfig(512, 4), _launch.LaunchConfig(4096, 8))
+    monkeypatch.setattr(bandwidth._launch, "CANDIDATES", candidates)
+    rows = bandwidth._quantize_rows(2**11, True, 1, bandwidth.Report(1e9))
+    quantize_ops = [op for op in _dispatch.OPS if op.split("/")[0] in ("quantize", "dequantize")]
+    assert sorted(row["op"] for row in rows) == sorted(quantize_ops)
+    for row in rows:
+        assert row["triton_copy_fraction"] > 0 and row["xla_copy_fraction"] > 0, row
+        assert _launch.parse_launch(row["launch"], row["op"]) in candidates
+    assert {call["num_warps"] for call in calls} == {4, 8}  # both candidates ran
+    # The table: the quantize ops' figures and launches, every other op listed unmeasured.
+    path = tmp_path / "auto_table.json"
+    table = bandwidth.write_table(str(path), rows, dry_run=False, source="interpreter")
+    assert list(table["ops"]) == list(_dispatch.OPS)
+    for op in quantize_ops:
+        assert table["ops"][op]["launch"] in [dict(c._asdict()) for c in candidates], op
+    assert table["ops"]["cast/bfloat16/nearest"]["xla_copy_fraction"] is None
+    assert set(_dispatch.load_auto_table(path)) == set(_dispatch.OPS)
