@@ -14,8 +14,10 @@ For a machine with an NVIDIA GPU (written for an H200), ``jax[cuda12]`` and the 
    Inputs avoid float32 subnormals, which XLA may flush to zero.
 2. **Bandwidth**: each kernel's bytes moved per second against a measured device copy
    (``jnp.copy`` of a large array: the practical ceiling, about 4.3 TB/s on an H200), beside the
-   same cast's reference compiled by XLA (what ``impl="auto"`` chooses the kernel over). Calls are
-   queued and waited for once per round, so the figure is the kernel's time, not the dispatch's.
+   same cast's reference compiled by XLA (what ``impl="auto"`` chooses the kernel over); the same
+   for the block-wise 8-bit quantize (both maps x both roundings) and dequantize (both maps), so
+   ``--auto-table`` writes a row for every operation the dispatch lists. Calls are queued and
+   waited for once per round, so the figure is the kernel's time, not the dispatch's.
 3. **Fused against unfused**: the fused update kernel, the same reference jitted (XLA fuses what
    it can), and an unfused pipeline (moments and direction, master update, compute cast as three
    separately jitted steps, each a round trip through memory, as an optax chain does).

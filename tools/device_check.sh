@@ -13,8 +13,10 @@
 #   1. versions and the GPU (nvidia-smi -L), 30 s;
 #   2. benchmarks/gpu_check.py GPU_CHECK_ARGS (default: every section but end-to-end), 200 s:
 #      kernel parity through jax-triton, bandwidth (every launch candidate of each kernel against
-#      XLA and a device copy; the auto table written to OUTPUT_DIR/auto_table.json), fused against
-#      unfused, peak_bytes_in_use of a ResNet-18 step (fp32, static bf16, planned);
+#      XLA and a device copy: the casts, the fused update, the block-wise 8-bit quantize and
+#      dequantize; the auto table, a row for every op impl="auto" dispatches, written to
+#      OUTPUT_DIR/auto_table.json), fused against unfused, peak_bytes_in_use of a ResNet-18 step
+#      (fp32, static bf16, planned);
 #   3. unless SKIP_END_TO_END=1, gpu_check.py --sections end-to-end, 240 s: the main job three
 #      times, one process per run (FP32 and static bf16 AdamW at batch 128, Tri-Accel growing
 #      its batch), ResNet-18 on 32x32x3 Fashion-MNIST (CIFAR-10 when its archive is in
