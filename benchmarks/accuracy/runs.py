@@ -186,6 +186,7 @@ def build_controller(
             max_batch=workload.batch,
             batch_rule="memory",
             lr_scaling="none",
+            replan_every=None,  # float32 throughout (the default plans when signals are held)
         )
     controller = triaccel_jax.Controller(
         loss_fn, params, optimizer(row, hyper), data.train, model_state=model_state, **settings

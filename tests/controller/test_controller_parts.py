@@ -350,3 +350,34 @@ def test_the_controller_reports_parameters_and_state_in_bytes_per_parameter():
     assert held(optax.adamw(1e-3)) == pytest.approx(12.0, abs=1e-2)
     eight_bit = triaccel_jax.quantize_state(optax.adamw(1e-3), min_size=1024)
     assert held(eight_bit) == pytest.approx(4 + 2 * (1 + 4 / 256), abs=1e-2)
+
+
+def test_a_replans_seconds_are_no_steps_seconds(monkeypatch):
+    # Goodput's throughput comes from the steps' seconds: a re-plan (a second here) inside one
+    # step's time would be an outlier that keeps the throughput from ever being known.
+    import time
+
+    from triaccel_jax.controller import _controller
+
+    planned = _controller.replan_lib.replan
+
+    def slow_replan(*args, **kwargs):
+        time.sleep(1.0)
+        return planned(*args, **kwargs)
+
+    monkeypatch.setattr(_controller.replan_lib, "replan", slow_replan)
+    params = {"w": jnp.zeros(4)}
+    observed = optax.chain(triaccel_jax.curvature_signals(), optax.sgd(0.1))
+    controller = triaccel_jax.Controller(
+        lambda p, b, *, policy, rng: jnp.mean((b @ p["w"]) ** 2),
+        params,
+        observed,
+        np.ones((64, 4), np.float32),
+        probe=triaccel_jax.BudgetMemoryProbe(2**30),
+        min_batch=8,
+        max_batch=8,
+        replan_every=5,
+    )
+    infos = controller.run(12)
+    assert controller.timings["control"] >= 2.0  # two re-plans ran
+    assert max(info.seconds for info in infos[1:]) < 0.5

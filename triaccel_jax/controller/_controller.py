@@ -797,6 +797,9 @@ class Controller:
             self._check_memory()
         if replan_due:
             self._replan()
+            # Every queued step was read before the re-plan: the next step's time starts after
+            # it, so that a re-plan's seconds (signals read, a plan made) are no step's.
+            self._in_flight.last_finish = time.perf_counter()
         indices = self._sampler.take(self.batch_size)
         micro = self._bucket.micro
         pending = self._pending(count, indices, micro, first_event)
