@@ -1,0 +1,605 @@
+"""Optimizer-state precision (issue 34): AdamW and Muon with their state in fp32, bf16, 8-bit
+blocks, and formats planned per leaf, tuned against tuned on the validation split.
+
+Workloads (benchmarks/accuracy/workloads.py): the 784-128-10 sigmoid MLP (3 epochs) and the
+small CNN (1 epoch) on Fashion-MNIST, 54,000 training / 6,000 validation / 10,000 test images,
+a plain jitted loop at batch 128 (each epoch shuffled by the seed, the last partial batch
+dropped). Each optimizer has :func:`triaccel_jax.curvature_signals` first in its chain (the
+observer; the updates are unchanged). State rows per optimizer:
+
+* ``fp32``: the optimizer as optax makes it;
+* ``bf16`` / ``int8``: ``triaccel_jax.quantize_state(opt, format=...)``;
+* ``planned``: 50 probe steps with the fp32 state give the observer's signals, from which
+  ``triaccel_jax.precision.plan_state_formats`` chooses a format per leaf; the planned run then
+  trains from the start (the same init and data order) with ``quantize_state(opt,
+  format=plan.formats)``. The probe steps are reported as overhead.
+
+Each (workload, optimizer, state) row is tuned on the validation split at the tuning seed over
+the 3-point grid {c/2, c, 2c} around the optimizer's tuned rate in docs/accuracy.md, then trained
+at seeds 0-4 (paired across the rows of one optimizer) and scored on the test set. Bytes:
+``compiled_state_bytes`` (params + optimizer state, XLA-compiled update) and
+``compiled_peak_bytes`` of the whole training step at batch 128, each against fp32 AdamW's.
+Step time: every row of one workload timed in one process, interleaved, the median of several
+blocks of jitted steps after warm-up, as a ratio to the same optimizer's fp32 row.
+
+Results go to ``OUT/state_precision.json`` after every run (a rerun resumes where it stopped).
+
+Usage::
+
+  .venv/bin/python benchmarks/state_precision.py [--workloads fashion_mlp fashion_cnn]
+      [--optimizers adamw muon] [--states fp32 bf16 int8 planned] [--seeds 0 1 2 3 4]
+      [--out /tmp/state_precision] [--quick] [--report]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+import triaccel_jax
+from triaccel_jax.cli import _task as task
+from triaccel_jax.transforms import compiled_state_bytes
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from accuracy.stats import mean_std
+from accuracy.stats import paired_interval
+from accuracy.workloads import WORKLOADS
+from accuracy.workloads import load_splits
+
+OPTIMIZERS = ("adamw", "muon")
+STATES = ("fp32", "bf16", "int8", "planned")
+LABELS = {"adamw": "AdamW", "muon": "Muon"}
+WEIGHT_DECAY = 1e-4
+ADAM_RATIO = 0.1  # Muon's Adam part's learning rate, a fraction of Muon's
+BATCH = 128
+EPOCHS = {"fashion_mlp": 3, "fashion_cnn": 1}
+# The tuned rates of docs/accuracy.md (validation split): the centre of each 3-point grid.
+CENTRES = {
+    ("fashion_mlp", "adamw"): 0.004,
+    ("fashion_mlp", "muon"): 0.0317,
+    ("fashion_cnn", "adamw"): 0.004,
+    ("fashion_cnn", "muon"): 0.0159,
+}
+STATE_COPIES = {"adamw": 2, "muon": 1}
+# Targets (issue 34): params + optimizer state bytes per parameter, the paired interval's lower
+# end against the same optimizer in fp32 (points), the step-time ratio.
+TARGET_BYTES = {"adamw": 6.0, "muon": 5.0}
+TARGET_LOW, TARGET_STEP = -0.2, 1.1
+PROBE_STEPS = 50
+
+
+def grid(centre: float) -> list[float]:
+    return [centre / 2, centre, centre * 2]
+
+
+def has_planner() -> bool:
+    return hasattr(triaccel_jax.precision, "plan_state_formats")
+
+
+def direction(opt: str, lr: Any) -> optax.GradientTransformation:
+    """The optimizer itself (no observer) at learning rate ``lr``."""
+    if opt == "adamw":
+        return optax.adamw(lr, weight_decay=WEIGHT_DECAY)
+    return optax.contrib.muon(
+        lr,
+        adam_learning_rate=ADAM_RATIO * lr,
+        weight_decay=WEIGHT_DECAY,
+        adam_weight_decay=WEIGHT_DECAY,
+        muon_weight_dimension_numbers=triaccel_jax.transforms.muon_dimension_numbers,
+    )
+
+
+def stored(opt: str, lr: Any, fmt: Any) -> optax.GradientTransformation:
+    """The optimizer with its state in ``fmt`` (a format name or a per-leaf mapping)."""
+    inner = direction(opt, lr)
+    return inner if fmt == "fp32" else triaccel_jax.quantize_state(inner, format=fmt)
+
+
+def trained(opt: str, fmt: Any, lr: float) -> optax.GradientTransformation:
+    """What trains: the observer, then the optimizer; the learning rate injected, so one
+    compiled step serves every rate (the state carries it)."""
+
+    def build(learning_rate: Any) -> optax.GradientTransformation:
+        return optax.chain(triaccel_jax.curvature_signals(), stored(opt, learning_rate, fmt))
+
+    return optax.inject_hyperparams(build)(learning_rate=lr)
+
+
+def format_key(fmt: Any) -> str:
+    return fmt if isinstance(fmt, str) else json.dumps(sorted(fmt.items()))
+
+
+class Workbench:
+    """One workload's data, model, loss and compiled steps (cached per optimizer and format)."""
+
+    def __init__(self, name: str, quick: bool):
+        self.name = name
+        self.workload = WORKLOADS[name]
+        splits = load_splits(self.workload, quick)
+        self.train = {k: np.asarray(v) for k, v in splits.train.train.items()}
+        self.validation = splits.validation
+        self.test = splits.test
+        self.model = self.workload.model()
+        self.loss_fn = task.make_loss(self.model, False, None)
+        self.rng = jax.random.key(0)  # the loss's dropout key (no model here has dropout)
+        self.steps_per_epoch = len(self.train["label"]) // BATCH
+        self._steps: dict[tuple[str, str], Any] = {}
+        self._bytes: dict[tuple[str, str], dict[str, float]] = {}
+
+    def init(self, seed: int) -> Any:
+        return self.model.init(jax.random.key(seed), self.train["image"][:2])["params"]
+
+    def batch(self, seed: int, step: int) -> dict[str, np.ndarray]:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if index == 0 or getattr(self, "_order_key", None) != (seed, epoch):
+            self._order = np.random.default_rng([seed, epoch]).permutation(len(self.train["label"]))
+            self._order_key = (seed, epoch)
+        rows = self._order[index * BATCH : (index + 1) * BATCH]
+        return {k: v[rows] for k, v in self.train.items()}
+
+    def step_fn(self, opt: str, fmt: Any) -> Any:
+        key = (opt, format_key(fmt))
+        if key not in self._steps:
+            tx = trained(opt, fmt, 1.0)
+            loss_fn, rng = self.loss_fn, self.rng
+
+            def step(params, state, batch):
+                (loss, _), grads = jax.value_and_grad(
+                    lambda p: loss_fn(p, batch, policy=None, rng=rng), has_aux=True
+                )(params)
+                updates, state = tx.update(grads, state, params)
+                return optax.apply_updates(params, updates), state, loss
+
+            self._steps[key] = (jax.jit(step, donate_argnums=(0, 1)), step)
+        return self._steps[key]
+
+    def train_run(self, opt: str, fmt: Any, lr: float, seed: int, steps: int) -> dict[str, Any]:
+        params = self.init(seed)
+        state = trained(opt, fmt, lr).init(params)
+        step, _ = self.step_fn(opt, fmt)
+        losses = []
+        start = time.perf_counter()
+        for i in range(steps):
+            params, state, loss = step(params, state, self.batch(seed, i))
+            losses.append(loss)
+        jax.block_until_ready(params)
+        seconds = time.perf_counter() - start
+        losses = [float(x) for x in losses]
+        return {"params": params, "state": state, "losses": losses, "seconds": seconds}
+
+    def accuracy(self, params: Any, data: dict[str, np.ndarray]) -> float:
+        return 100 * task.evaluate(self.loss_fn, params, None, None, data)
+
+    def plan(self, opt: str, lr: float, seed: int, budget: float) -> tuple[Any, dict[str, Any]]:
+        """The probe: PROBE_STEPS (fewer with --quick) with the fp32 state, then the plan."""
+        steps = min(PROBE_STEPS, max(1, self.steps_per_epoch // 2))
+        start = time.perf_counter()
+        probe = self.train_run(opt, "fp32", lr, seed, steps)
+        signals = triaccel_jax.signals(probe["state"])
+        loss = float(np.mean(probe["losses"][-10:]))
+        plan = triaccel_jax.precision.plan_state_formats(
+            signals,
+            probe["params"],
+            learning_rate=lr,
+            budget=budget,
+            loss=loss,
+            state_copies=STATE_COPIES[opt],
+        )
+        seconds = time.perf_counter() - start
+        formats = dict(plan.formats)
+        info = {
+            "probe_steps": steps,
+            "probe_seconds": seconds,
+            "probe_loss": loss,
+            "formats": formats,
+            "plan_bytes_per_parameter": float(plan.bytes_per_parameter),
+            "predicted_increase": float(plan.predicted_increase),
+            "reasons": {k: str(v) for k, v in dict(plan.reasons).items()},
+        }
+        return formats, info
+
+    def bytes(self, opt: str, fmt: Any) -> dict[str, float]:
+        """Compiled bytes per parameter: the optimizer's update alone, as trained (observer and
+        injected rate included), and the peak of the whole training step at batch 128."""
+        key = (opt, format_key(fmt))
+        if key not in self._bytes:
+            params = self.init(0)
+            alone = compiled_state_bytes(stored(opt, 0.01, fmt), params)
+            as_trained = compiled_state_bytes(trained(opt, fmt, 0.01), params)
+            _, raw = self.step_fn(opt, fmt)
+            state = jax.eval_shape(trained(opt, fmt, 0.01).init, params)
+            batch = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), self.batch(0, 0))
+            compiled = jax.jit(raw).lower(params, state, batch).compile()
+            peak = triaccel_jax.precision.compiled_peak_bytes(compiled)
+            self._bytes[key] = {
+                "parameters": alone.parameters,
+                "bytes_per_parameter": alone.bytes_per_parameter,
+                "state_bytes": alone.state_bytes,
+                "as_trained_bytes_per_parameter": as_trained.bytes_per_parameter,
+                "step_peak_bytes": peak,
+            }
+        return self._bytes[key]
+
+    def time_rows(
+        self, rows: dict[str, tuple[str, Any, float]], blocks: int, block_steps: int
+    ) -> dict[str, float]:
+        """Median seconds per step of each row, the rows interleaved block by block."""
+        batches = [self.batch(0, i) for i in range(block_steps)]
+        live = {}
+        for name, (opt, fmt, lr) in rows.items():
+            step, _ = self.step_fn(opt, fmt)
+            params = self.init(0)
+            state = trained(opt, fmt, lr).init(params)
+            for b in batches[:3]:  # warm-up (compiles)
+                params, state, _ = step(params, state, b)
+            jax.block_until_ready(params)
+            live[name] = [step, params, state]
+        times: dict[str, list[float]] = {name: [] for name in rows}
+        for _ in range(blocks):
+            for name, entry in live.items():
+                step, params, state = entry
+                start = time.perf_counter()
+                for b in batches:
+                    params, state, _ = step(params, state, b)
+                jax.block_until_ready(params)
+                times[name].append((time.perf_counter() - start) / block_steps)
+                entry[1], entry[2] = params, state
+        return {name: statistics.median(t) for name, t in times.items()}
+
+
+class Store:
+    """The JSON results, written after every change."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self.data = json.loads(path.read_text()) if path.exists() else {}
+        self.data.setdefault("runs", {})
+        self.data.setdefault("bytes", {})
+        self.data.setdefault("timing", {})
+        self.data.setdefault("chosen", {})
+        self.data.setdefault("notes", [])
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+        tmp.replace(self.path)
+
+
+def run_key(workload: str, opt: str, state: str, phase: str, lr: float, seed: int) -> str:
+    return f"{workload}/{opt}/{state}/{phase}/{lr:.6g}/{seed}"
+
+
+def one_run(
+    bench: Workbench,
+    store: Store,
+    opt: str,
+    state: str,
+    phase: str,
+    lr: float,
+    seed: int,
+    budget: float,
+) -> dict[str, Any]:
+    key = run_key(bench.name, opt, state, phase, lr, seed)
+    if key in store.data["runs"]:
+        return store.data["runs"][key]
+    record: dict[str, Any] = {
+        "workload": bench.name,
+        "optimizer": opt,
+        "state": state,
+        "phase": phase,
+        "lr": lr,
+        "seed": seed,
+    }
+    fmt: Any = state
+    if state == "planned":
+        fmt, info = bench.plan(opt, lr, seed, budget)
+        record["plan"] = info
+    steps = EPOCHS[bench.name] * bench.steps_per_epoch
+    result = bench.train_run(opt, fmt, lr, seed, steps)
+    data = bench.validation if phase == "tune" else bench.test
+    record.update(
+        steps=steps,
+        train_seconds=result["seconds"],
+        final_loss=float(np.mean(result["losses"][-20:])),
+        accuracy=bench.accuracy(result["params"], data),
+        bytes=bench.bytes(opt, fmt),
+    )
+    store.data["runs"][key] = record
+    store.save()
+    print(
+        f"{bench.name} {opt:5s} {state:7s} {phase:5s} lr {lr:.4g} seed {seed}: "
+        f"{record['accuracy']:.2f}% ({result['seconds']:.1f} s, "
+        f"{record['bytes']['bytes_per_parameter']:.3f} B/param)",
+        flush=True,
+    )
+    return record
+
+
+def run_workload(bench: Workbench, store: Store, args: argparse.Namespace) -> None:
+    for opt in args.optimizers if not args.timing_only else ():
+        for state in args.states:
+            if state == "planned" and not has_planner():
+                note = f"{bench.name}/{opt}/planned: not run, plan_state_formats not on this tree"
+                print(note, flush=True)
+                if note not in store.data["notes"]:
+                    store.data["notes"].append(note)
+                    store.save()
+                continue
+            row = f"{bench.name}/{opt}/{state}"
+            centre = CENTRES[(bench.name, opt)]
+            tuned = {}
+            for lr in grid(centre):
+                tuned[lr] = one_run(
+                    bench, store, opt, state, "tune", lr, args.tune_seed, args.budget
+                )
+            best = max(tuned, key=lambda lr: tuned[lr]["accuracy"])
+            edge = best != centre
+            store.data["chosen"][row] = {
+                "lr": best,
+                "grid": sorted(tuned),
+                "validation": {f"{lr:.6g}": tuned[lr]["accuracy"] for lr in sorted(tuned)},
+                "edge": edge,
+            }
+            store.save()
+            for seed in args.seeds:
+                one_run(bench, store, opt, state, "final", best, seed, args.budget)
+    if args.skip_timing:
+        return
+    rows = {}
+    for opt in args.optimizers:
+        for state in args.states:
+            chosen = store.data["chosen"].get(f"{bench.name}/{opt}/{state}")
+            if chosen is None:
+                continue
+            fmt: Any = state
+            if state == "planned":
+                first = store.data["runs"].get(
+                    run_key(bench.name, opt, state, "final", chosen["lr"], args.seeds[0])
+                )
+                if first is None:
+                    continue
+                fmt = first["plan"]["formats"]
+            rows[f"{opt}/{state}"] = (opt, fmt, chosen["lr"])
+    per_step = bench.time_rows(rows, args.blocks, args.block_steps)
+    store.data["timing"][bench.name] = {
+        "seconds_per_step": per_step,
+        "blocks": args.blocks,
+        "block_steps": args.block_steps,
+    }
+    store.save()
+    print(f"{bench.name} step seconds: {per_step}", flush=True)
+
+
+def summarize(store: Store, seeds: list[int]) -> list[dict[str, Any]]:
+    """One row per (workload, optimizer, state) that has final runs."""
+    data = store.data
+    rows = []
+    fp32_adamw_bytes = {}
+    for run in data["runs"].values():
+        if run["optimizer"] == "adamw" and run["state"] == "fp32":
+            fp32_adamw_bytes[run["workload"]] = run["bytes"]
+    for workload in WORKLOADS:
+        for opt in OPTIMIZERS:
+            for state in STATES:
+                chosen = data["chosen"].get(f"{workload}/{opt}/{state}")
+                if chosen is None:
+                    continue
+                finals = {
+                    r["seed"]: r
+                    for r in data["runs"].values()
+                    if r["workload"] == workload
+                    and r["optimizer"] == opt
+                    and r["state"] == state
+                    and r["phase"] == "final"
+                    and r["lr"] == chosen["lr"]
+                    and r["seed"] in seeds
+                }
+                if not finals:
+                    continue
+                ref_chosen = data["chosen"].get(f"{workload}/{opt}/fp32")
+                reference = {
+                    r["seed"]: r
+                    for r in data["runs"].values()
+                    if ref_chosen is not None
+                    and r["workload"] == workload
+                    and r["optimizer"] == opt
+                    and r["state"] == "fp32"
+                    and r["phase"] == "final"
+                    and r["lr"] == ref_chosen["lr"]
+                }
+                paired = sorted(set(finals) & set(reference))
+                accs = [finals[s]["accuracy"] for s in sorted(finals)]
+                mean, sd = mean_std(accs)
+                interval = None
+                if state != "fp32" and len(paired) >= 2:
+                    interval = paired_interval(
+                        [finals[s]["accuracy"] for s in paired],
+                        [reference[s]["accuracy"] for s in paired],
+                    )
+                bytes_runs = [r["bytes"] for r in finals.values()]
+                bpp = statistics.mean(b["bytes_per_parameter"] for b in bytes_runs)
+                as_trained = statistics.mean(
+                    b["as_trained_bytes_per_parameter"] for b in bytes_runs
+                )
+                peaks = [b["step_peak_bytes"] for b in bytes_runs if b["step_peak_bytes"]]
+                peak = statistics.mean(peaks) if peaks else None
+                ref_bytes = fp32_adamw_bytes.get(workload)
+                timing = data["timing"].get(workload, {}).get("seconds_per_step", {})
+                step_ratio = None
+                if f"{opt}/{state}" in timing and f"{opt}/fp32" in timing:
+                    step_ratio = timing[f"{opt}/{state}"] / timing[f"{opt}/fp32"]
+                row = {
+                    "workload": workload,
+                    "optimizer": opt,
+                    "state": state,
+                    "lr": chosen["lr"],
+                    "edge": chosen["edge"],
+                    "validation": chosen["validation"],
+                    "n": len(accs),
+                    "mean": mean,
+                    "sd": sd,
+                    "interval": interval,
+                    "bytes_per_parameter": bpp,
+                    "as_trained_bytes_per_parameter": as_trained,
+                    "bytes_vs_adamw": bpp / ref_bytes["bytes_per_parameter"] if ref_bytes else None,
+                    "step_peak_bytes": peak,
+                    "peak_vs_adamw": (
+                        peak / ref_bytes["step_peak_bytes"]
+                        if ref_bytes and peak and ref_bytes["step_peak_bytes"]
+                        else None
+                    ),
+                    "step_seconds": timing.get(f"{opt}/{state}"),
+                    "step_ratio": step_ratio,
+                    "train_seconds": statistics.median(r["train_seconds"] for r in finals.values()),
+                }
+                if state == "planned":
+                    plans = [r["plan"] for r in finals.values()]
+                    row["probe_seconds"] = statistics.median(p["probe_seconds"] for p in plans)
+                    row["probe_steps"] = plans[0]["probe_steps"]
+                    row["steps"] = next(iter(finals.values()))["steps"]
+                    row["plans"] = sorted({json.dumps(p["formats"], sort_keys=True) for p in plans})
+                    row["plan_bytes_per_parameter"] = statistics.mean(
+                        p["plan_bytes_per_parameter"] for p in plans
+                    )
+                row["verdict"] = verdict(row)
+                rows.append(row)
+    return rows
+
+
+def verdict(row: dict[str, Any]) -> str:
+    if row["state"] == "fp32":
+        return "reference"
+    parts = []
+    bytes_ok = row["bytes_per_parameter"] <= TARGET_BYTES[row["optimizer"]]
+    parts.append(f"bytes {'met' if bytes_ok else 'missed'}")
+    if row["interval"] is None:
+        parts.append("accuracy n/a")
+    else:
+        parts.append(f"accuracy {'met' if row['interval'][1] >= TARGET_LOW else 'missed'}")
+    if row["step_ratio"] is None:
+        parts.append("step n/a")
+    else:
+        parts.append(f"step {'met' if row['step_ratio'] <= TARGET_STEP else 'missed'}")
+    return ", ".join(parts)
+
+
+def fmt_float(value: float | None, spec: str) -> str:
+    return (
+        "—"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else format(value, spec)
+    )
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| workload | optimizer | state | lr (grid edge?) | test accuracy % (mean ± sd, n) | "
+        "vs same optimizer fp32, points (paired 95% CI) | params + state B/param (x fp32 AdamW) "
+        "| as trained, with observer, B/param | step peak MiB (x fp32 AdamW) | step time ratio | "
+        "targets |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        interval = (
+            "(reference)"
+            if r["state"] == "fp32"
+            else (
+                "—"
+                if r["interval"] is None
+                else f"{r['interval'][0]:+.2f} [{r['interval'][1]:+.2f}, {r['interval'][2]:+.2f}]"
+            )
+        )
+        peak = (
+            "—"
+            if r["step_peak_bytes"] is None
+            else f"{r['step_peak_bytes'] / 2**20:.2f} ({fmt_float(r['peak_vs_adamw'], '.3f')})"
+        )
+        lines.append(
+            f"| {r['workload']} | {LABELS[r['optimizer']]} | {r['state']} | {r['lr']:.4g}"
+            f"{' (edge)' if r['edge'] else ''} | {r['mean']:.2f} ± {r['sd']:.2f} ({r['n']}) | "
+            f"{interval} | {r['bytes_per_parameter']:.3f} ({fmt_float(r['bytes_vs_adamw'], '.3f')}) "
+            f"| {r['as_trained_bytes_per_parameter']:.3f} | {peak} | "
+            f"{fmt_float(r['step_ratio'], '.3f')} | {r['verdict']} |"
+        )
+    return "\n".join(lines)
+
+
+def report(store: Store, seeds: list[int]) -> str:
+    rows = summarize(store, seeds)
+    store.data["summary"] = rows
+    store.save()
+    out = [table(rows), ""]
+    for r in rows:
+        vals = ", ".join(f"{k}: {v:.2f}%" for k, v in r["validation"].items())
+        out.append(f"- {r['workload']} {r['optimizer']} {r['state']}: validation {vals}")
+        if r["state"] == "planned":
+            out.append(
+                f"  planned: {r['probe_steps']} probe steps ({r['probe_seconds']:.1f} s median) "
+                f"before {r['steps']} training steps ({r['train_seconds']:.1f} s median); "
+                f"planner's own B/param {r['plan_bytes_per_parameter']:.3f}; distinct plans "
+                f"over seeds: {len(r['plans'])}: {'; '.join(r['plans'])}"
+            )
+    for note in store.data["notes"]:
+        out.append(f"- note: {note}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=["fashion_mlp", "fashion_cnn"])
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    parser.add_argument("--states", nargs="+", default=list(STATES), choices=STATES)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--tune-seed", type=int, default=100)
+    parser.add_argument("--budget", type=float, default=1e-3, help="the planner's budget")
+    parser.add_argument("--blocks", type=int, default=7, help="timed blocks per row")
+    parser.add_argument("--block-steps", type=int, default=40, help="steps per timed block")
+    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument(
+        "--timing-only", action="store_true", help="only time the rows already trained"
+    )
+    parser.add_argument("--out", default="/tmp/state_precision")
+    parser.add_argument("--quick", action="store_true", help="a smoke test on a tiny subset")
+    parser.add_argument("--report", action="store_true", help="only print the table")
+    args = parser.parse_args()
+    if args.quick:
+        args.seeds = args.seeds[:2]
+        args.blocks, args.block_steps = 2, 3
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = Store(out / "state_precision.json")
+    store.data.setdefault("machine", f"{platform.machine()}, {jax.default_backend()}")
+    store.save()
+    if not args.report:
+        print(
+            f"jax {jax.__version__} on {jax.default_backend()}, {platform.processor() or ''}; "
+            f"planner {'present' if has_planner() else 'absent'}; results in {out}",
+            flush=True,
+        )
+        for name in args.workloads:
+            bench = Workbench(name, args.quick)
+            print(
+                f"{name}: {len(bench.train['label'])} train / {len(bench.validation['label'])} "
+                f"validation / {len(bench.test['label'])} test, {EPOCHS[name]} epochs of "
+                f"{bench.steps_per_epoch} steps at batch {BATCH}",
+                flush=True,
+            )
+            run_workload(bench, store, args)
+    text = report(store, args.seeds)
+    (out / "state_precision.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
