@@ -1,4 +1,4 @@
-"""Optimizer-state precision (issue 34): AdamW and Muon with their state in fp32, bf16, 8-bit
+"""Optimizer-state precision: AdamW and Muon with their state in fp32, bf16, 8-bit
 blocks, and formats planned per leaf, tuned against tuned on the validation split.
 
 Workloads (benchmarks/accuracy/workloads.py): the 784-128-10 sigmoid MLP (3 epochs) and the
@@ -72,7 +72,7 @@ CENTRES = {
     ("fashion_cnn", "muon"): 0.0159,
 }
 STATE_COPIES = {"adamw": 2, "muon": 1}
-# Targets (issue 34): params + optimizer state bytes per parameter, the paired interval's lower
+# Targets: params + optimizer state bytes per parameter, the paired interval's lower
 # end against the same optimizer in fp32 (points), the step-time ratio.
 TARGET_BYTES = {"adamw": 6.0, "muon": 5.0}
 TARGET_LOW, TARGET_STEP = -0.2, 1.1
