@@ -6,9 +6,9 @@ the checkout, with the path of README.md as the argument::
     python tools/lowest_versions_smoke.py README.md
 
 It checks, in order: ``import triaccel_jax``; the README's example (the ```python block under
-"## Example", read from README.md at run time so it stays in step with the README); and an
-optax-only step (the transform, ``plan_precision``, a Controller with a pure-JAX loss); and
-``memory_report`` of a step with a jitted helper (it walks the step's jaxpr with
+"## Example" or "## Example: ...", read from README.md at run time so it stays in step with the
+README); an optax-only step (the transform, ``plan_precision``, a Controller with a pure-JAX
+loss); and ``memory_report`` of a step with a jitted helper (it walks the step's jaxpr with
 ``jax.extend.core``).
 """
 
@@ -26,9 +26,10 @@ _DISTRIBUTIONS = ("jax", "jaxlib", "optax", "numpy", "ml_dtypes", "scipy", "psut
 
 
 def readme_example(readme: pathlib.Path) -> str:
-    """The first ```python block after the "## Example" heading of ``readme``."""
+    """The first ```python block after the "## Example" heading of ``readme`` (the heading may
+    go on with a title after a colon: "## Example: the per-layer signals")."""
     text = readme.read_text(encoding="utf-8")
-    heading = re.search(r"^## Example[ \t]*$", text, flags=re.MULTILINE)
+    heading = re.search(r"^## Example(?::[^\n]*)?[ \t]*$", text, flags=re.MULTILINE)
     if heading is None:
         raise SystemExit(f"{readme}: no '## Example' heading")
     section = text[heading.end() :]

@@ -122,18 +122,36 @@ def test_the_readme_example_shows_per_layer_step_scales_that_differ(capsys):
     assert printed.splitlines()[0] == shown.splitlines()[0]  # the loss line
 
 
+def _tool(name: str):
+    """The module ``tools/NAME.py`` (the tools folder is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_lowest_versions_smoke_finds_the_readme_example():
+    # CI's lowest-versions step runs the README's headline example from tools/lowest_versions_smoke.py;
+    # it must find the block this file's headline test runs, whatever the heading's title says.
+    text = (ROOT / "README.md").read_text()
+    expected = re.search(r"```python\n(.*?)```", text.split("## Example", 1)[1], re.S).group(1)
+    assert _tool("lowest_versions_smoke").readme_example(ROOT / "README.md") == expected
+
+
+def test_the_lowest_versions_smoke_names_a_readme_without_an_example(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# t\n\n## Examples of use\n\n```python\nprint(1)\n```\n")
+    with pytest.raises(SystemExit, match="no '## Example' heading"):
+        _tool("lowest_versions_smoke").readme_example(readme)
+
+
 # --- The built site's check (tools/check_docs_site.py, run by tools/docs.sh after the build) ---
 
 
 def _check_site():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "check_docs_site", ROOT / "tools" / "check_docs_site.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.check_site
+    return _tool("check_docs_site").check_site
 
 
 def _site(tmp_path, index_body, css=""):
