@@ -5,6 +5,7 @@ import math
 import hypothesis
 import hypothesis.strategies as st
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -113,3 +114,57 @@ def test_any_signals_stay_within_the_budget_and_a_larger_budget_never_costs_byte
         assert plan.predicted_increase <= plan.allowance * (1 + 1e-9)
         assert 4 + 2 * (1 + 4 / 256) - 1e-9 <= plan.bytes_per_parameter <= 12.0
     assert loose.bytes_per_parameter <= tight.bytes_per_parameter + 1e-9
+
+
+# -- signals and parameters the planner cannot price alike -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad", [{"mean_curvature": math.nan}, {"mean_curvature": math.inf}, {"noise_to_signal": math.nan}]
+)
+def test_a_leaf_with_signals_that_are_not_finite_keeps_its_state_and_spends_nothing(bad):
+    # A NaN increase would make every later comparison with the budget false: every leaf lowered.
+    sig = signals(dict.fromkeys(PARAMS, 1.0))
+    sig["a"] = {**sig["a"], **bad}
+    plan = plan_state_formats(sig, PARAMS, learning_rate=1e-2, budget=0.0, min_size=0)
+    assert set(plan.formats.values()) == {"fp32"}
+    assert "not finite" in plan.reasons["a"]
+    assert plan.predicted_increase == 0.0
+    # With room for every other leaf, those are lowered and the unpriced one is not.
+    loose = plan_state_formats(sig, PARAMS, learning_rate=1e-2, budget=math.inf, min_size=0)
+    assert loose.formats["a"] == "fp32" and math.isfinite(loose.predicted_increase)
+    assert {f for p, f in loose.formats.items() if p != "a"} == {"int8"}
+
+
+@pytest.mark.standard_promotion("optax's adamw promotes its step count inside")
+def test_bfloat16_parameters_are_priced_at_their_own_state_bytes():
+    # AdamW keeps bf16 parameters' moments in bf16: "bf16" saves nothing there, int8 saves half.
+    params = {name: jnp.ones((64, 128), jnp.bfloat16) for name in ("a", "b")}
+    sig = signals({"a": 1.0, "b": 1.0})
+    keep = plan_state_formats(sig, params, learning_rate=1e-2, budget=0.0, min_size=0)
+    assert keep.bytes_per_parameter == pytest.approx(6.0)
+    assert keep.bytes_per_parameter == pytest.approx(
+        compiled_state_bytes(optax.adamw(1e-3), params).bytes_per_parameter, abs=1e-3
+    )
+    capped = plan_state_formats(
+        sig, params, learning_rate=1e-2, budget=0.0, formats=("bf16",), max_bytes_per_parameter=5
+    )
+    assert set(capped.formats.values()) == {"fp32"} and capped.predicted_increase == 0.0
+    every = plan_state_formats(sig, params, learning_rate=1e-2, budget=math.inf, min_size=0)
+    assert set(every.formats.values()) == {"int8"}
+    tx = triaccel_jax.quantize_state(optax.adamw(1e-3), format=every.formats, min_size=0)
+    measured = compiled_state_bytes(tx, params).bytes_per_parameter
+    assert measured == pytest.approx(every.bytes_per_parameter, abs=1e-3)
+
+
+def test_numpy_and_jax_scalars_are_numbers():
+    sig = signals(dict.fromkeys(PARAMS, 1.0))
+    expected = plan_state_formats(sig, PARAMS, learning_rate=1e-2, budget=1e-6, min_size=0)
+    for budget in (np.float32(1e-6), jnp.float32(1e-6), np.float64(1e-6)):
+        plan = plan_state_formats(sig, PARAMS, learning_rate=1e-2, budget=budget, min_size=0)
+        assert plan.formats == expected.formats
+    assert plan_state_formats(sig, PARAMS, learning_rate=1e-2, budget=np.int64(0)).formats == (
+        dict.fromkeys(PARAMS, "fp32")
+    )
+    with pytest.raises(ValueError, match="budget"):
+        plan_state_formats(sig, PARAMS, learning_rate=1e-2, budget=math.nan)

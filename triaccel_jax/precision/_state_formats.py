@@ -51,8 +51,26 @@ _ERROR_VARIANCE = {"fp32": 0.0, "bf16": 2.0**-16, "int8": 2.8**2 / (4 * 127**2)}
 _MAX_NOISE_DISCOUNT = 1e3
 
 
-def _bytes_per_element(name: str, block_size: int) -> float:
-    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / block_size}[name]
+def _bytes_per_element(name: str, block_size: int, itemsize: int) -> float:
+    """Bytes of one state element in format ``name`` for a leaf the inner optimizer keeps in
+    ``itemsize`` bytes ("fp32" is the state as the inner keeps it: an optax optimizer keeps
+    bfloat16 parameters' moments in bfloat16)."""
+    return {
+        "fp32": float(itemsize),
+        "bf16": float(min(2, itemsize)),
+        "int8": 1.0 + 4.0 / block_size,
+    }[name]
+
+
+def _number_at_least_zero(name: str, value: Any) -> float:
+    """``value`` as a float >= 0 (inf allowed; Python, NumPy or JAX scalars), else a named error."""
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not number >= 0:
+        raise ValueError(f"`{name}` must be a number >= 0 (inf allowed), got {value!r}")
+    return number
 
 
 class StateFormatPlan(NamedTuple):
@@ -95,8 +113,11 @@ def plan_state_formats(
     Args:
       signals: :func:`triaccel_jax.signals` of the optimizer state (the observer
         :func:`triaccel_jax.curvature_signals` in the chain gives them over any optimizer): per
-        leaf path ``"mean_curvature"`` and optionally ``"noise_to_signal"``.
-      params: the parameter tree (sizes and the parameters' own bytes).
+        leaf path ``"mean_curvature"`` and optionally ``"noise_to_signal"``. A leaf whose
+        figures are NaN or infinite cannot be priced and keeps its state as the inner keeps it.
+      params: the parameter tree (sizes, and the bytes of the parameters and of the state an
+        optax optimizer keeps in their dtype: bfloat16 parameters' moments are bfloat16, so
+        ``"bf16"`` is no move for them).
       learning_rate: the step size the state's updates are taken at (> 0).
       budget: the loss a step may gain from the state's rounding, >= 0: a fraction of ``loss``
         when given, else in the loss's units. 0 keeps every leaf in float32; ``inf`` takes the
@@ -146,8 +167,7 @@ def plan_state_formats(
     validation.check_in_range(
         "learning_rate", learning_rate, 0.0, math.inf, low_inclusive=False, high_inclusive=False
     )
-    if not isinstance(budget, int | float) or isinstance(budget, bool) or not budget >= 0:
-        raise ValueError(f"`budget` must be a number >= 0 (inf allowed), got {budget!r}")
+    budget = _number_at_least_zero("budget", budget)
     if loss is not None:
         validation.check_in_range("loss", loss, 0.0, math.inf, high_inclusive=False)
     unknown = [f for f in formats if f not in STATE_FORMATS]
@@ -160,10 +180,22 @@ def plan_state_formats(
         validation.check_in_range(
             "max_bytes_per_parameter", max_bytes_per_parameter, 0.0, math.inf, low_inclusive=False
         )
-    ladder = [f for f in STATE_FORMATS if f == "fp32" or f in formats]
+    allowed = [f for f in STATE_FORMATS if f == "fp32" or f in formats]
 
     leaves = policy_lib.trainable_paths(params)
     sizes = {path: int(np.prod(leaf.shape)) for path, leaf in leaves}
+    itemsizes = {path: np.dtype(leaf.dtype).itemsize for path, leaf in leaves}
+    # A format that stores no fewer bytes than the leaf's own is no move (quantize_state keeps
+    # a bfloat16 state as it is under "bf16").
+    ladders = {
+        path: [
+            f
+            for f in allowed
+            if f == "fp32"
+            or _bytes_per_element(f, block_size, itemsizes[path]) < itemsizes[path]
+        ]
+        for path in sizes
+    }
     own_bytes = sum(np.dtype(leaf.dtype).itemsize * sizes[path] for path, leaf in leaves)
     total = sum(sizes.values())
     if not set(signals) & set(sizes):
@@ -173,15 +205,29 @@ def plan_state_formats(
             "model's optimizer state"
         )
 
-    def increase(path: str, name: str) -> float:
+    def figures(path: str) -> tuple[float, float]:
+        """The leaf's mean curvature (>= 0) and noise-to-signal ratio (capped); either may be
+        NaN or infinite, which :func:`priced` turns away."""
         record = signals.get(path, {})
-        kappa = max(float(record.get("mean_curvature", 0.0)), 0.0)
-        nsr = min(max(float(record.get("noise_to_signal", 0.0)), 0.0), _MAX_NOISE_DISCOUNT)
+        kappa = float(record.get("mean_curvature", 0.0))
+        nsr = float(record.get("noise_to_signal", 0.0))
+        if math.isnan(kappa) or math.isnan(nsr):
+            return math.nan, math.nan
+        return max(kappa, 0.0), min(max(nsr, 0.0), _MAX_NOISE_DISCOUNT)
+
+    def priced(path: str) -> bool:
+        kappa, nsr = figures(path)
+        return math.isfinite(kappa * sizes[path]) and math.isfinite(nsr)
+
+    def increase(path: str, name: str) -> float:
+        if name == "fp32":  # the reference: its own rounding counts as none
+            return 0.0
+        kappa, nsr = figures(path)
         per_copy = 0.5 * learning_rate**2 * _ERROR_VARIANCE[name] * kappa * sizes[path]
         return per_copy / (1.0 + nsr)
 
     def state_bytes(path: str, name: str) -> float:
-        return state_copies * sizes[path] * _bytes_per_element(name, block_size)
+        return state_copies * sizes[path] * _bytes_per_element(name, block_size, itemsizes[path])
 
     chosen = dict.fromkeys(sizes, "fp32")
     reasons = {}
@@ -191,15 +237,24 @@ def plan_state_formats(
             reasons[path] = "no signals for this leaf: float32"
         elif size < min_size:
             reasons[path] = f"{size} elements, under min_size {min_size}: float32"
+        elif not priced(path):
+            # A NaN or infinite increase would make every comparison with the budget false:
+            # a leaf whose rounding cannot be priced keeps its state (as the compute planner).
+            kappa, nsr = (signals[path].get(k) for k in ("mean_curvature", "noise_to_signal"))
+            reasons[path] = (
+                f"its signals are not finite (mean_curvature {kappa}, noise_to_signal {nsr}): "
+                "float32"
+            )
         else:
             movable.append(path)
     allowance = budget * (loss if loss is not None and not math.isinf(budget) else 1.0)
-    spent = sum(increase(path, "fp32") for path in movable)
+    spent = 0.0  # float32 state is the reference
     used = own_bytes + sum(state_bytes(path, "fp32") for path in sizes)
     cap = None if max_bytes_per_parameter is None else max_bytes_per_parameter * total
 
     def next_move(path: str) -> tuple[float, str, float, float] | None:
         """(price per byte, next format, added increase, bytes saved) of lowering ``path``."""
+        ladder = ladders[path]
         position = ladder.index(chosen[path])
         if position + 1 == len(ladder):
             return None
@@ -216,7 +271,7 @@ def plan_state_formats(
     while heap:
         _, path, (_, lower, added, saved) = heapq.heappop(heap)
         over_cap = cap is not None and used > cap
-        if not over_cap and spent + added > allowance:
+        if not over_cap and not spent + added <= allowance:
             refused = (
                 f"not {lower}: it would add {added:.3g} to the loss a step, over the budget left "
                 f"({max(allowance - spent, 0.0):.3g})"
