@@ -120,7 +120,8 @@ def test_any_signals_stay_within_the_budget_and_a_larger_budget_never_costs_byte
 
 
 @pytest.mark.parametrize(
-    "bad", [{"mean_curvature": math.nan}, {"mean_curvature": math.inf}, {"noise_to_signal": math.nan}]
+    "bad",
+    [{"mean_curvature": math.nan}, {"mean_curvature": math.inf}, {"noise_to_signal": math.nan}],
 )
 def test_a_leaf_with_signals_that_are_not_finite_keeps_its_state_and_spends_nothing(bad):
     # A NaN increase would make every later comparison with the budget false: every leaf lowered.

@@ -81,6 +81,37 @@ def test_adamw_moments_are_stored_as_codes_and_the_rest_as_the_inner_keeps_it():
     chex.assert_type(state.key, jnp.uint32)
 
 
+@pytest.mark.parametrize(
+    "inner", [optax.contrib.prodigy(), optax.contrib.dadapt_adamw()], ids=["prodigy", "dadapt"]
+)
+def test_optax_contribs_second_moments_take_the_zero_free_map(inner):
+    # Prodigy's and D-Adaptation's Adam keep their second moment as `exp_avg_sq`: on the linear
+    # map its small entries round to 0 and the update divides by epsilon alone.
+    state = quantize_state(inner, min_size=100).init(make_params())
+    stored = state.inner_state
+    assert stored.exp_avg_sq["dense"]["kernel"].mapping == "sqrt"
+    assert stored.exp_avg["dense"]["kernel"].mapping == "linear"
+
+
+@pytest.mark.parametrize(
+    "names",
+    [("nu",), ["nu"], (n for n in ["nu"]), iter(["nu"])],
+    ids=["tuple", "list", "gen", "iter"],
+)
+def test_second_moments_may_be_any_iterable_of_names(names):
+    state = quantize_state(optax.adam(1e-3), min_size=100, second_moments=names).init(make_params())
+    assert state.inner_state[0].nu["dense"]["kernel"].mapping == "sqrt"
+
+
+def test_numpy_integers_are_ints_and_a_seed_out_of_range_is_named_when_built():
+    params = make_params()
+    state = quantize_state(optax.adam(1e-3), min_size=np.int64(100), seed=np.int32(3)).init(params)
+    assert isinstance(state.inner_state[0].mu["dense"]["kernel"], QuantizedLeaf)
+    for seed in (2**63, -(2**63) - 1):
+        with pytest.raises(ValueError, match="seed"):
+            quantize_state(optax.adam(1e-3), seed=seed)
+
+
 def test_bf16_and_fp32_formats():
     params = make_params()
     state = quantize_state(optax.adamw(1e-2), format="bf16", min_size=100).init(params)

@@ -191,8 +191,7 @@ def plan_state_formats(
         path: [
             f
             for f in allowed
-            if f == "fp32"
-            or _bytes_per_element(f, block_size, itemsizes[path]) < itemsizes[path]
+            if f == "fp32" or _bytes_per_element(f, block_size, itemsizes[path]) < itemsizes[path]
         ]
         for path in sizes
     }

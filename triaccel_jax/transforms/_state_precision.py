@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -32,8 +33,9 @@ from triaccel_jax.transforms._curvature_signals import CurvatureSignalsState
 
 FORMATS = ("fp32", "bf16", "int8")
 # optax's names for state fields that hold non-negative second moments: Adam's, AdamW's,
-# RMSProp's and Muon's Adam fallback's ``nu``, AMSGrad's ``nu_max``, Adagrad's ``sum_of_squares``.
-SECOND_MOMENTS = ("nu", "nu_max", "sum_of_squares")
+# RMSProp's and Muon's Adam fallback's ``nu``, AMSGrad's ``nu_max``, Adagrad's ``sum_of_squares``,
+# and optax.contrib's Prodigy's and D-Adaptation AdamW's ``exp_avg_sq``.
+SECOND_MOMENTS = ("nu", "nu_max", "sum_of_squares", "exp_avg_sq")
 # Fields of optax.inject_hyperparams' state: numbers the user sets, never parameter-sized state.
 _HYPERPARAM_FIELDS = ("hyperparams", "hyperparams_states")
 
@@ -128,17 +130,29 @@ def _check_options(
             f"callable (path, leaf) -> format; got {type(format).__name__}"
         )
     block_size = quantize_lib.check_block_size(block_size)
-    if isinstance(min_size, bool) or not isinstance(min_size, int):
+    if isinstance(min_size, bool) or not isinstance(min_size, numbers.Integral):
         raise TypeError(f"`min_size` must be an int >= 0, got {min_size!r}")
-    min_size = validation.check_integer("min_size", min_size, 0, strict=True)
-    if isinstance(second_moments, str) or not all(isinstance(n, str) for n in second_moments):
+    min_size = validation.check_integer("min_size", int(min_size), 0, strict=True)
+    # Into a tuple before checking: a generator would be used up by the check itself.
+    names = None if isinstance(second_moments, str) else _as_tuple(second_moments)
+    if names is None or not all(isinstance(n, str) for n in names):
         raise TypeError(
             f"`second_moments` must be a sequence of state field names, got {second_moments!r}"
         )
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"`seed` must be an int, got {seed!r}")
+    if not -(2**63) <= int(seed) < 2**63:  # jax.random.key's range, checked when built
+        raise ValueError(f"`seed` must fit in 64 bits (-2**63 <= seed < 2**63), got {seed!r}")
     validation.check_choice("impl", impl, kernels.IMPLS)
-    return format, block_size, min_size, tuple(second_moments), seed
+    return format, block_size, min_size, names, int(seed)
+
+
+def _as_tuple(items: Any) -> tuple[Any, ...] | None:
+    """``tuple(items)``, or None where ``items`` is not iterable."""
+    try:
+        return tuple(items)
+    except TypeError:
+        return None
 
 
 def _field_names(path: Sequence[Any]) -> set[str]:
@@ -246,7 +260,8 @@ def quantize_state(
       second_moments: state field names whose leaves are non-negative second moments, stored
         with the square-root map under ``"int8"``. A negative value there is stored as the
         lowest level.
-      seed: seeds the stochastic rounding (an int).
+      seed: seeds the stochastic rounding (an int that fits in 64 bits, as ``jax.random.key``
+        takes).
       impl: the quantize/dequantize kernels' implementation: ``"auto"`` (the Triton kernel only
         where ``kernels/auto_table.json`` measured it faster on CUDA), ``"reference"`` or
         ``"triton"`` (:func:`triaccel_jax.kernels.quantize.quantize_blocks`).
@@ -255,8 +270,8 @@ def quantize_state(
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`QuantizedState`.
 
     Raises:
-      ValueError: an unknown format, ``block_size`` < 1, ``min_size`` < 0, an unknown ``impl``;
-        at ``init``, a mapping or callable asking for a non-float leaf to be converted.
+      ValueError: an unknown format, ``block_size`` < 1, ``min_size`` < 0, a ``seed`` beyond 64
+        bits, an unknown ``impl``; at ``init``, a mapping or callable asking for a non-float leaf to be converted.
       TypeError: ``block_size``, ``min_size`` or ``seed`` not an int, ``format`` neither a
         string, a mapping nor a callable.
 
