@@ -66,6 +66,13 @@ def test_a_memory_cap_lowers_until_it_holds_and_reports_the_increase():
     # Least increase per byte saved first: the sharpest leaf keeps at least the flattest's bits.
     order = ["fp32", "bf16", "int8"]
     assert order.index(plan.formats["d"]) <= order.index(plan.formats["a"])
+    # A cap that three leaves' bf16 meet (12 -> 10 B/param needs 65,792 bytes; two leaves save
+    # 65,536): the three flattest go to bf16, in order, and the sharpest keeps float32.
+    ten = plan_state_formats(
+        sig, PARAMS, learning_rate=1e-2, budget=0.0, max_bytes_per_parameter=10.0, min_size=1024
+    )
+    assert ten.formats == {"a": "bf16", "b": "bf16", "c": "bf16", "d": "fp32", "bias": "fp32"}
+    assert ten.bytes_per_parameter == pytest.approx(12 - 3 * 2 * 2 * 8192 / (4 * 8192 + 128))
 
 
 @pytest.mark.standard_promotion("optax's adamw promotes its step count inside")
