@@ -62,17 +62,6 @@ def _bytes_per_element(name: str, block_size: int, itemsize: int) -> float:
     }[name]
 
 
-def _number_at_least_zero(name: str, value: Any) -> float:
-    """``value`` as a float >= 0 (inf allowed; Python, NumPy or JAX scalars), else a named error."""
-    try:
-        number = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        number = math.nan
-    if not number >= 0:
-        raise ValueError(f"`{name}` must be a number >= 0 (inf allowed), got {value!r}")
-    return number
-
-
 class StateFormatPlan(NamedTuple):
     """The optimizer-state format chosen for each leaf, and what it costs and saves.
 
@@ -167,7 +156,9 @@ def plan_state_formats(
     validation.check_in_range(
         "learning_rate", learning_rate, 0.0, math.inf, low_inclusive=False, high_inclusive=False
     )
-    budget = _number_at_least_zero("budget", budget)
+    budget = validation.real_scalar("budget", budget, "a number >= 0 (inf allowed)")
+    if not budget >= 0:  # NaN too
+        raise ValueError(f"`budget` must be a number >= 0 (inf allowed), got {budget!r}")
     if loss is not None:
         validation.check_in_range("loss", loss, 0.0, math.inf, high_inclusive=False)
     unknown = [f for f in formats if f not in STATE_FORMATS]
@@ -195,7 +186,7 @@ def plan_state_formats(
         ]
         for path in sizes
     }
-    own_bytes = sum(np.dtype(leaf.dtype).itemsize * sizes[path] for path, leaf in leaves)
+    own_bytes = sum(itemsizes[path] * sizes[path] for path in sizes)
     total = sum(sizes.values())
     if not set(signals) & set(sizes):
         raise ValueError(

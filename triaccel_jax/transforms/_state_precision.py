@@ -271,7 +271,8 @@ def quantize_state(
 
     Raises:
       ValueError: an unknown format, ``block_size`` < 1, ``min_size`` < 0, a ``seed`` beyond 64
-        bits, an unknown ``impl``; at ``init``, a mapping or callable asking for a non-float leaf to be converted.
+        bits, an unknown ``impl``; at ``init``, a mapping or callable asking for a non-float
+        leaf to be converted.
       TypeError: ``block_size``, ``min_size`` or ``seed`` not an int, ``format`` neither a
         string, a mapping nor a callable.
 
