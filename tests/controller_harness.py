@@ -12,6 +12,10 @@ factory as the ``make_controller`` fixture. It offers:
   params and optimizer included. The batch
   rule is the library's default (goodput, which times the buckets): a test of memory-driven
   growth or shrinking passes ``batch_rule="memory"`` itself;
+* ``VirtualClock`` and ``slower_per_sample``: a clock that stands in for ``time.perf_counter``
+  and moves only when a step "takes" its seconds, and a loss whose step takes ``seconds x
+  batch^2`` on it (or really sleeps that long without a clock): the goodput rule's timing,
+  without the machine's noise;
 * ``FaultyController``: a controller with out-of-memory errors injected through ``faults=``,
   keeping every :class:`StepInfo` it delivers;
 * ``BIG``, a memory limit nothing reaches; ``BASE_LR`` and ``shrink_settings()``: a batch of 64
@@ -56,13 +60,43 @@ def loss_fn(params, batch, *, policy, rng):
     return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
 
 
-def slower_per_sample(seconds: float):
-    """The harness's loss with a sleep in the step of ``seconds x batch^2``: samples per second
-    fall as the (micro-)batch grows, as measured on this CPU, but by a wide margin."""
+class VirtualClock:
+    """A clock for the controller's step times that moves only by the seconds steps take on it.
+
+    ``install(monkeypatch)`` puts it in place of ``time.perf_counter`` for the test, where every
+    module of the controller reads it. A step of a loss from ``slower_per_sample(s, clock)``
+    advances it by its seconds from the device's callback, so each step's measured time is
+    exactly its own (with ``steps_in_flight=0`` no step's time can run into the next one's),
+    whatever else the machine is doing: on a busy CI machine real sleeps were timed too noisily
+    for the 1.5% the goodput rule waits for.
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def take(self, seconds: float) -> None:
+        self.now += seconds
+
+    def install(self, monkeypatch) -> VirtualClock:
+        monkeypatch.setattr(time, "perf_counter", self)
+        return self
+
+
+def slower_per_sample(seconds: float, clock: VirtualClock | None = None):
+    """The harness's loss with a step of ``seconds x batch^2``: samples per second fall as the
+    (micro-)batch grows, by a wide margin. The step takes that long on ``clock``, or really
+    sleeps without one."""
 
     def loss(params, batch, *, policy, rng):
-        size = batch["x"].shape[0]  # known when the step is traced: the sleep is compiled in
-        jax.debug.callback(lambda: time.sleep(seconds * size * size))
+        size = batch["x"].shape[0]  # known when the step is traced: the time is compiled in
+        taken = seconds * size * size
+        if clock is None:
+            jax.debug.callback(lambda: time.sleep(taken))
+        else:
+            jax.debug.callback(lambda: clock.take(taken))
         return loss_fn(params, batch, policy=policy, rng=rng)
 
     return loss

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from controller_harness import VirtualClock
 from controller_harness import linear_probe
 from controller_harness import make_controller
 from controller_harness import slower_per_sample
@@ -321,20 +322,16 @@ def test_with_a_fixed_global_batch_the_default_rule_moves_only_the_micro_batch_b
 
 
 # Samples per second fall with the batch, by a wide margin.
-slower_per_sample_as_the_batch_grows = slower_per_sample(3e-4)
-
-
-def test_by_default_a_batch_measured_slower_is_tried_once_and_left():
+def test_by_default_a_batch_measured_slower_is_tried_once_and_left(monkeypatch):
     assert triaccel_jax.controller.ControllerConfig().batch_rule == "goodput"
+    clock = VirtualClock().install(monkeypatch)
+    slower_per_sample_as_the_batch_grows = slower_per_sample(3e-4, clock)
     # Buckets 8, 16, 32, all within memory (1000 + 100 b under 85% of 20000).
-    default = make_controller(loss_fn=slower_per_sample_as_the_batch_grows, max_batch=32)
+    default = make_controller(
+        loss_fn=slower_per_sample_as_the_batch_grows, max_batch=32, steps_in_flight=0
+    )
     assert default.config.batch_rule == "goodput"
-    infos = []
-    # Until the trial is decided: 8 must be timed to within 1.5% first (about 60 steps here, more
-    # on a busy machine).
-    while len(infos) < 600 and not any(e.kind == "shrink" for e in default.events):
-        infos += default.run(20)
-    infos += default.run(20)
+    infos = default.run(200)
     # Goodput measures 8, tries the next bucket once (an unmeasured bucket is hoped as fast per
     # sample), measures it slower and goes back; the one beyond it is never tried.
     assert default.batch_size == infos[-1].micro_batch == 8
@@ -344,7 +341,10 @@ def test_by_default_a_batch_measured_slower_is_tried_once_and_left():
     explore, back = (e for e in default.events if e.kind in ("grow", "shrink"))
     assert explore.figures["decision"] == "explore" and back.figures["decision"] == "revert"
     rates = {key[0]: rate for key, rate in default.throughput.items()}
-    assert rates[16] < rates[8]  # measured: the sleep grows as the square of the batch
+    # Each step runs the loss on its two halves (the noise scale's sub-batches): exactly
+    # 2 x 3e-4 (b/2)^2 seconds, so b / (1.5e-4 b^2) samples a second.
+    assert rates[8] == pytest.approx(1 / (1.5e-4 * 8))
+    assert rates[16] == pytest.approx(1 / (1.5e-4 * 16))
     # The memory rule grows to the largest bucket memory allows, however slow it runs.
     memory = make_controller(
         loss_fn=slower_per_sample_as_the_batch_grows, max_batch=32, batch_rule="memory"

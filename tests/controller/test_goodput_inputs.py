@@ -10,6 +10,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import optax
+from controller_harness import VirtualClock
 from controller_harness import slower_per_sample
 
 import triaccel_jax
@@ -131,22 +132,24 @@ def test_on_steady_noise_the_noise_scale_estimate_is_steady():
     assert low > 0.8 and high < 1.25, (low, high)
 
 
-def test_a_trial_left_by_goodput_keeps_the_users_policy_and_replans_nothing(make_controller):
+def test_a_trial_left_by_goodput_keeps_the_users_policy_and_replans_nothing(
+    make_controller, monkeypatch
+):
     # Steps slower per sample the larger they are: goodput tries 16 and goes back to 8. That
     # return is goodput's, not memory's: the bf16 policy the user set stays and precision is not
     # re-planned "for memory" (before: "memory needs 0 B saved" and the user's policy was lost).
-    slower_per_sample_as_the_batch_grows = slower_per_sample(3e-4)
+    clock = VirtualClock().install(monkeypatch)
+    slower_per_sample_as_the_batch_grows = slower_per_sample(3e-4, clock)
     controller = make_controller(
         loss_fn=slower_per_sample_as_the_batch_grows,
         max_batch=32,
         replan_every=1000,
+        steps_in_flight=0,
         probe=triaccel_jax.BudgetMemoryProbe(2**34),
     )
     policy = PrecisionPolicy.uniform(controller.params, "bf16")
     controller.set_policy(policy)
-    steps = 0
-    while steps < 400 and not any(e.kind == "shrink" for e in controller.events):
-        steps += len(controller.run(20))
+    controller.run(200)
     moves = [(e.kind, e.old, e.new) for e in controller.events if e.kind in ("grow", "shrink")]
     assert moves == [("grow", 8, 16), ("shrink", 16, 8)], controller.events
     assert not [e for e in controller.events if e.kind == "replan"], controller.events
