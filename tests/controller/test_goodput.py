@@ -239,9 +239,10 @@ def test_measure_noise_scale_splits_even_micro_batches_and_runs_odd_ones_whole()
 BUCKETS = (16, 32, 64, 128, 256)
 
 
-def noisy_regression(target_noise, *, seed=5, seconds_per_sample=0.0):
+def noisy_regression(target_noise, *, seed=5, seconds_per_sample=0.0, clock=None):
     """Linear regression data ``(x, y)`` with noisy targets and its loss; with
-    ``seconds_per_sample`` each step sleeps in proportion to its samples."""
+    ``seconds_per_sample`` each step takes time in proportion to its samples, on ``clock`` (a
+    :class:`VirtualClock`) or in a real sleep without one."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(4096, 8)).astype(np.float32)
     y = (x @ rng.normal(size=8) + target_noise * rng.normal(size=4096)).astype(np.float32)
@@ -250,7 +251,11 @@ def noisy_regression(target_noise, *, seed=5, seconds_per_sample=0.0):
         inputs, targets = batch
         if seconds_per_sample:
             size = inputs.shape[0]  # known when the step is traced: the sleep is compiled in
-            jax.debug.callback(lambda: time.sleep(seconds_per_sample * size))
+            taken = seconds_per_sample * size
+            if clock is None:
+                jax.debug.callback(lambda: time.sleep(taken))
+            else:
+                jax.debug.callback(lambda: clock.take(taken))
         return jnp.mean((inputs @ params - targets) ** 2)
 
     return (x, y), loss
@@ -467,12 +472,16 @@ def test_goodput_scales_the_rate_and_the_schedule_by_the_gain_its_model_assumes(
     assert controller.schedule_progress < 40 * 32 / 8
 
 
-def test_with_samples_per_second_flat_in_the_batch_the_measured_batch_stays_at_the_reference():
-    # Each step sleeps in proportion to its samples: samples per second are the same at every
-    # batch, so goodput is the efficiency alone, highest at the reference batch 8. Measured
-    # throughput may try 16 once, but must come back and not wander (a rule extrapolating from
-    # biased and stale per-step rates went 8 -> 16 -> 32 -> 16 and stayed at 16).
-    data, loss = noisy_regression(3.0, seed=0, seconds_per_sample=2e-4)
+def test_with_samples_per_second_flat_in_the_batch_the_measured_batch_stays_at_the_reference(
+    monkeypatch,
+):
+    # Each step takes time in proportion to its samples (on a virtual clock: exactly, whatever
+    # the machine is doing): samples per second are the same at every batch, so goodput is the
+    # efficiency alone, highest at the reference batch 8. Measured throughput may try 16 once,
+    # but must come back and not wander (a rule extrapolating from biased and stale per-step
+    # rates went 8 -> 16 -> 32 -> 16 and stayed at 16).
+    clock = VirtualClock().install(monkeypatch)
+    data, loss = noisy_regression(3.0, seed=0, seconds_per_sample=2e-4, clock=clock)
     controller = triaccel_jax.Controller(
         loss,
         jnp.zeros(8),
@@ -483,6 +492,7 @@ def test_with_samples_per_second_flat_in_the_batch_the_measured_batch_stays_at_t
         max_batch=128,
         batch_size=8,
         check_every=5,
+        steps_in_flight=0,
     )
     infos = controller.run(200)
     batches = [i.batch_size for i in infos]
