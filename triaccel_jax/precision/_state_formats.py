@@ -195,24 +195,21 @@ def plan_state_formats(
             "model's optimizer state"
         )
 
-    def figures(path: str) -> tuple[float, float]:
-        """The leaf's mean curvature (>= 0) and noise-to-signal ratio (capped); either may be
-        NaN or infinite, which :func:`priced` turns away."""
-        record = signals.get(path, {})
+    def figures(path: str) -> tuple[float, float] | None:
+        """The leaf's mean curvature (>= 0) and noise-to-signal ratio (capped), or None where
+        its rounding cannot be priced: a NaN figure, or an infinite curvature times size (a NaN
+        or infinite increase would make every comparison with the budget false)."""
+        record = signals[path]
         kappa = float(record.get("mean_curvature", 0.0))
         nsr = float(record.get("noise_to_signal", 0.0))
-        if math.isnan(kappa) or math.isnan(nsr):
-            return math.nan, math.nan
+        if math.isnan(nsr) or not math.isfinite(max(kappa, 0.0) * sizes[path]):
+            return None
         return max(kappa, 0.0), min(max(nsr, 0.0), _MAX_NOISE_DISCOUNT)
-
-    def priced(path: str) -> bool:
-        kappa, nsr = figures(path)
-        return math.isfinite(kappa * sizes[path]) and math.isfinite(nsr)
 
     def increase(path: str, name: str) -> float:
         if name == "fp32":  # the reference: its own rounding counts as none
             return 0.0
-        kappa, nsr = figures(path)
+        kappa, nsr = movable[path]
         per_copy = 0.5 * learning_rate**2 * _ERROR_VARIANCE[name] * kappa * sizes[path]
         return per_copy / (1.0 + nsr)
 
@@ -221,22 +218,21 @@ def plan_state_formats(
 
     chosen = dict.fromkeys(sizes, "fp32")
     reasons = {}
-    movable = []
+    movable: dict[str, tuple[float, float]] = {}  # each leaf that may move, with its figures
     for path, size in sizes.items():
         if path not in signals:
             reasons[path] = "no signals for this leaf: float32"
         elif size < min_size:
             reasons[path] = f"{size} elements, under min_size {min_size}: float32"
-        elif not priced(path):
-            # A NaN or infinite increase would make every comparison with the budget false:
-            # a leaf whose rounding cannot be priced keeps its state (as the compute planner).
+        elif (leaf_figures := figures(path)) is None:
+            # A leaf whose rounding cannot be priced keeps its state (as the compute planner).
             kappa, nsr = (signals[path].get(k) for k in ("mean_curvature", "noise_to_signal"))
             reasons[path] = (
                 f"its signals are not finite (mean_curvature {kappa}, noise_to_signal {nsr}): "
                 "float32"
             )
         else:
-            movable.append(path)
+            movable[path] = leaf_figures
     allowance = budget * (loss if loss is not None and not math.isinf(budget) else 1.0)
     spent = 0.0  # float32 state is the reference
     used = own_bytes + sum(state_bytes(path, "fp32") for path in sizes)
