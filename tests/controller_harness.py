@@ -12,10 +12,10 @@ factory as the ``make_controller`` fixture. It offers:
   params and optimizer included. The batch
   rule is the library's default (goodput, which times the buckets): a test of memory-driven
   growth or shrinking passes ``batch_rule="memory"`` itself;
-* ``VirtualClock`` and ``slower_per_sample``: a clock that stands in for ``time.perf_counter``
-  and moves only when a step "takes" its seconds, and a loss whose step takes ``seconds x
-  batch^2`` on it (or really sleeps that long without a clock): the goodput rule's timing,
-  without the machine's noise;
+* ``VirtualClock``, ``take_time`` and ``slower_per_sample``: a clock that stands in for
+  ``time.perf_counter`` and moves only when a step takes its seconds, the call a traced step
+  takes them with (a real sleep without a clock), and a loss whose step takes ``seconds x
+  batch^2``: the goodput rule's timing, without the machine's noise;
 * ``FaultyController``: a controller with out-of-memory errors injected through ``faults=``,
   keeping every :class:`StepInfo` it delivers;
 * ``BIG``, a memory limit nothing reaches; ``BASE_LR`` and ``shrink_settings()``: a batch of 64
@@ -85,18 +85,21 @@ class VirtualClock:
         return self
 
 
+def take_time(seconds: float, clock: VirtualClock | None = None) -> None:
+    """Inside a traced step: the step takes ``seconds`` when it runs, on ``clock`` (a
+    :class:`VirtualClock`), or in a real sleep without one. ``seconds`` is known when the step
+    is traced, so it is compiled in."""
+    jax.debug.callback(lambda: time.sleep(seconds) if clock is None else clock.take(seconds))
+
+
 def slower_per_sample(seconds: float, clock: VirtualClock | None = None):
     """The harness's loss with a step of ``seconds x batch^2``: samples per second fall as the
     (micro-)batch grows, by a wide margin. The step takes that long on ``clock``, or really
     sleeps without one."""
 
     def loss(params, batch, *, policy, rng):
-        size = batch["x"].shape[0]  # known when the step is traced: the time is compiled in
-        taken = seconds * size * size
-        if clock is None:
-            jax.debug.callback(lambda: time.sleep(taken))
-        else:
-            jax.debug.callback(lambda: clock.take(taken))
+        size = batch["x"].shape[0]
+        take_time(seconds * size * size, clock)
         return loss_fn(params, batch, policy=policy, rng=rng)
 
     return loss

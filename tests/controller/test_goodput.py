@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from controller_harness import VirtualClock
 from controller_harness import linear_probe
 from controller_harness import make_controller
 from controller_harness import slower_per_sample
+from controller_harness import take_time
 
 import triaccel_jax
 from triaccel_jax import training
@@ -250,12 +250,7 @@ def noisy_regression(target_noise, *, seed=5, seconds_per_sample=0.0, clock=None
     def loss(params, batch):
         inputs, targets = batch
         if seconds_per_sample:
-            size = inputs.shape[0]  # known when the step is traced: the sleep is compiled in
-            taken = seconds_per_sample * size
-            if clock is None:
-                jax.debug.callback(lambda: time.sleep(taken))
-            else:
-                jax.debug.callback(lambda: clock.take(taken))
+            take_time(seconds_per_sample * inputs.shape[0], clock)
         return jnp.mean((inputs @ params - targets) ** 2)
 
     return (x, y), loss
