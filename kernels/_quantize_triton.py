@@ -6,8 +6,9 @@ program handles ``ROWS`` whole blocks laid out as a ``(ROWS, WIDTH)`` tile (``WI
 size rounded up to a power of two, the extra columns masked), so a block's absolute maximum is
 one reduction along the tile's rows and the data is read once. The arithmetic is the
 reference's (:mod:`triaccel_jax.kernels.quantize`) operation by operation, with IEEE-rounded
-division and square root (``div_rn``, ``sqrt_rn``) and the reference's Philox bits (stream 0,
-counted by the element's flat index), so the two agree bit for bit.
+division and square root (``div_rn``, ``sqrt_rn``) and the reference's counter hash of the
+element's flat index (:func:`triaccel_jax.kernels._rounding.counter_bits`, 32-bit integer
+multiplies and shifts), so the two agree bit for bit.
 """
 
 from __future__ import annotations
@@ -19,8 +20,26 @@ import triton.language as tl
 
 from triaccel_jax.kernels import _jax_triton
 from triaccel_jax.kernels import _launch
-from triaccel_jax.kernels import _triton_common as common
 from triaccel_jax.kernels import quantize as quantize_lib
+
+
+@triton.jit
+def _mix32(x):
+    # _rounding.mix32 (lowbias32) on uint32: products wrap modulo 2**32, shifts are logical.
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _uniform(words_ptr, offsets):
+    # _rounding.counter_bits of the flat offsets, and quantize._uniform's 24-bit uniforms.
+    w0 = tl.load(words_ptr).to(tl.uint32, bitcast=True)
+    w1 = tl.load(words_ptr + 1).to(tl.uint32, bitcast=True)
+    bits = _mix32(_mix32(offsets.to(tl.uint32) ^ w0) + w1)
+    return (bits >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
 
 
 @triton.jit
@@ -41,7 +60,7 @@ def quantize_kernel(
 
     Args:
       x_ptr: input, any float dtype (computed in float32).
-      words_ptr: two int32, the Philox key words, read when ``STOCHASTIC``.
+      words_ptr: two int32, the counter hash's key words, read when ``STOCHASTIC``.
       n: number of elements (< 2**31).
       blocks: number of blocks, ``ceil(n / BLOCK_SIZE)``.
       codes_ptr: output codes, int8 (linear) or uint8 (sqrt).
@@ -62,40 +81,38 @@ def quantize_kernel(
     absmax = tl.where(has_nan, float("nan"), absmax)
     finite = absmax < float("inf")  # False for NaN and inf
     kept = finite & (absmax >= 7.888609052210118e-31)  # quantize.TINY = 2**-100
-    # quantize.HUGE: blocks of a maximum of 2**64 or more are scaled by 2**-64 first (exact).
+    # quantize.HUGE: blocks of a maximum of 2**64 or more are scaled by 2**-64 (exact) before
+    # the reciprocal, as the reference does.
     factor = tl.where(absmax >= 1.8446744073709552e19, 5.421010862427522e-20, 1.0)
-    x = x * factor[:, None]
     safe = tl.where(kept, absmax * factor, 1.0)
-    if STOCHASTIC:
-        bits, _, _, _ = tl.randint4x(common.load_seed(words_ptr), offsets)
-        uniform = (bits >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
-    else:
-        uniform = x  # unused
     if SQRT:
-        ratio = tl.minimum(tl.div_rn(tl.maximum(x, 0.0), safe[:, None]), 1.0)
+        inverse = tl.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)
+        ratio = tl.minimum(tl.maximum(x * factor[:, None], 0.0) * inverse[:, None], 1.0)
         position = tl.sqrt_rn(ratio) * 256.0 - 1.0
         lower = tl.minimum(tl.maximum(tl.floor(position), 0.0), 254.0)
         root = (lower + 1.0) * 0.00390625  # exact: (code + 1) / 256
-        low = root * root
-        upper_root = (lower + 2.0) * 0.00390625
-        gap = upper_root * upper_root - low
-        fraction = tl.minimum(tl.maximum(tl.div_rn(ratio - low, gap), 0.0), 1.0)
-    else:
-        inverse = tl.div_rn(tl.full(safe.shape, 127.0, tl.float32), safe)
-        scaled = x * inverse[:, None]
-        lower = tl.floor(scaled)
-        fraction = scaled - lower
-    if STOCHASTIC:
-        up = uniform < fraction
-    else:
-        odd = (lower.to(tl.int32) & 1) == 1
-        up = (fraction > 0.5) | ((fraction == 0.5) & odd)
-    code = lower + up.to(tl.float32)
-    if SQRT:
+        distance = ratio - root * root
+        gap = (lower * 2.0 + 3.0) * 1.52587890625e-05  # exact: (2 * code + 3) / 2**16
+        if STOCHASTIC:
+            up = _uniform(words_ptr, offsets) * gap < distance
+        else:
+            half = gap * 0.5
+            odd = (lower.to(tl.int32) & 1) == 1
+            up = (distance > half) | ((distance == half) & odd)
+        code = lower + up.to(tl.float32)
         code = tl.where(kept[:, None], code, 0.0)
         tl.store(codes_ptr + offsets, code.to(tl.uint8), mask=mask)
     else:
-        code = tl.minimum(tl.maximum(code, -127.0), 127.0)
+        inverse = factor * tl.div_rn(tl.full(safe.shape, 127.0, tl.float32), safe)
+        scaled = x * inverse[:, None]
+        lower = tl.floor(scaled)
+        fraction = scaled - lower
+        if STOCHASTIC:
+            up = _uniform(words_ptr, offsets) < fraction
+        else:
+            odd = (lower.to(tl.int32) & 1) == 1
+            up = (fraction > 0.5) | ((fraction == 0.5) & odd)
+        code = tl.minimum(tl.maximum(lower + up.to(tl.float32), -127.0), 127.0)
         code = tl.where(kept[:, None], code, 0.0)
         tl.store(codes_ptr + offsets, code.to(tl.int8), mask=mask)
     tl.store(scales_ptr + rows, tl.where(finite, absmax, float("nan")), mask=rows < blocks)

@@ -1,20 +1,34 @@
 """Rounding float32 to narrower floats: the target formats, counter-based bits, the two roundings.
 
 This is the numerical core that the references (:mod:`triaccel_jax.kernels.cast`,
-:mod:`triaccel_jax.kernels.fused_update`) share, written so that the Triton kernels can do the
-same integer and float operations element by element and agree with it bit for bit:
+:mod:`triaccel_jax.kernels.fused_update`, :mod:`triaccel_jax.kernels.quantize`) share, written so
+that the Triton kernels can do the same integer and float operations element by element and agree
+with it bit for bit. Two counter-based generators, each counted by the element's flat index:
 
-* the random bits are Philox-4x32-10 (Salmon et al., 2011, "Parallel Random Numbers: As Easy as
-  1, 2, 3"), keyed by two 32-bit words drawn from a JAX key and counted by the element's flat
-  index. It is the generator behind ``triton.language.randint4x``, so a kernel that calls
-  ``randint4x(seed, offsets)`` draws exactly the bits that :func:`philox4x32` returns here;
-* stochastic rounding to bfloat16 adds 16 random bits below the kept mantissa and truncates
-  (exact and unbiased, subnormals included, since bfloat16 shares float32's exponent range);
-* stochastic rounding to float16 and float8-e4m3fn scales ``|x|`` by the inverse of the target's
-  spacing at ``x`` (a power of two, so exactly), and rounds the integer part up with probability
-  equal to the fractional part, using 24 random bits. This is exactly unbiased wherever the
-  fraction has at most 24 bits, which holds for every float32 input at least half the target's
-  smallest subnormal; below that the rounding-up probability is too high by less than 2**-24.
+* Philox-4x32-10 (Salmon et al., 2011, "Parallel Random Numbers: As Easy as 1, 2, 3"), keyed by
+  two 32-bit words drawn from a JAX key (:func:`seed_words`), for the cast and fused-update
+  kernels. It is the generator behind ``triton.language.randint4x``, so a kernel that calls
+  ``randint4x(seed, offsets)`` draws exactly the bits that :func:`philox4x32` returns here. Ten
+  rounds of 32x32->64-bit products, emulated here with 16-bit halves, and four words per element
+  where one is used: on a CPU it costs more than the rest of an optimizer's update;
+* a counter hash (:func:`counter_bits`), for the block-wise quantizer that stores optimizer state
+  at every step: two rounds of the ``lowbias32`` integer mix (Wellons, 2018, "Prospecting for
+  Hash Functions": two multiplies and three xor-shifts, about as well mixed as MurmurHash3's
+  finalizer) over the index xor-ed and added with two key words, ten integer operations an
+  element. Its keys are the key's own data hashed into two words (:func:`key_words`), and
+  :func:`fold_words` derives a key from a key and an integer (a step, a leaf) in a few scalar
+  operations where ``jax.random.fold_in`` runs Threefry, whose 20 rounds, once per state leaf,
+  add seconds to the compile of a model of a few hundred leaves. Stochastic rounding needs bits
+  that are uniform and independent of the value being rounded, not a cryptographic or
+  statistically perfect stream: the rounding stays unbiased for any bits that are uniform.
+
+Stochastic rounding to bfloat16 adds 16 random bits below the kept mantissa and truncates
+(exact and unbiased, subnormals included, since bfloat16 shares float32's exponent range);
+stochastic rounding to float16 and float8-e4m3fn scales ``|x|`` by the inverse of the target's
+spacing at ``x`` (a power of two, so exactly), and rounds the integer part up with probability
+equal to the fractional part, using 24 random bits. This is exactly unbiased wherever the
+fraction has at most 24 bits, which holds for every float32 input at least half the target's
+smallest subnormal; below that the rounding-up probability is too high by less than 2**-24.
 
 Non-finite inputs and overflow (the same for both roundings and in the kernels):
 
@@ -78,6 +92,11 @@ PHILOX_ROUND_B = 0xCD9E8D57
 PHILOX_KEY_A = 0x9E3779B9
 PHILOX_KEY_B = 0xBB67AE85
 PHILOX_ROUNDS = 10
+# lowbias32's multipliers (Wellons, 2018), and the golden-ratio word that keeps a key of zeros
+# (jax.random.key(0)'s data) off the mix's fixed point at zero.
+MIX_A = 0x7FEB352D
+MIX_B = 0x846CA68B
+GOLDEN = 0x9E3779B9
 
 _U32 = jnp.uint32
 
@@ -112,6 +131,77 @@ def seed_words(key: jax.Array) -> jax.Array:
     data) works and the kernels receive the same two words as the reference.
     """
     return jax.random.bits(key, (2,), _U32)
+
+
+def mix32(x: jax.Array) -> jax.Array:
+    """The ``lowbias32`` integer mix of uint32 ``x``: a bijection of the 32-bit words.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> hex(int(mix32(jnp.uint32(1))))
+      '0x688990c0'
+    """
+    x = x.astype(_U32)
+    x = x ^ (x >> _U32(16))
+    x = x * _U32(MIX_A)
+    x = x ^ (x >> _U32(15))
+    x = x * _U32(MIX_B)
+    return x ^ (x >> _U32(16))
+
+
+def fold_words(words: jax.Array, data: jax.Array | int) -> jax.Array:
+    """Two uint32 key words with the 32-bit integer ``data`` hashed in: distinct ``data`` give
+    distinct words (each word is a bijection of ``data`` for given ``words``).
+
+    Args:
+      words: uint32 ``[w0, w1]``.
+      data: an integer scalar (a step count, a leaf's index), traced or not; its low 32 bits.
+
+    Returns:
+      uint32 ``[w0', w1']``.
+    """
+    h = mix32(jnp.asarray(data).astype(_U32) + _U32(GOLDEN))
+    return jnp.stack([mix32(words[0] ^ h), mix32(words[1] + h)])
+
+
+def key_words(key: jax.Array) -> jax.Array:
+    """The two uint32 words that key :func:`counter_bits`: the key's data, every word folded in.
+
+    Args:
+      key: a typed PRNG key, or legacy uint32 key data (``jax.random.PRNGKey``'s, or
+        :func:`fold_words`' words); any implementation's key data (2 words for Threefry, 4 for
+        ``rbg``) is folded into two.
+
+    Returns:
+      uint32 ``[w0, w1]``, a function of the key data alone (no generator runs).
+    """
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    if key.dtype != _U32:
+        raise ValueError(f"a PRNG key or uint32 key data is needed, got {key.dtype}")
+    words = jnp.array([GOLDEN, MIX_A], _U32)
+    for word in key.reshape(-1):
+        words = fold_words(words, word)
+    return words
+
+
+def counter_bits(words: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """uint32 random bits shaped ``shape``, the counter hash of each element's flat index.
+
+    Element ``i`` (flat, row-major) gets ``mix32(mix32(i ^ w0) + w1)``: a keyed bijection of the
+    index (every element of one array gets different bits) and, for a new key, new bits. The
+    quantize kernel computes the same with the element's offset.
+
+    Args:
+      words: the uint32 ``[w0, w1]`` from :func:`key_words` (or :func:`fold_words`).
+      shape: the shape of the array being rounded.
+
+    Returns:
+      uint32 bits of ``shape``.
+    """
+    check_size(shape)
+    index = lax.iota(_U32, math.prod(shape)).reshape(shape)
+    return mix32(mix32(index ^ words[0]) + words[1])
 
 
 def _mulhi(a: jax.Array, b: int) -> jax.Array:

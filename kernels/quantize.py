@@ -24,9 +24,11 @@ dequantized value is unbiased, ``E[dequantize(quantize(x))] = x`` for every ``x`
 levels (both maps; below the sqrt map's lowest level the value rounds up to it). An EMA
 re-quantized every step drifts with a biased rounding and stalls with round-to-nearest when its
 increments are smaller than half a level (Gupta et al., 2015); unbiased rounding keeps it
-tracking. The random bits are the cast kernel's: Philox-4x32-10 keyed by two words drawn from a
-JAX key, counted by the element's flat index (:mod:`triaccel_jax.kernels._rounding`), so the
-Triton kernel draws the same bits.
+tracking. The random bits are a counter hash of the element's flat index keyed by the key's data
+(two rounds of a 32-bit integer mix, :mod:`triaccel_jax.kernels._rounding`), computed the same
+way by the Triton kernel: an optimizer stores its state at every step, and the cast kernel's
+Philox, emulated with 16-bit products outside a GPU, cost more than the optimizer's own update.
+:func:`fold_in` derives keys for steps and leaves with the same mix.
 
 Special values: a block whose absolute maximum is NaN or infinite gets a NaN scale, so the whole
 block dequantizes to NaN (a byte code has no NaN to keep; the failure stays visible rather than
@@ -95,6 +97,31 @@ def num_blocks(size: int, block_size: int) -> int:
     return -(-size // block_size)
 
 
+def fold_in(key: jax.Array, data: Any) -> jax.Array:
+    """A new key for :func:`quantize_blocks` from ``key`` and an integer, in a few integer ops.
+
+    The counterpart of ``jax.random.fold_in`` for this module's counter hash: ``key``'s data and
+    the low 32 bits of ``data`` mixed into two words, where ``jax.random.fold_in`` runs Threefry
+    (20 rounds; an optimizer that folds a step and a leaf index into its key per state leaf
+    compiles seconds slower over a few hundred leaves with it). Distinct ``data`` give distinct
+    keys.
+
+    Args:
+      key: a typed PRNG key or uint32 key data (as :func:`quantize_blocks` takes).
+      data: an integer scalar (a step count, a leaf's index), traced or not.
+
+    Returns:
+      uint32[2] key data, a key that :func:`quantize_blocks` takes.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> key = jax.random.key(0)
+      >>> fold_in(key, 1).dtype, bool(jnp.any(fold_in(key, 1) != fold_in(key, 2)))
+      (dtype('uint32'), True)
+    """
+    return _rounding.fold_words(_rounding.key_words(key), data)
+
+
 def check_block_size(block_size: Any) -> int:
     """``block_size`` as an int, or a ``ValueError``/``TypeError`` saying what it must be."""
     if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer):
@@ -158,15 +185,6 @@ def _from_blocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return blocks.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
-def _round_up(fraction: jax.Array, lower: jax.Array, uniform: jax.Array | None) -> jax.Array:
-    """Whether to take the upper level: stochastically (``uniform < fraction``) or to nearest
-    (ties to the even code: ``lower`` odd rounds up)."""
-    if uniform is not None:
-        return uniform < fraction
-    odd = (lower.astype(jnp.int32) & 1) == 1
-    return (fraction > 0.5) | ((fraction == 0.5) & odd)
-
-
 def sqrt_level(code: jax.Array) -> jax.Array:
     """The ``"sqrt"`` map's level of a code, as a fraction of the block's maximum (exact).
 
@@ -179,41 +197,58 @@ def sqrt_level(code: jax.Array) -> jax.Array:
     return root * root  # exact: (code + 1)**2 <= 2**16 over 2**16
 
 
+def _uniform(words: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """float32 uniforms on the grid ``k / 2**24``, from the top 24 of each element's hash bits."""
+    bits = _rounding.counter_bits(words, shape)
+    return (bits >> jnp.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)  # exact
+
+
 def _quantize_reference(
     x: jax.Array, block_size: int, mapping: str, words: jax.Array | None
 ) -> Quantized:
-    """The reference on validated arguments; ``words`` are the Philox key words (or None)."""
+    """The reference on validated arguments; ``words`` are the hash's key words (or None).
+
+    Per element: a product with the block's reciprocal (computed once per block), a floor and
+    compares; the sqrt map adds a square root. Whether to take the upper level is decided by
+    comparing distances in value, ``uniform * gap < x - low`` (stochastic) or ``x - low >
+    gap / 2`` (nearest, ties to the even code), rather than by dividing by the gap.
+    """
     blocks = _as_blocks(x.astype(jnp.float32), block_size)
-    magnitude = jnp.abs(blocks)
-    absmax = jnp.max(magnitude, axis=1, keepdims=True)  # NaN if the block holds one
+    absmax = jnp.max(jnp.abs(blocks), axis=1, keepdims=True)  # NaN if the block holds one
     finite = jnp.isfinite(absmax)
     kept = finite & (absmax >= TINY)
-    # Blocks whose maximum is 2**64 or more are scaled by 2**-64 first (exact): XLA:CPU divides
-    # through the reciprocal, which is a subnormal (flushed to zero) for a divisor above 2**126.
-    # An element this scaling makes subnormal is below 2**-126 of its block's maximum, which
-    # both maps store as their lowest code anyway.
+    # Blocks whose maximum is 2**64 or more are scaled by 2**-64 (exact) before the reciprocal,
+    # which for a maximum above 2**126 would be a subnormal that XLA:CPU flushes to zero. The
+    # linear map's factor * 127 / safe is a normal number for any finite maximum; the sqrt
+    # map's factor / safe is not (2**-128 near float32's largest), so it scales x first.
     factor = jnp.where(absmax >= HUGE, np.float32(1 / HUGE), np.float32(1))
-    blocks = blocks * factor
     safe = jnp.where(kept, absmax * factor, np.float32(1))
-    uniform = None
-    if words is not None:
-        bits = _rounding.random_streams(words, blocks.shape)[0]
-        uniform = (bits >> jnp.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)
     if mapping == "linear":
-        scaled = blocks * (np.float32(LINEAR_MAX) / safe)  # in [-127, 127] up to rounding
+        # Level c stands for c * absmax / 127: x's position in levels, up to rounding.
+        scaled = blocks * (factor * (np.float32(LINEAR_MAX) / safe))
         lower = jnp.floor(scaled)
         fraction = scaled - lower  # exact
-        code = lower + _round_up(fraction, lower, uniform).astype(jnp.float32)
-        code = jnp.clip(code, -LINEAR_MAX, LINEAR_MAX)
+        if words is None:
+            odd = (lower.astype(jnp.int32) & 1) == 1
+            up = (fraction > 0.5) | ((fraction == 0.5) & odd)
+        else:
+            up = _uniform(words, blocks.shape) < fraction
+        code = jnp.clip(lower + up.astype(jnp.float32), -LINEAR_MAX, LINEAR_MAX)
         codes = jnp.where(kept, code, np.float32(0)).astype(jnp.int8)
     else:
-        ratio = jnp.minimum(jnp.maximum(blocks, np.float32(0)) / safe, 1)
+        ratio = jnp.minimum(jnp.maximum(blocks * factor, np.float32(0)) * (1 / safe), 1)
         position = jnp.sqrt(ratio) * np.float32(SQRT_LEVELS) - np.float32(1)  # in [-1, 255]
         lower = jnp.clip(jnp.floor(position), 0, SQRT_LEVELS - 2)
-        low = sqrt_level(lower)
-        gap = sqrt_level(lower + 1) - low  # exact: (2 * lower + 3) / 2**16
-        fraction = jnp.clip((ratio - low) / gap, 0, 1)  # the distance in value, not in sqrt
-        code = lower + _round_up(fraction, lower, uniform).astype(jnp.float32)
+        distance = ratio - sqrt_level(lower)  # exact level; the distance in value, not in sqrt
+        gap = (lower * 2 + 3) * np.float32(2.0**-16)  # exact: level(lower + 1) - level(lower)
+        if words is None:
+            half = gap * np.float32(0.5)
+            odd = (lower.astype(jnp.int32) & 1) == 1
+            up = (distance > half) | ((distance == half) & odd)
+        else:
+            # Below the lowest level the distance is negative: never up, the lowest level kept.
+            up = _uniform(words, blocks.shape) * gap < distance
+        code = lower + up.astype(jnp.float32)
         codes = jnp.where(kept, code, np.float32(0)).astype(jnp.uint8)
     scales = jnp.where(finite, absmax, np.float32(np.nan))[:, 0]
     return Quantized(_from_blocks(codes, x.shape), scales)
@@ -249,7 +284,8 @@ def quantize_blocks_reference(
         uint8 codes, no zero level; negative values are stored as the lowest level), as the
         module docstring describes.
       rounding: ``"nearest"`` or ``"stochastic"`` (unbiased in value).
-      key: a PRNG key, required for stochastic rounding.
+      key: a PRNG key (typed, or uint32 key data such as :func:`fold_in` returns), required for
+        stochastic rounding; the same key gives the same codes.
 
     Returns:
       A :class:`Quantized`: codes shaped like ``x`` and one float32 scale per block.
@@ -270,7 +306,7 @@ def quantize_blocks_reference(
     words = None
     if needs_bits:
         assert key is not None  # _validate_quantize refuses needs_bits without a key
-        words = _rounding.seed_words(key)
+        words = _rounding.key_words(key)
     return _quantize_reference(x, block_size, mapping, words)
 
 
@@ -376,7 +412,7 @@ def quantize_blocks(
     words = None
     if needs_bits:
         assert key is not None  # _validate_quantize refuses needs_bits without a key
-        words = _rounding.seed_words(key)
+        words = _rounding.key_words(key)
     if use == "triton" and x.size > 0:
         from triaccel_jax.kernels import _quantize_triton  # lazy: imports triton
 

@@ -1,7 +1,7 @@
 """The block-wise quantize/dequantize kernels under ``TRITON_INTERPRET=1``, against the reference.
 
 Needs torch and triton (the ``kernels-dev`` extra, in ``.venv-kernels``); skips elsewhere. The
-kernels draw the reference's Philox bits and compute with the same IEEE-rounded operations, so
+kernels draw the reference's counter-hash bits and compute with the same IEEE-rounded operations, so
 codes, scales and dequantized values agree bit for bit. The references are evaluated operation
 by operation (``jax.disable_jit``), as in ``test_kernel_interpreter.py``.
 """
@@ -50,7 +50,7 @@ def _inputs(mapping: str, n: int) -> jax.Array:
 
 
 def _quantize_kernel(x, block_size, mapping, key, launch=_launch.DEFAULT):
-    words = None if key is None else _rounding.seed_words(key)
+    words = None if key is None else _rounding.key_words(key)
     arguments, meta, out_types, grid = _quantize_triton.launch_arguments(
         x, block_size=block_size, mapping=mapping, words=words, launch=launch
     )
