@@ -1,0 +1,270 @@
+"""Many leaves' compressed curvature stores, updated together over flat buffers (docs/design.md §3).
+
+:func:`triaccel_jax.transforms._compression.update_compressed_ema` is the reference, one leaf at
+a time: a block reduction, an expansion, a blend and a ``top_k`` per leaf, about 25 compiled
+kernels each, so a model of a few hundred leaves compiled thousands of them. :class:`StoreGroup`
+computes the same stores for a whole group of leaves with a fixed number of operations:
+
+* the estimates are concatenated into one flat buffer; every element's leaf, and its block or
+  conv channel pair, come from an iota (:mod:`triaccel_jax.transforms._segments`);
+* block means are one ``segment_sum`` into the concatenated block means of all leaves;
+* the top-``k`` of every leaf at once is one stable sort by (leaf, ``-|value|``): within its leaf
+  an element's rank is its position in the sorted buffer less the leaf's offset, and the first
+  ``k_l`` of each leaf are gathered into the concatenated outliers. The stable sort breaks ties by
+  the lower flat index, as ``lax.top_k`` does, so indices and values equal the reference's;
+* the per-leaf checks and summaries (finite, trace, largest magnitude) are segment reductions
+  over the small block-mean and outlier buffers.
+
+The stores themselves keep their per-leaf shapes: the state's structure, checkpoints and readers
+are those of the reference. A group holds leaves that are not sharded (the caller keeps sharded
+leaves on the per-leaf, partitioned path, so that no leaf is gathered to be flattened).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from triaccel_jax.transforms import _compression as compression
+from triaccel_jax.transforms._segments import Segments
+from triaccel_jax.transforms._segments import locate
+from triaccel_jax.transforms._segments import table
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CurvatureStores:
+    """Every observed leaf's compressed curvature EMA, laid end to end (the signals' state).
+
+    The per-leaf :class:`triaccel_jax.transforms.CompressedDiagonal` of leaf ``l`` is the ``l``-th
+    piece of each array (:meth:`leaves`); the pieces' sizes are static fields, so they are part
+    of the state's tree structure and known when traced.
+
+    Attributes:
+      block_means: float32 ``(B,)``, every leaf's block (or channel-pair) means.
+      outlier_indices: int32 ``(K,)``, each outlier's flat index within its own leaf.
+      outlier_values: float32 ``(K,)``.
+      means_shapes: static, each leaf's block-means shape (``(num_blocks,)`` or ``(in, out)``).
+      outlier_counts: static, each leaf's number of outliers ``k``.
+    """
+
+    block_means: jax.Array
+    outlier_indices: jax.Array
+    outlier_values: jax.Array
+    means_shapes: tuple[tuple[int, ...], ...] = dataclasses.field(metadata={"static": True})
+    outlier_counts: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+
+    @classmethod
+    def of(cls, stores: Sequence[compression.CompressedDiagonal]) -> CurvatureStores:
+        """The per-leaf stores laid end to end."""
+        return cls(
+            _concat([jnp.ravel(s.block_means).astype(jnp.float32) for s in stores], jnp.float32),
+            _concat([s.outlier_indices.astype(jnp.int32) for s in stores], jnp.int32),
+            _concat([s.outlier_values.astype(jnp.float32) for s in stores], jnp.float32),
+            means_shapes=tuple(tuple(int(d) for d in s.block_means.shape) for s in stores),
+            outlier_counts=tuple(int(s.outlier_values.size) for s in stores),
+        )
+
+    @property
+    def block_offsets(self) -> np.ndarray:
+        return _offsets([math.prod(shape) for shape in self.means_shapes])
+
+    @property
+    def outlier_offsets(self) -> np.ndarray:
+        return _offsets(self.outlier_counts)
+
+    def leaves(self) -> list[compression.CompressedDiagonal]:
+        """The per-leaf stores (the inverse of :meth:`of`)."""
+        blocks, outliers = self.block_offsets, self.outlier_offsets
+        return [
+            compression.CompressedDiagonal(
+                self.block_means[blocks[i] : blocks[i + 1]].reshape(shape),
+                self.outlier_indices[outliers[i] : outliers[i + 1]],
+                self.outlier_values[outliers[i] : outliers[i + 1]],
+            )
+            for i, shape in enumerate(self.means_shapes)
+        ]
+
+    def replace(self, **arrays: jax.Array) -> CurvatureStores:
+        """The same layout with new arrays."""
+        return dataclasses.replace(self, **arrays)
+
+
+def _concat(pieces: list[jax.Array], dtype: Any) -> jax.Array:
+    return jnp.concatenate(pieces) if pieces else jnp.zeros((0,), dtype)
+
+
+def _offsets(sizes: Sequence[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(np.asarray(sizes, np.int64))]).astype(np.int64)
+
+
+class StoreGroup:
+    """The static layout of the leaves of a :class:`CurvatureStores`, for updating them together.
+
+    Args:
+      shapes: the leaves' shapes.
+      stores: their stores (only the static layout is read).
+    """
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], stores: CurvatureStores) -> None:
+        self.segments = Segments(shapes)
+        pairs, modulus, length, spatial, last = [], [], [], [], []
+        for shape, means_shape in zip(self.segments.shapes, stores.means_shapes, strict=True):
+            size = math.prod(shape)
+            num = math.prod(means_shape)
+            if compression.uses_channel_pairs(shape):
+                pairs.append(True)
+                modulus.append(num)
+                length.append(1)
+                spatial.append(shape[0] * shape[1])
+                last.append(shape[0] * shape[1])
+            else:
+                block_length, _ = compression.block_counts(size, num)
+                pairs.append(False)
+                modulus.append(1)
+                length.append(block_length)
+                spatial.append(block_length)
+                last.append(size - (num - 1) * block_length)
+        self._pairs = np.array(pairs)
+        self._modulus = np.array(modulus)
+        self._length = np.array(length)
+        self._spatial = np.array(spatial, np.float32)
+        self._last = np.array(last, np.float32)
+        self.block_offsets = stores.block_offsets
+        self.outlier_offsets = stores.outlier_offsets
+
+    def _block_leaf(self) -> jax.Array:
+        """The leaf of every block, shape ``(B,)``."""
+        return locate(self.block_offsets, jnp.arange(int(self.block_offsets[-1]), dtype=jnp.int32))
+
+    def _outlier_leaf(self) -> jax.Array:
+        """The leaf of every outlier slot, shape ``(K,)``."""
+        return locate(
+            self.outlier_offsets, jnp.arange(int(self.outlier_offsets[-1]), dtype=jnp.int32)
+        )
+
+    def _block_weights(self, block_leaf: jax.Array) -> jax.Array:
+        """Elements per block, shape ``(B,)``: a channel pair's spatial size, else the block
+        length (the leaf's last block possibly shorter)."""
+        is_last = jnp.arange(block_leaf.size, dtype=jnp.int32) == (
+            table(self.block_offsets[1:])[block_leaf] - 1
+        )
+        return jnp.where(
+            is_last,
+            table(self._last, jnp.float32)[block_leaf],
+            table(self._spatial, jnp.float32)[block_leaf],
+        )
+
+    def update(
+        self, flat: CurvatureStores, h: jax.Array, decay: jax.typing.ArrayLike
+    ) -> CurvatureStores:
+        """:func:`compression.update_compressed_ema` of every leaf of the group.
+
+        Args:
+          flat: the current EMA of the group's leaves.
+          h: the new estimates of the group's leaves laid end to end in float32
+            (:meth:`triaccel_jax.transforms._segments.Segments.concat`).
+          decay: the EMA decay in [0, 1).
+
+        Returns:
+          The updated stores, flat.
+        """
+        segments = self.segments
+        decay = jnp.asarray(decay, jnp.float32)
+        leaf = segments.ids()
+        local = segments.local(leaf)
+        block = table(self.block_offsets[:-1])[leaf] + jnp.where(
+            table(self._pairs, jnp.bool_)[leaf],
+            local % table(self._modulus)[leaf],
+            local // table(self._length)[leaf],
+        )
+        num_blocks = int(self.block_offsets[-1])
+        block_leaf = self._block_leaf()
+        sums = jax.ops.segment_sum(h, block, num_segments=num_blocks)
+        means = decay * flat.block_means + (1 - decay) * (sums / self._block_weights(block_leaf))
+
+        # The old EMA at full size: block means, with the outliers exact.
+        outlier_leaf = self._outlier_leaf()
+        starts = table(segments.offsets[:-1])
+        full = (
+            flat.block_means[block]
+            .at[starts[outlier_leaf] + flat.outlier_indices]
+            .set(flat.outlier_values)
+        )
+        blended = decay * full + (1 - decay) * h
+
+        # Every leaf's top-k by magnitude at once: sorted by leaf, then by -|value|, stably.
+        position = jnp.arange(segments.total, dtype=jnp.int32)
+        _, _, order = lax.sort((leaf, -jnp.abs(blended), position), num_keys=2, is_stable=True)
+        rank = (
+            jnp.arange(int(self.outlier_offsets[-1]), dtype=jnp.int32)
+            - table(self.outlier_offsets[:-1])[outlier_leaf]
+        )
+        chosen = order[starts[outlier_leaf] + rank]
+        return flat.replace(
+            block_means=means.astype(jnp.float32),
+            outlier_indices=chosen - starts[outlier_leaf],
+            outlier_values=blended[chosen],
+        )
+
+    def finite(self, flat: CurvatureStores) -> jax.Array:
+        """Per leaf, whether its block means and outlier values are all finite, shape ``(L,)``.
+
+        Every element of an estimate enters a block mean, so a store updated from a non-finite
+        estimate has a non-finite mean.
+        """
+        count = len(self.segments)
+        bad = jax.ops.segment_sum(
+            (~jnp.isfinite(flat.block_means)).astype(jnp.int32),
+            self._block_leaf(),
+            num_segments=count,
+            indices_are_sorted=True,
+        ) + jax.ops.segment_sum(
+            (~jnp.isfinite(flat.outlier_values)).astype(jnp.int32),
+            self._outlier_leaf(),
+            num_segments=count,
+            indices_are_sorted=True,
+        )
+        return bad == 0
+
+    def select(
+        self, keep: jax.Array, new: CurvatureStores, old: CurvatureStores
+    ) -> CurvatureStores:
+        """Leaf by leaf, ``new`` where ``keep`` (shape ``(L,)``) holds, else ``old``."""
+        by_block = keep[self._block_leaf()]
+        by_outlier = keep[self._outlier_leaf()]
+        return new.replace(
+            block_means=jnp.where(by_block, new.block_means, old.block_means),
+            outlier_indices=jnp.where(by_outlier, new.outlier_indices, old.outlier_indices),
+            outlier_values=jnp.where(by_outlier, new.outlier_values, old.outlier_values),
+        )
+
+    def summarize(self, flat: CurvatureStores) -> compression.DiagonalSummary:
+        """:func:`compression.summarize_diagonal` of every leaf: fields of shape ``(L,)``."""
+        count = len(self.segments)
+        block_leaf = self._block_leaf()
+        trace = jax.ops.segment_sum(
+            flat.block_means * self._block_weights(block_leaf),
+            block_leaf,
+            num_segments=count,
+            indices_are_sorted=True,
+        )
+        max_abs = jnp.maximum(
+            jax.ops.segment_max(
+                jnp.abs(flat.outlier_values),
+                self._outlier_leaf(),
+                num_segments=count,
+                indices_are_sorted=True,
+            ),
+            0.0,
+        )
+        return compression.DiagonalSummary(
+            trace / table(self.segments.sizes, jnp.float32), max_abs, trace
+        )

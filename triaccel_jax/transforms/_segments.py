@@ -1,0 +1,114 @@
+"""Per-leaf statistics over one flat buffer: the multi-tensor idea for a tree of many leaves.
+
+A reduction written leaf by leaf (``jnp.mean(x)`` for each of ``L`` leaves) compiles ``L``
+kernels, and XLA's compile time grows with the number of arrays and of distinct shapes. Here the
+leaves of a group are concatenated once into a flat float32 buffer, every statistic is one
+segmented operation over it, and per-leaf results come out as a vector of ``L`` values: the
+compiled program's size no longer depends on ``L`` (PyTorch's ``foreach`` / multi-tensor apply,
+arXiv 1912.01703; unlike ``optax.flatten``, each leaf keeps its own statistics).
+
+Which element belongs to which leaf is computed from an iota with a branchless binary search over
+the ``L + 1`` leaf offsets (``log2(L)`` compares of a small table), so the program closes over no
+constant as large as the buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Segments:
+    """The static layout of leaves laid end to end in one flat buffer.
+
+    Built at trace time from the leaves' shapes; every leaf must have at least one element.
+
+    Args:
+      shapes: the leaves' shapes, in buffer order.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from triaccel_jax.transforms._segments import Segments
+      >>> segments = Segments([(2,), (1, 3)])
+      >>> flat = segments.concat([jnp.array([1.0, 3.0]), jnp.array([[2.0, 2.0, 5.0]])])
+      >>> segments.mean(flat).tolist()
+      [2.0, 3.0]
+    """
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        self.shapes = tuple(tuple(int(d) for d in shape) for shape in shapes)
+        self.sizes = np.array([math.prod(shape) for shape in self.shapes], np.int64)
+        if (self.sizes <= 0).any():
+            raise ValueError(f"every leaf of a segment layout needs an element: {self.shapes}")
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.total = int(self.offsets[-1])
+        if self.total > 2**31 - 1:
+            raise ValueError(
+                f"{self.total:,} elements in one flat buffer: segment ids index it with int32"
+            )
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def concat(self, leaves: Sequence[jax.Array]) -> jax.Array:
+        """The leaves raveled and laid end to end, in float32."""
+        return jnp.concatenate([jnp.ravel(leaf).astype(jnp.float32) for leaf in leaves])
+
+    def split(self, flat: jax.Array) -> list[jax.Array]:
+        """The inverse of :meth:`concat` (in ``flat``'s dtype)."""
+        return [
+            flat[int(start) : int(stop)].reshape(shape)
+            for start, stop, shape in zip(
+                self.offsets[:-1], self.offsets[1:], self.shapes, strict=True
+            )
+        ]
+
+    def ids(self) -> jax.Array:
+        """The int32 leaf index of every element of the flat buffer."""
+        return locate(self.offsets, jnp.arange(self.total, dtype=jnp.int32))
+
+    def local(self, ids: jax.Array) -> jax.Array:
+        """Every element's index within its own leaf, from :meth:`ids`."""
+        return jnp.arange(self.total, dtype=jnp.int32) - table(self.offsets[:-1])[ids]
+
+    def sum(self, flat: jax.Array, ids: jax.Array | None = None) -> jax.Array:
+        """The sum over each leaf, shape ``(L,)``."""
+        ids = self.ids() if ids is None else ids
+        return jax.ops.segment_sum(
+            flat, ids, num_segments=len(self), indices_are_sorted=True, unique_indices=False
+        )
+
+    def mean(self, flat: jax.Array, ids: jax.Array | None = None) -> jax.Array:
+        """The mean over each leaf, shape ``(L,)``."""
+        return self.sum(flat, ids) / table(self.sizes, jnp.float32)
+
+
+def table(values: Any, dtype: Any = jnp.int32) -> jax.Array:
+    """A small per-leaf table (``L`` or ``L + 1`` entries) as a constant."""
+    return jnp.asarray(np.asarray(values), dtype)
+
+
+def locate(offsets: np.ndarray, positions: jax.Array) -> jax.Array:
+    """For each position, the ``i`` with ``offsets[i] <= position < offsets[i + 1]`` (int32).
+
+    ``offsets`` is a static, non-decreasing NumPy vector starting at 0. A branchless binary search:
+    ``ceil(log2(len(offsets)))`` compares, each against a gather from the small table.
+    """
+    starts = np.asarray(offsets[:-1])
+    count = len(starts)
+    found = jnp.zeros(positions.shape, jnp.int32)
+    if count <= 1:
+        return found
+    starts_table = table(starts)
+    step = 1 << (count - 1).bit_length()
+    while step:
+        candidate = found + step
+        safe = jnp.minimum(candidate, count - 1)
+        found = jnp.where((candidate < count) & (starts_table[safe] <= positions), candidate, found)
+        step >>= 1
+    return found
