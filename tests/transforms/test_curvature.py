@@ -60,7 +60,7 @@ def test_hutchinson_ema_within_five_percent_of_true_diagonal():
         state = step(state)
     (signals,) = triaccel_jax.transforms.find_signal_states(state)
     correction = 1 - 0.995 ** int(signals.curvature_count)
-    store = signals.curvature["x"]
+    store = signals.curvature_by_leaf()["x"]
     estimate = triaccel_jax.transforms.expand_diagonal(store, (true_diagonal.size,)) / correction
     np.testing.assert_allclose(estimate, true_diagonal, rtol=0.05)
 

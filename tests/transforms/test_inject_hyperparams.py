@@ -41,7 +41,7 @@ def test_the_snippet_from_the_issue_needs_no_static_args():
     updates, state = jax.jit(tx.update)(jax.grad(_loss)(PARAMS), state, PARAMS)
     chex.assert_tree_all_finite(updates)
     # The defaults' layout: one block of 16 (block_size 64), ceil(0.01 * 16) = 1 outlier.
-    store = state.inner_state[0].curvature["w"]
+    store = state.inner_state[0].curvature_by_leaf()["w"]
     chex.assert_shape([store.block_means, store.outlier_values], (1,))
 
 
@@ -60,7 +60,7 @@ def test_config_sets_layout_estimator_and_state_dtype_under_jit():
     tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=0.1, config=config)
     state = jax.jit(tx.init)(PARAMS)
     inner = state.inner_state[0]
-    store = inner.curvature["w"]
+    store = inner.curvature_by_leaf()["w"]
     chex.assert_shape([store.block_means, store.outlier_values], [(2,), (4,)])
     chex.assert_type(inner.mu["w"], jnp.bfloat16)
     update = jax.jit(lambda g, s: tx.update(g, s, PARAMS, loss_fn=_loss))

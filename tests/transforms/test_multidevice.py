@@ -142,7 +142,16 @@ DATA_PARALLEL = textwrap.dedent(
         jax.grad(loss)(params, x, y), single_tx.init(params), params,
         loss_fn=lambda p: loss(p, x, y),
     )
-    chex.assert_trees_all_close(sharded, single[0].leaf_signals, rtol=1e-5, atol=1e-9)
+    # On one step the noise is an exact cancellation (v_hat = m_hat**2): what is left is the
+    # rounding of two means summed in different orders (one flat buffer on one device, leaf by
+    # leaf under shard_map), a noise-to-signal ratio of order float32's epsilon.
+    chex.assert_trees_all_close(
+        sharded._replace(noise_to_signal=None),
+        single[0].leaf_signals._replace(noise_to_signal=None),
+        rtol=1e-5,
+        atol=1e-9,
+    )
+    np.testing.assert_allclose(sharded.noise_to_signal, single[0].leaf_signals.noise_to_signal, atol=1e-6)
     print("ok")
     """
 )

@@ -85,18 +85,18 @@ def test_non_finite_estimates_are_dropped_per_leaf(injections):
             for position, value in poison[name] or ():
                 values[position % values.size] = value
             h[name] = jnp.asarray(values.reshape(shape))
-        before = _signals(state).curvature
+        before = _signals(state).curvature_by_leaf()
         updates, state = _step(state, h)
 
         for name in SHAPES:
             if poison[name]:
                 dropped[name] += 1
                 # The poisoned estimate never reached the EMA: the store is bit-for-bit unchanged.
-                chex.assert_trees_all_equal(before[name], _signals(state).curvature[name])
+                chex.assert_trees_all_equal(before[name], _signals(state).curvature_by_leaf()[name])
             else:
                 kept[name] += 1
                 ema[name] = DECAY * ema[name] + (1 - DECAY) * float(np.mean(h[name]))
-            signals = _signals(state).leaf_signals[name]
+            signals = _signals(state).signals_by_leaf()[name]
             chex.assert_type(signals.dropped_estimates, jnp.int32)
             assert int(signals.dropped_estimates) == dropped[name], (name, step)
 
@@ -106,7 +106,7 @@ def test_non_finite_estimates_are_dropped_per_leaf(injections):
         }
         reference = float(np.median(list(kappa.values())))
         for name in SHAPES:
-            signals = _signals(state).leaf_signals[name]
+            signals = _signals(state).signals_by_leaf()[name]
             np.testing.assert_allclose(signals.mean_curvature, kappa[name], rtol=1e-5, atol=1e-12)
             tiny = float(np.finfo(np.float32).tiny)
             expected = np.clip(
@@ -122,12 +122,12 @@ def test_an_estimate_whose_ema_overflows_is_dropped_too():
     state = TX.init(PARAMS)
     clean = {name: jnp.asarray(_clean(name, 0)) for name in SHAPES}
     _, state = _step(state, clean)
-    before = _signals(state).curvature["a"]
+    before = _signals(state).curvature_by_leaf()["a"]
     huge = {**clean, "a": jnp.full(SHAPES["a"], 3e38, jnp.float32)}
     updates, state = _step(state, huge)
-    chex.assert_trees_all_equal(before, _signals(state).curvature["a"])
-    assert int(_signals(state).leaf_signals["a"].dropped_estimates) == 1
-    assert int(_signals(state).leaf_signals["b"].dropped_estimates) == 0
+    chex.assert_trees_all_equal(before, _signals(state).curvature_by_leaf()["a"])
+    assert int(_signals(state).signals_by_leaf()["a"].dropped_estimates) == 1
+    assert int(_signals(state).signals_by_leaf()["b"].dropped_estimates) == 0
     chex.assert_tree_all_finite(updates)
 
 
@@ -135,7 +135,7 @@ def test_every_leaf_dropped_on_the_first_step_leaves_steps_unscaled():
     poisoned = {name: jnp.full(shape, jnp.nan) for name, shape in SHAPES.items()}
     updates, state = _step(TX.init(PARAMS), poisoned)
     for name in SHAPES:
-        signals = _signals(state).leaf_signals[name]
+        signals = _signals(state).signals_by_leaf()[name]
         assert float(signals.step_scale) == 1.0 and int(signals.dropped_estimates) == 1
         assert float(signals.mean_curvature) == 0.0
         # Adam's first step is sign(g), unscaled.

@@ -47,9 +47,9 @@ SCRIPT = textwrap.dedent(
     for name in ("mu", "nu"):
         for k, leaf in getattr(moments, name).items():
             assert leaf.sharding == sharded[k].sharding, (name, k, leaf.sharding)
-    for k, store in moments.curvature.items():
-        for leaf in store:
-            assert leaf.sharding == NamedSharding(mesh, P()), (k, leaf.sharding)
+    # The curvature stores and signals, laid end to end over the leaves, are replicated.
+    for leaf in jax.tree.leaves((moments.curvature, moments.leaf_signals)):
+        assert leaf.sharding == NamedSharding(mesh, P()), leaf.sharding
 
     def loss(p, x, y):
         return jnp.mean((jnp.tanh(x @ p["w1"] + p["b"]) @ p["w2"] - y) ** 2)
@@ -73,9 +73,8 @@ SCRIPT = textwrap.dedent(
     for name in ("mu", "nu"):
         for k, leaf in getattr(s8[0], name).items():
             assert leaf.sharding.is_equivalent_to(sharded[k].sharding, leaf.ndim), (name, k)
-    for k, store in s8[0].curvature.items():
-        for leaf in store:
-            assert leaf.sharding.is_fully_replicated, (k, leaf.sharding)
+    for leaf in jax.tree.leaves((s8[0].curvature, s8[0].leaf_signals)):
+        assert leaf.sharding.is_fully_replicated, leaf.sharding
 
     # No whole sharded leaf is gathered: the only all-gathers are the top-k candidates, k from
     # each of the 4 shards of every leaf (k = ceil(rho * size)).

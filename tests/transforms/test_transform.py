@@ -217,7 +217,7 @@ def test_shape_options_in_config_work_when_injected():
     tx = factory(learning_rate=0.1, config=config)
     params = {"w": jnp.arange(16.0)}
     state = jax.jit(tx.init)(params)
-    store = state.inner_state[0].curvature["w"]
+    store = state.inner_state[0].curvature_by_leaf()["w"]
     chex.assert_shape([store.block_means, store.outlier_values], [(2,), (4,)])
     loss_fn = lambda p: jnp.sum(p["w"] ** 2)
     update = jax.jit(lambda g, s: tx.update(g, s, params, loss_fn=loss_fn))

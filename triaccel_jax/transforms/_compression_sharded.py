@@ -72,6 +72,28 @@ def update_compressed_ema(
     return compression.CompressedDiagonal(means, indices, values)
 
 
+def is_known_whole(x: jax.Array) -> bool:
+    """Whether ``x`` is known, when traced, to be whole on every device that holds it.
+
+    True on a single-device backend, for a concrete array that is fully replicated, and for an
+    array whose type carries its sharding (Explicit mesh axes) and shards no dimension. A traced
+    array on several devices whose sharding XLA decides later (Auto axes) may be sharded: False,
+    so that its caller keeps it on the partitioned per-leaf path, which never gathers it.
+    """
+    if jax.device_count() == 1:
+        return True
+    if not isinstance(x, jax.core.Tracer):
+        sharding = getattr(x, "sharding", None)
+        return sharding is not None and sharding.is_fully_replicated
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not getattr(mesh, "axis_names", ()):
+        return False
+    if any(kind != jax.sharding.AxisType.Explicit for kind in mesh.axis_types):
+        return False
+    return all(entry is None for entry in tuple(sharding.spec))
+
+
 def _explicit_axes(x: jax.Array) -> tuple[str, ...]:
     """The mesh axes of ``x``'s type that are Explicit (sharding in types); empty otherwise."""
     sharding = getattr(jax.typeof(x), "sharding", None)

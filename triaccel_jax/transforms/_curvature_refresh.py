@@ -22,7 +22,10 @@ from jax import lax
 
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _compression_sharded as compression_sharded
+from triaccel_jax.transforms._compression_grouped import CurvatureStores
+from triaccel_jax.transforms._compression_grouped import StoreGroup
 from triaccel_jax.transforms._config import CurvatureSettings
+from triaccel_jax.transforms._segments import Segments
 
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 _HUGE = float(jnp.finfo(jnp.float32).max)
@@ -111,13 +114,78 @@ def bounded_scale(
     return jnp.where(jnp.isnan(scale), 1.0, scale).astype(jnp.float32)
 
 
-def reference_curvature(mean_curvatures: list[jax.Array]) -> jax.Array:
+def reference_curvature(mean_curvatures: Any) -> jax.Array:
     """``kappa_ref``: the median of the finite mean curvatures (clipped at 0), NaN when none is.
 
     The median, so that one leaf cannot poison the rest; Hutchinson's means can be negative.
     """
-    stacked = jnp.maximum(jnp.stack(mean_curvatures), 0.0)
+    stacked = jnp.maximum(
+        mean_curvatures if isinstance(mean_curvatures, jax.Array) else jnp.stack(mean_curvatures),
+        0.0,
+    )
     return jnp.nanmedian(jnp.where(jnp.isfinite(stacked), stacked, jnp.nan))
+
+
+def observed_order(active: Any) -> list[int]:
+    """Positions, among the leaves of ``active`` (a tree of bools), of the observed leaves: the
+    order of the per-leaf vectors in the signals' state."""
+    return [i for i, flag in enumerate(jax.tree.leaves(active)) if flag]
+
+
+def per_leaf(vector: jax.Array, flags: list[bool]) -> list[jax.Array | None]:
+    """``vector``'s entries spread over the leaves: the ``i``-th observed leaf gets
+    ``vector[i]``, the others None."""
+    out: list[jax.Array | None] = []
+    position = 0
+    for flag in flags:
+        out.append(vector[position] if flag else None)
+        position += bool(flag)
+    return out
+
+
+class NoiseMoments(NamedTuple):
+    """What the noise ratio reads, for the observed leaves in tree order.
+
+    The moments come before their bias corrections, which are applied to the per-leaf means:
+    scaling each leaf first would be one more kernel per leaf.
+
+    Attributes:
+      m: each leaf's first moment (element-wise).
+      v: each leaf's second moment, element-wise (a list, Adam's); or already the vector of
+        their means over each leaf, shape ``(L,)`` (the observer's).
+      inv_bias_correction1: the scalar ``1 / (1 - b1**t)``.
+      inv_bias_correction2: the scalar ``1 / (1 - b2**t)``.
+    """
+
+    m: list[jax.Array]
+    v: list[jax.Array] | jax.Array
+    inv_bias_correction1: jax.Array
+    inv_bias_correction2: jax.Array
+
+
+def all_whole(leaves: list[jax.Array]) -> bool:
+    """Whether every leaf is known to be whole on its devices (so that laying them end to end
+    gathers nothing)."""
+    return all(compression_sharded.is_known_whole(leaf) for leaf in leaves)
+
+
+def leaf_means(
+    leaves: list[jax.Array], fn: Callable[[jax.Array], jax.Array] | None = None
+) -> jax.Array:
+    """Each leaf's mean of ``fn(leaf)`` (element-wise; None: the leaf), shape ``(L,)`` in float32.
+
+    When every leaf is known to be whole on its devices: the leaves are laid end to end as they
+    are (XLA:CPU fuses no producer into a concatenation, so ``fn`` is applied after it, once) and
+    one segmented sum gives the means. Else leaf by leaf, never gathering a leaf that may be
+    sharded.
+    """
+    fn = (lambda x: x) if fn is None else fn
+    if not leaves:
+        return jnp.zeros((0,), jnp.float32)
+    if all_whole(leaves):
+        segments = Segments([jnp.shape(leaf) for leaf in leaves])
+        return segments.mean(fn(segments.concat(leaves)))
+    return jnp.stack([jnp.mean(fn(jnp.asarray(leaf, jnp.float32))) for leaf in leaves])
 
 
 def refresh_when_due(
@@ -127,35 +195,44 @@ def refresh_when_due(
     like_updates: Callable[[Any], Any],
     updates: Any,
     active: Any,
-    moments: Callable[[], tuple[Any, Any]],
+    moments: Callable[[], NoiseMoments],
     settings: CurvatureSettings,
     bound: str,
     axis_name: str | None,
-) -> tuple[Any, Any, jax.Array, Any]:
+    fisher: bool = False,
+) -> tuple[CurvatureStores, Any, jax.Array, LeafSignals]:
     """The curvature step on the steps it is due (every ``curvature_every``, from the first,
     under one ``lax.cond`` for the whole tree); the stored stores and signals on the others.
+
+    Leaves known to be whole on each device are folded together over flat buffers
+    (:class:`triaccel_jax.transforms._compression_grouped.StoreGroup`), so the compiled refresh
+    does not grow with their number; when any leaf may be sharded, each leaf keeps the per-leaf,
+    partitioned update (:func:`_fold_store`), which never gathers it.
 
     Args:
       state: the signals' state: its ``count`` (before this step), ``curvature``,
         ``leaf_signals``, ``estimator_state`` and ``curvature_count`` are read.
       estimate: ``estimator_state -> (diagonal, estimator_state)``, the curvature estimate.
-      like_updates: a tree of the state's (or the estimate's) -> the same nodes in the updates'
-        structure (a clear error where it differs).
+      like_updates: a tree of the estimate's -> the same nodes in the updates' structure (a
+        clear error where it differs).
       updates: the gradients (their shapes give the leaves').
       active: a tree of the updates' structure, True where the leaf is observed.
-      moments: ``() -> (m_hat, v_mean)``: per observed leaf the bias-corrected first moment and
-        the mean of the bias-corrected second moment (None elsewhere); called only on the steps
-        that refresh.
+      moments: ``() -> NoiseMoments`` of the observed leaves; called only on the steps that
+        refresh.
       settings: the decays, the step scale's exponent and bounds.
       bound: ``"clip"`` or ``"smooth"`` (:func:`bounded_scale`).
       axis_name: the mapped axis over which replicas average their estimates, or None.
+      fisher: the estimate is the empirical Fisher diagonal, the squared updates: on the flat
+        path it is squared once, after laying the updates end to end (the estimate's own
+        per-leaf squares are then unused, and compiled away).
 
     Returns:
-      ``(stores, estimator_state, curvature_count, signals)``, stores and signals shaped like
-      the updates.
+      ``(stores, estimator_state, curvature_count, signals)``: the observed leaves' stores and
+      their signals as vectors over the observed leaves.
     """
-    stores = as_named_tuples(compression.CompressedDiagonal, like_updates(state.curvature))
-    signals = as_named_tuples(LeafSignals, like_updates(state.leaf_signals))
+    stores = state.curvature
+    signals = as_named_tuple(LeafSignals, state.leaf_signals)
+    flags = [bool(flag) for flag in jax.tree.leaves(active)]
 
     def refresh(operand):
         stores, estimator_state, curvature_count, signals = operand
@@ -171,59 +248,70 @@ def refresh_when_due(
                 lambda d, a: d if a is None else a, diagonal, averaged, is_leaf=_is_none
             )
         curvature_count = optax.safe_increment(curvature_count)
-        folded = jax.tree.map(
-            lambda a, g, store, h, signal: (
-                _fold(store, h, signal, g.shape, curvature_count, settings.curvature_decay)
-                if a
-                else None
-            ),
-            active,
-            updates,
-            stores,
-            diagonal,
-            signals,
-            is_leaf=is_masked,
-        )
-        kept = jax.tree.leaves(folded, is_leaf=_is_folded)
-        if not kept:
+        if not any(flags):
             return stores, estimator_state, curvature_count, signals
-        kappa_ref = reference_curvature([f.summary.mean for f in kept])
-        m_hat, v_mean = moments()
-
-        def signal_of(fold, m, v):
-            signal = jnp.mean(jnp.square(m))
-            noise = jnp.maximum(v - signal, 0.0)
-            kappa = jnp.maximum(fold.summary.mean, 0.0)
-            return LeafSignals(
-                mean_curvature=fold.summary.mean,
-                max_curvature=fold.summary.max_abs,
-                trace=fold.summary.trace,
-                # m_hat can cancel to exactly 0 while v_hat > 0: keep the ratio finite.
-                noise_to_signal=jnp.minimum(noise / (signal + _TINY), _HUGE),
-                step_scale=bounded_scale(
-                    kappa_ref,
-                    kappa,
-                    alpha=settings.alpha,
-                    min_scale=settings.min_scale,
-                    max_scale=settings.max_scale,
-                    bound=bound,
-                ),
-                dropped_estimates=fold.dropped,
-            )
-
-        new_stores = jax.tree.map(
-            lambda fold, old: old if fold is None else fold.store,
-            folded,
-            stores,
-            is_leaf=_is_folded_or_none,
+        treedef = jax.tree.structure(updates)
+        estimates = [
+            h for h, flag in zip(treedef.flatten_up_to(diagonal), flags, strict=True) if flag
+        ]
+        shapes = [
+            tuple(g.shape) for g, flag in zip(jax.tree.leaves(updates), flags, strict=True) if flag
+        ]
+        decay = settings.curvature_decay
+        if all_whole(estimates):
+            group = StoreGroup(shapes, stores)
+            if fisher and axis_name is None:
+                observed = [
+                    g for g, flag in zip(jax.tree.leaves(updates), flags, strict=True) if flag
+                ]
+                h = jnp.square(group.segments.concat(observed))
+            else:
+                h = group.segments.concat(estimates)
+            candidate = group.update(stores, h, decay)
+            keep = group.finite(candidate)
+            new_stores = group.select(keep, candidate, stores)
+            summary = group.summarize(new_stores)
+        else:
+            folded = [
+                _fold_store(store, h, decay)
+                for store, h in zip(stores.leaves(), estimates, strict=True)
+            ]
+            new_stores = CurvatureStores.of([store for store, _ in folded])
+            keep = jnp.stack([kept for _, kept in folded])
+            per_leaf_summaries = [
+                compression.summarize_diagonal(store, shape)
+                for (store, _), shape in zip(folded, shapes, strict=True)
+            ]
+            summary = jax.tree.map(lambda *xs: jnp.stack(xs), *per_leaf_summaries)
+        old_dropped = signals.dropped_estimates
+        dropped = jnp.where(keep, old_dropped, optax.safe_increment(old_dropped))
+        kept = jnp.maximum(curvature_count - dropped, 0)
+        correction = jnp.maximum(
+            1 - jnp.asarray(decay, jnp.float32) ** kept.astype(jnp.float32), _TINY
         )
-        new_signals = jax.tree.map(
-            lambda fold, m, v, old: old if fold is None else signal_of(fold, m, v),
-            folded,
-            m_hat,
-            v_mean,
-            signals,
-            is_leaf=_is_folded_or_none,
+        summary = jax.tree.map(lambda x: x / correction, summary)
+
+        noise = moments()
+        signal = leaf_means(noise.m, jnp.square) * jnp.square(noise.inv_bias_correction1)
+        v_mean = (
+            leaf_means(noise.v) if isinstance(noise.v, list) else noise.v
+        ) * noise.inv_bias_correction2
+        noise_level = jnp.maximum(v_mean - signal, 0.0)
+        new_signals = LeafSignals(
+            mean_curvature=summary.mean,
+            max_curvature=summary.max_abs,
+            trace=summary.trace,
+            # m_hat can cancel to exactly 0 while v_hat > 0: keep the ratio finite.
+            noise_to_signal=jnp.minimum(noise_level / (signal + _TINY), _HUGE),
+            step_scale=bounded_scale(
+                reference_curvature(summary.mean),
+                jnp.maximum(summary.mean, 0.0),
+                alpha=settings.alpha,
+                min_scale=settings.min_scale,
+                max_scale=settings.max_scale,
+                bound=bound,
+            ),
+            dropped_estimates=dropped,
         )
         return new_stores, estimator_state, curvature_count, new_signals
 
@@ -248,20 +336,14 @@ def _fold(
     curvature_count: jax.Array,
     curvature_decay: Any,
 ) -> _Folded:
-    """Folds a leaf's estimate into its EMA, leaving a non-finite estimate out.
+    """Folds one leaf's estimate into its EMA, leaving a non-finite estimate out: the one-leaf
+    reference of what :func:`refresh_when_due` does for every leaf.
 
     A non-finite estimate (``|x|**1.5`` at 0, an overflowing HVP) would stay in the EMA for good:
     it is left out, and the leaf's bias correction ``1 - decay**kept`` counts only the estimates
     it kept. ``curvature_count`` is the count after this estimate.
     """
-    candidate = compression_sharded.update_compressed_ema(store, diagonal, curvature_decay)
-    # Every element of the estimate enters a block mean of the candidate, so the candidate is
-    # finite only if the estimate is; and max(|x|) is NaN or inf exactly where x holds one.
-    # Two small reductions, where checking the whole estimate would be two more of its size.
-    keep = jnp.isfinite(_max_abs(candidate.block_means)) & jnp.isfinite(
-        _max_abs(candidate.outlier_values)
-    )
-    store = jax.tree.map(lambda new, old: jnp.where(keep, new, old), candidate, store)
+    store, keep = _fold_store(store, diagonal, curvature_decay)
     old_dropped = signal.dropped_estimates
     dropped = jnp.where(keep, old_dropped, optax.safe_increment(old_dropped))
     kept = jnp.maximum(curvature_count - dropped, 0)
@@ -271,16 +353,23 @@ def _fold(
     return _Folded(store, jax.tree.map(lambda x: x / correction, summary), dropped)
 
 
+def _fold_store(
+    store: compression.CompressedDiagonal, diagonal: jax.Array, curvature_decay: Any
+) -> tuple[compression.CompressedDiagonal, jax.Array]:
+    """One leaf's store after an estimate (partitioned shard by shard when the leaf is sharded),
+    and whether it was kept: a non-finite candidate leaves the old store in place."""
+    candidate = compression_sharded.update_compressed_ema(store, diagonal, curvature_decay)
+    # Every element of the estimate enters a block mean of the candidate, so the candidate is
+    # finite only if the estimate is; and max(|x|) is NaN or inf exactly where x holds one.
+    # Two small reductions, where checking the whole estimate would be two more of its size.
+    keep = jnp.isfinite(_max_abs(candidate.block_means)) & jnp.isfinite(
+        _max_abs(candidate.outlier_values)
+    )
+    return jax.tree.map(lambda new, old: jnp.where(keep, new, old), candidate, store), keep
+
+
 def _is_none(node: Any) -> bool:
     return node is None
-
-
-def _is_folded(node: Any) -> bool:
-    return isinstance(node, _Folded)
-
-
-def _is_folded_or_none(node: Any) -> bool:
-    return node is None or isinstance(node, _Folded)
 
 
 def _max_abs(x: jax.Array) -> jax.Array:

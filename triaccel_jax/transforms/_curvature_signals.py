@@ -37,6 +37,7 @@ from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.kernels import cast as cast_kernel
 from triaccel_jax.transforms import _compression as compression
+from triaccel_jax.transforms import _compression_grouped as compression_grouped
 from triaccel_jax.transforms import _curvature as curvature_lib
 from triaccel_jax.transforms import _curvature_refresh as refresh_lib
 from triaccel_jax.transforms._config import CurvatureSettings
@@ -54,8 +55,10 @@ class CurvatureSignalsState(NamedTuple):
     :func:`triaccel_jax.scale_by_triaccel`, :func:`triaccel_jax.triaccel` and
     :func:`triaccel_jax.scale_by_curvature`); arrays only.
 
-    Trees are shaped like the params; leaves it does not observe (integer, boolean, empty) hold
-    ``optax.MaskedNode()``.
+    ``mu`` (and Adam's ``nu``) are shaped like the params, with ``optax.MaskedNode()`` at the
+    leaves it does not observe (integer, boolean, empty). Everything kept per leaf besides the
+    moments is a vector over the observed leaves, in the params' leaf order, so that the
+    compiled update does not grow with the number of leaves.
 
     Attributes:
       count: int32 number of updates, saturating.
@@ -64,10 +67,13 @@ class CurvatureSignalsState(NamedTuple):
       mu: EMA of the gradients (decay ``b1``; Adam's first moment), in the state dtype.
       nu: EMA of the squared gradients (decay ``b2``): Adam's second moment, element-wise in
         the state dtype, where the signals keep Adam's moments (``scale_by_triaccel``,
-        ``triaccel``); else, for the observer, a float32 scalar per leaf, the EMA of
-        ``mean(g**2)`` over the leaf.
-      curvature: the curvature EMA per leaf, a :class:`triaccel_jax.transforms.CompressedDiagonal`.
-      leaf_signals: :class:`triaccel_jax.transforms.LeafSignals` per leaf.
+        ``triaccel``); else, for the observer, a float32 vector with one entry per observed
+        leaf, the EMA of ``mean(g**2)`` over the leaf.
+      curvature: every observed leaf's curvature EMA, laid end to end
+        (:class:`triaccel_jax.transforms.CurvatureStores`; its ``leaves()`` are the per-leaf
+        :class:`triaccel_jax.transforms.CompressedDiagonal`).
+      leaf_signals: one :class:`triaccel_jax.transforms.LeafSignals` whose fields are vectors
+        with one entry per observed leaf.
       estimator_state: the curvature estimator's state.
       rounding_key: uint32 PRNG key data for the stochastic rounding of the moments.
     """
@@ -81,6 +87,27 @@ class CurvatureSignalsState(NamedTuple):
     leaf_signals: Any
     estimator_state: Any
     rounding_key: jax.Array
+
+    def leaf_paths(self) -> list[str]:
+        """The ``"a/b/kernel"`` paths of the observed leaves: the order of every per-leaf vector
+        in the state (the leaves of ``mu``; the others hold ``optax.MaskedNode``)."""
+        with_paths, _ = jax.tree_util.tree_flatten_with_path(self.mu)
+        return [tree_lib.path_string(path) for path, _ in with_paths]
+
+    def signals_by_leaf(self) -> dict[str, LeafSignals]:
+        """Each observed leaf's :class:`LeafSignals` (scalars), keyed by its path."""
+        paths = self.leaf_paths()
+        vectors = refresh_lib.as_named_tuple(LeafSignals, self.leaf_signals)
+        if any(jnp.shape(field) != (len(paths),) for field in vectors):
+            raise ValueError(
+                f"the state holds signals of shapes {[jnp.shape(f) for f in vectors]} for "
+                f"{len(paths)} observed leaves: it is not a state of this version of triaccel_jax"
+            )
+        return {path: LeafSignals(*(field[i] for field in vectors)) for i, path in enumerate(paths)}
+
+    def curvature_by_leaf(self) -> dict[str, compression.CompressedDiagonal]:
+        """Each observed leaf's curvature EMA (not bias-corrected), keyed by its path."""
+        return dict(zip(self.leaf_paths(), self.curvature.leaves(), strict=True))
 
 
 def check_leaf(path: Any, leaf: Any) -> None:
@@ -140,28 +167,45 @@ def init_moments(params: Any, config: TriAccelConfig) -> Any:
     return jax.tree_util.tree_map_with_path(zeros_or_skip, params)
 
 
-def init_curvature(params: Any, config: TriAccelConfig) -> tuple[Any, Any]:
-    """Empty compressed curvature stores and zero :class:`LeafSignals`, one per trained leaf."""
+def init_curvature(
+    params: Any, config: TriAccelConfig
+) -> tuple[compression_grouped.CurvatureStores, LeafSignals]:
+    """Empty compressed curvature stores and zero :class:`LeafSignals` of the trained leaves.
 
-    def store_or_skip(leaf):
-        if not tree_lib.is_trainable(leaf):
-            return optax.MaskedNode()
-        store = compression.empty_store(leaf.shape, block_size=config.block_size, rho=config.rho)
-        return jax.tree.map(lambda x: placed(x, leaf, same_shape=False), store)
-
-    def signals_or_skip(leaf):
-        if not tree_lib.is_trainable(leaf):
-            return optax.MaskedNode()
-        # Distinct arrays, never one shared buffer: callers donate the state to `jit`.
-        zeros = [jnp.zeros((), jnp.float32) for _ in range(4)]
-        # mypy cannot tell that `zeros` fills exactly the four fields before step_scale.
-        return LeafSignals(  # type: ignore[misc]
-            *zeros,
-            step_scale=jnp.ones((), jnp.float32),
-            dropped_estimates=jnp.zeros((), jnp.int32),
+    Both are laid end to end over the observed leaves (vectors of one entry per leaf). On a
+    sharded model they are replicated over the mesh of the first sharded parameter: they are
+    small (about ``1 / block_size`` of the params), and every device reads all of them.
+    """
+    leaves = [leaf for leaf in jax.tree.leaves(params) if tree_lib.is_trainable(leaf)]
+    stores = compression_grouped.CurvatureStores.of(
+        [
+            compression.empty_store(leaf.shape, block_size=config.block_size, rho=config.rho)
+            for leaf in leaves
+        ]
+    )
+    count = len(leaves)
+    # Distinct arrays, never one shared buffer: callers donate the state to `jit`.
+    signals = LeafSignals(
+        mean_curvature=jnp.zeros((count,), jnp.float32),
+        max_curvature=jnp.zeros((count,), jnp.float32),
+        trace=jnp.zeros((count,), jnp.float32),
+        noise_to_signal=jnp.zeros((count,), jnp.float32),
+        step_scale=jnp.ones((count,), jnp.float32),
+        dropped_estimates=jnp.zeros((count,), jnp.int32),
+    )
+    mesh_leaf = next(
+        (
+            leaf
+            for leaf in leaves
+            if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)
+        ),
+        None,
+    )
+    if mesh_leaf is not None:
+        stores, signals = jax.tree.map(
+            lambda x: placed(x, mesh_leaf, same_shape=False), (stores, signals)
         )
-
-    return jax.tree.map(store_or_skip, params), jax.tree.map(signals_or_skip, params)
+    return stores, signals
 
 
 def make_estimator(config: TriAccelConfig, seed: int) -> optax.GradientTransformationExtraArgs:
@@ -253,7 +297,7 @@ class Step(NamedTuple):
       like_updates: a tree of the state's -> its nodes in the updates' structure.
       active: True where the signals observe the leaf (a tree of Python bools).
       mu: the first moments (``MaskedNode`` where not observed).
-      nu: the second moments.
+      nu: the second moments: like ``mu`` (Adam's), or the observer's vector of leaf means.
       count: the new step number (the state's count plus one).
       keys: each leaf's PRNG key for this step.
     """
@@ -316,7 +360,11 @@ def prepare(
         like_updates=like_updates,
         active=jax.tree_util.tree_map_with_path(observed, updates, mu),
         mu=mu,
-        nu=like_updates(state.nu),
+        nu=(
+            like_updates(state.nu)
+            if jax.tree.structure(state.nu) == jax.tree.structure(state.mu)
+            else state.nu
+        ),
         count=optax.safe_increment(state.count),
         keys=treedef.unflatten([jax.random.fold_in(step_key, i) for i in range(len(with_paths))]),
     )
@@ -327,7 +375,7 @@ def refresh(
     updates: Any,
     state: CurvatureSignalsState,
     params: Any,
-    moments: Callable[[], tuple[Any, Any]],
+    moments: Callable[[], refresh_lib.NoiseMoments],
     *,
     settings: CurvatureSettings,
     config: TriAccelConfig,
@@ -335,8 +383,9 @@ def refresh(
     """The curvature step when it is due: ``(stores, estimator_state, curvature_count,
     signals)`` (:func:`triaccel_jax.transforms._curvature_refresh.refresh_when_due`).
 
-    ``moments()`` gives ``(m_hat, v_mean)`` per observed leaf; it is called only on the steps
-    that refresh, so a caller that has not computed them (the fused update) computes them then.
+    ``moments()`` gives the observed leaves' :class:`NoiseMoments`; it is called only on the
+    steps that refresh, so a caller that has not computed them (the fused update) computes them
+    then.
     """
     estimator_tx = make_estimator(config, settings.seed)
     return refresh_lib.refresh_when_due(
@@ -351,6 +400,7 @@ def refresh(
         settings=settings,
         bound=config.bound,
         axis_name=config.axis_name,
+        fisher=config.estimator == "fisher",
     )
 
 
@@ -390,15 +440,15 @@ def adam_moments(step: Step, updates: Any, scalars: kernels.Scalars) -> Any:
     )
 
 
-def noise_moments(moments: Any) -> tuple[Any, Any]:
-    """What the noise ratio reads of :func:`adam_moments`' result: ``(m_hat, mean(v_hat))``."""
-    return (
-        jax.tree.map(
-            lambda m: None if m is None else m.m_hat, moments, is_leaf=_is_moments_or_none
-        ),
-        jax.tree.map(
-            lambda m: None if m is None else jnp.mean(m.v_hat), moments, is_leaf=_is_moments_or_none
-        ),
+def noise_moments(moments: Any, scalars: kernels.Scalars) -> refresh_lib.NoiseMoments:
+    """What the noise ratio reads of :func:`adam_moments`' result (Adam's element-wise moments),
+    for the observed leaves in tree order."""
+    held = [m for m in jax.tree.leaves(moments, is_leaf=_is_moments_or_none) if m is not None]
+    return refresh_lib.NoiseMoments(
+        m=[m.mu for m in held],
+        v=[m.nu for m in held],
+        inv_bias_correction1=scalars.inv_bias_correction1,
+        inv_bias_correction2=scalars.inv_bias_correction2,
     )
 
 
@@ -438,11 +488,7 @@ def keep_signals(
         if adam:
             nu = init_moments(params, config)
         else:
-            nu = jax.tree.map(
-                lambda m: m if refresh_lib.is_masked(m) else jnp.zeros((), jnp.float32),
-                mu,
-                is_leaf=refresh_lib.is_masked,
-            )
+            nu = jnp.zeros_like(leaf_signals.mean_curvature)
         return CurvatureSignalsState(
             count=jnp.zeros([], jnp.int32),
             curvature_count=jnp.zeros([], jnp.int32),
@@ -469,8 +515,12 @@ def keep_signals(
         scalars = kernels.adam_scalars(
             count=step.count, b1=settings.b1, b2=settings.b2, eps=0.0 if not adam else adam_eps
         )
-        # The observer keeps v's mean over the leaf only.
-        moments = adam_moments(step, updates, scalars)
+        # The observer keeps v's mean over each leaf only (below), not Adam's element-wise v.
+        moments = adam_moments(
+            step if adam else step._replace(nu=jax.tree.map(jnp.zeros_like, step.mu)),
+            updates,
+            scalars,
+        )
 
         def each(fn: Callable[..., Any], *trees: Any) -> Any:
             """``fn(moments, *nodes)`` on the observed leaves, None on the others."""
@@ -500,18 +550,42 @@ def keep_signals(
                 step.keys,
             )
         else:
-            # In the stored mean's own dtype, so that the state's dtypes never change.
-            nu = each(lambda m, old: jnp.mean(m.nu).astype(old.dtype), step.nu)
+            # The EMA of each leaf's mean(g**2): b2 * nu + (1 - b2) * mean(g**2), one segmented
+            # mean over all observed leaves.
+            observed = [
+                g
+                for g, flag in zip(
+                    jax.tree.leaves(updates), jax.tree.leaves(step.active), strict=True
+                )
+                if flag
+            ]
+            squares = refresh_lib.leaf_means(observed, jnp.square)
+            nu = scalars.b2 * step.nu + scalars.one_minus_b2 * squares
         refreshed = refresh(
             step,
             updates,
             state,
             params,
-            lambda: noise_moments(moments),
+            (lambda: noise_moments(moments, scalars))
+            if adam
+            else (
+                lambda: refresh_lib.NoiseMoments(
+                    m=[
+                        m.mu
+                        for m in jax.tree.leaves(moments, is_leaf=_is_moments_or_none)
+                        if m is not None
+                    ],
+                    v=nu,
+                    inv_bias_correction1=scalars.inv_bias_correction1,
+                    inv_bias_correction2=scalars.inv_bias_correction2,
+                )
+            ),
             settings=settings,
             config=config,
         )
-        new_state = advanced(state, step, refreshed, mu=kept(mu, step.mu), nu=kept(nu, step.nu))
+        new_state = advanced(
+            state, step, refreshed, mu=kept(mu, step.mu), nu=kept(nu, step.nu) if adam else nu
+        )
         if not adam:
             return updates, new_state
         direction = jax.tree.map(

@@ -34,6 +34,7 @@ from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.kernels import fused_update as fused_kernel
 from triaccel_jax.transforms import _alias as alias
+from triaccel_jax.transforms import _curvature_refresh as refresh_lib
 from triaccel_jax.transforms import _curvature_signals as signals_lib
 from triaccel_jax.transforms._config import CurvatureSettings
 from triaccel_jax.transforms._config import TriAccelConfig
@@ -309,15 +310,18 @@ def _fused(
 
     def moments() -> tuple[Any, Any]:
         # Only the steps that refresh the curvature read the moments outside the kernel.
-        return signals_lib.noise_moments(signals_lib.adam_moments(step, grads, scalars))
+        return signals_lib.noise_moments(signals_lib.adam_moments(step, grads, scalars), scalars)
 
     refreshed = signals_lib.refresh(
         step, grads, signals_state, params, moments, settings=settings, config=config
     )
-    signals = refreshed[3]
+    # The step scale of each observed leaf (a vector over them in the state), None elsewhere.
+    treedef = jax.tree.structure(grads)
+    flags = [bool(flag) for flag in treedef.flatten_up_to(step.active)]
+    signals = treedef.unflatten(refresh_lib.per_leaf(refreshed[3].step_scale, flags))
     decays = _decayed_leaves(fused.mask, grads, step.like_updates)
 
-    def leaf(path, active, g, mu, nu, param, signal, key, decays_leaf):
+    def leaf(path, active, g, mu, nu, param, step_scale, key, decays_leaf):
         if not active:
             # Not trained: the chain passes the update through and apply_updates adds it.
             new = optax.apply_updates(param, _times(g, learning_rate_factor))
@@ -333,7 +337,7 @@ def _fused(
             mu,
             nu,
             param,
-            signal.step_scale,
+            step_scale,
             count=step.count,
             learning_rate=rate,
             b1=settings.b1,

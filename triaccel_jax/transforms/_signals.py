@@ -8,7 +8,6 @@ inside an optimizer state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -74,22 +73,10 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
     """
     result: dict[str, dict[str, Any]] = {}
     for state in _states(opt_state, ""):
-
-        def is_store(node):
-            return isinstance(node, compression.CompressedDiagonal) or (
-                isinstance(node, Mapping) and set(node) == set(STORE_FIELDS)
-            )
-
         entries = _leaf_signals(state)
         dtypes = jax.tree.leaves(state.mu)
         values = [leaf for _, leaf in entries]
-        stores = [
-            s
-            if isinstance(s, compression.CompressedDiagonal)
-            else compression.CompressedDiagonal(**s)
-            for s in jax.tree.leaves(state.curvature, is_leaf=is_store)
-            if is_store(s)
-        ]
+        stores = list(state.curvature_by_leaf().values())
         traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((values, stores)))
         if not traced:
             values, stores = jax.device_get((values, stores))
@@ -106,9 +93,6 @@ def signals(opt_state: Any) -> dict[str, dict[str, Any]]:
             record["curvature_store"] = _bias_corrected(store, leaf_values, traced=traced)
             result[key] = record
     return result
-
-
-STORE_FIELDS = compression.CompressedDiagonal._fields
 
 
 def _bias_corrected(
@@ -209,21 +193,4 @@ def _states(opt_state: Any, consequence: str) -> list[Any]:
 
 def _leaf_signals(state: Any) -> list[tuple[str, refresh_lib.LeafSignals]]:
     """A triaccel state's per-leaf signals with their ``"a/b/kernel"`` paths, in leaf order."""
-    with_paths, _ = jax.tree_util.tree_flatten_with_path(
-        state.leaf_signals, is_leaf=_is_leaf_signals
-    )
-    return [
-        (
-            tree_lib.path_string(path),
-            node if isinstance(node, refresh_lib.LeafSignals) else refresh_lib.LeafSignals(**node),
-        )
-        for path, node in with_paths
-        if _is_leaf_signals(node)
-    ]
-
-
-def _is_leaf_signals(node: Any) -> bool:
-    # nnx.Optimizer gives the NamedTuple back as a dict of its fields (see `signals`).
-    return isinstance(node, refresh_lib.LeafSignals) or (
-        isinstance(node, Mapping) and set(node) == set(SIGNAL_NAMES)
-    )
+    return list(state.signals_by_leaf().items())

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
@@ -24,8 +23,8 @@ def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
     Every :class:`CurvatureSignalsState` inside ``opt_state`` has its moments re-cast (round to
     nearest) to the policy's state dtype of each leaf: the gradient EMA ``mu``, and ``nu`` where
     it is stored like ``mu`` (Adam's, in :func:`triaccel_jax.triaccel` and
-    :func:`triaccel_jax.scale_by_triaccel`; the observer's float32 means per leaf stay as they
-    are). Counters, curvature, signals and keys are kept as they are, and so are the states of
+    :func:`triaccel_jax.scale_by_triaccel`; the observer's float32 vector of leaf means stays as
+    it is). Counters, curvature, signals and keys are kept as they are, and so are the states of
     other transforms. Use it when the controller switches policy mid-run.
 
     Args:
@@ -53,19 +52,15 @@ def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
             raise ValueError(f"the new policy has no entry for leaf {name!r}")
         return moment.astype(policy_lib.float_format(policy.state(name)).dtype)
 
-    def recast_nu(path, moment, nu):
-        # Adam's second moment is stored like the first (its shape and dtype); the observer's
-        # float32 means per leaf are left as they are, unless a float32 scalar leaf makes the
-        # two alike (then it follows the policy, as Adam's would).
-        alike = jnp.shape(nu) == jnp.shape(moment) and nu.dtype == moment.dtype
-        return recast(path, nu) if alike else nu
-
     def convert(node):
         if not observer.is_signal_state(node):
             return node
+        # Adam's second moment is stored like the first (its tree, shapes and dtypes); the
+        # observer's float32 vector of leaf means is left as it is.
+        adams = jax.tree.structure(node.nu) == jax.tree.structure(node.mu)
         return node._replace(
             mu=jax.tree_util.tree_map_with_path(recast, node.mu),
-            nu=jax.tree_util.tree_map_with_path(recast_nu, node.mu, node.nu),
+            nu=jax.tree_util.tree_map_with_path(recast, node.nu) if adams else node.nu,
         )
 
     return jax.tree.map(convert, opt_state, is_leaf=observer.is_signal_state)

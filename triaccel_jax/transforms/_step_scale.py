@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import optax
 
 from triaccel_jax.transforms import _block_scale as block_scale
-from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _curvature_refresh as refresh_lib
 from triaccel_jax.transforms import _curvature_signals as signals_lib
 from triaccel_jax.transforms._config import CurvatureSettings
@@ -62,37 +61,46 @@ def scale_by_step_scale(
                 "the step scale reads the curvature signals of its chain: compose it after "
                 "them with with_signals (as scale_by_triaccel and scale_by_curvature do)"
             )
-        like_updates = _like(updates)
-        signals = refresh_lib.as_named_tuples(
-            LeafSignals, like_updates(curvature_signals.leaf_signals)
-        )
-        scales = jax.tree.map(
-            lambda s: s.step_scale if isinstance(s, LeafSignals) else None,
-            signals,
-            is_leaf=_is_signals_or_masked,
-        )
+        treedef = jax.tree.structure(updates)
+        try:
+            moments = treedef.flatten_up_to(curvature_signals.mu)
+        except (ValueError, TypeError) as error:
+            raise ValueError(
+                "the updates do not have the tree structure of the params the optimizer state "
+                f"was initialised with: {error}"
+            ) from None
+        # The signals are vectors over the observed leaves: those whose moment is not masked.
+        flags = [not refresh_lib.is_masked(m) for m in moments]
+        signals = refresh_lib.as_named_tuple(LeafSignals, curvature_signals.leaf_signals)
         if config.scale == "block":
-            stores = refresh_lib.as_named_tuples(
-                compression.CompressedDiagonal, like_updates(curvature_signals.curvature)
-            )
-            scales = _block_scales(updates, signals, stores)
-        out = jax.tree.map(_scaled, updates, scales, is_leaf=_is_none_or_masked)
+            scales = _block_scales(updates, flags, signals, curvature_signals.curvature)
+        else:
+            scales = refresh_lib.per_leaf(signals.step_scale, flags)
+        out = treedef.unflatten(
+            [
+                _scaled(u, scale)
+                for u, scale in zip(treedef.flatten_up_to(updates), scales, strict=True)
+            ]
+        )
         return out, state
 
-    def _block_scales(updates: Any, signals: Any, stores: Any) -> Any:
-        held = [
-            s.mean_curvature
-            for s in jax.tree.leaves(signals, is_leaf=_is_signals_or_masked)
-            if isinstance(s, LeafSignals)
-        ]
-        if not held:
-            return jax.tree.map(lambda _: None, updates)
-        kappa_ref = refresh_lib.reference_curvature(held)
-        return jax.tree.map(
-            lambda u, s, store: (
+    def _block_scales(
+        updates: Any, flags: list[bool], signals: LeafSignals, stores: Any
+    ) -> list[Any]:
+        if not any(flags):
+            return [None] * len(flags)
+        kappa_ref = refresh_lib.reference_curvature(signals.mean_curvature)
+        leaf_stores = iter(stores.leaves())
+        out: list[Any] = []
+        position = 0
+        for u, flag in zip(jax.tree.leaves(updates), flags, strict=True):
+            if not flag:
+                out.append(None)
+                continue
+            out.append(
                 block_scale.block_step_scale(
-                    store,
-                    s.mean_curvature,
+                    next(leaf_stores),
+                    signals.mean_curvature[position],
                     u.shape,
                     kappa_ref,
                     alpha=settings.alpha,
@@ -100,13 +108,9 @@ def scale_by_step_scale(
                     max_scale=settings.max_scale,
                     bound=config.bound,
                 )
-                if isinstance(s, LeafSignals)
-                else None
-            ),
-            updates,
-            signals,
-            stores,
-        )
+            )
+            position += 1
+        return out
 
     return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
 
@@ -149,26 +153,9 @@ def with_signals(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _like(updates: Any) -> Any:
-    treedef: Any = jax.tree.structure(updates)  # a jaxlib PyTreeDef: no stubs
-
-    def like_updates(tree: Any) -> Any:
-        return treedef.unflatten(treedef.flatten_up_to(tree))
-
-    return like_updates
-
-
 def _scaled(update: Any, scale: Any) -> Any:
     """``scale * update`` in float32 (or wider), back in the update's dtype; None: unscaled."""
     if scale is None or refresh_lib.is_masked(scale):
         return update
     wide = jnp.promote_types(update.dtype, jnp.float32)
     return (scale.astype(wide) * update.astype(wide)).astype(update.dtype)
-
-
-def _is_none_or_masked(node: Any) -> bool:
-    return node is None or refresh_lib.is_masked(node)
-
-
-def _is_signals_or_masked(node: Any) -> bool:
-    return isinstance(node, LeafSignals) or refresh_lib.is_masked(node)
