@@ -1,0 +1,84 @@
+"""The compiled update does not grow with the number of leaves, beyond what it writes per leaf.
+
+XLA's compile time grows with the number of kernels it compiles (jax#4667). Every optax optimizer
+compiles at least one kernel per array it writes: on XLA:CPU each per-leaf output is its own
+kernel, even sliced from one flat buffer, so an optimizer's count grows with the leaves by the
+number of per-leaf arrays it writes (AdamW: ``mu``, ``nu`` and the update). The curvature
+signals' statistics, refresh, noise ratio and step scale run over flat buffers with segment
+reductions, so each transform here grows with the leaves only by the per-leaf arrays it writes
+itself: the observer's gradient EMA ``mu``, and nothing for the transforms whose Adam moments
+replace the inner optimizer's.
+
+Counted on the compiled HLO of one update, for 8 and for 64 leaves of distinct shapes: the growth
+of (transform - the optax optimizer inside it) is at most ``writes * 56 + slack``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import triaccel_jax
+
+# optax's adamw and muon promote a Python float against their int32 count.
+pytestmark = pytest.mark.standard_promotion("optax.adamw and optax.contrib.muon promote internally")
+
+SMALL, LARGE = 8, 64
+# Kernels that do not scale with the leaves (the flat buffers' sort, scatters, the cond, the
+# scalar bookkeeping) may differ between two sizes of tree by a few fusions.
+SLACK = 8
+
+
+def _params(count: int) -> dict[str, jax.Array]:
+    # Distinct shapes: XLA compiles a kernel per distinct shape, where equal shapes might share.
+    return {f"layer{i:02d}": jnp.ones((4 + i, 3 + i % 5)) for i in range(count)}
+
+
+def fusions(tx: optax.GradientTransformation, count: int) -> int:
+    """The number of fusions (XLA's kernels) in the compiled ``update`` + ``apply_updates``."""
+    tx = optax.with_extra_args_support(tx)
+    params = _params(count)
+    state = tx.init(params)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    text = jax.jit(step).lower(params, state, params).compile().as_text()
+    return len(re.findall(r"^\s*(?:ROOT )?%\S+ = \S+ fusion\(", text, re.MULTILINE))
+
+
+def _muon() -> optax.GradientTransformation:
+    return optax.contrib.muon(1e-3, adam_learning_rate=1e-3)
+
+
+# name: (transform, the optax optimizer inside it, per-leaf arrays the transform adds)
+CASES = {
+    "curvature_signals + adamw": (
+        lambda: optax.chain(triaccel_jax.curvature_signals(), optax.adamw(1e-3)),
+        lambda: optax.adamw(1e-3),
+        1,
+    ),
+    "triaccel": (lambda: triaccel_jax.triaccel(1e-3), lambda: optax.adamw(1e-3), 0),
+    "scale_by_curvature(muon)": (lambda: triaccel_jax.scale_by_curvature(_muon()), _muon, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_transforms_extra_kernels_do_not_grow_with_the_leaves(name):
+    make, inner, writes = CASES[name]
+    extra = {count: fusions(make(), count) - fusions(inner(), count) for count in (SMALL, LARGE)}
+    growth = extra[LARGE] - extra[SMALL]
+    allowed = writes * (LARGE - SMALL) + SLACK
+    assert growth <= allowed, (name, extra, f"grew by {growth}, allowed {allowed}")
+
+
+def test_the_count_sees_per_leaf_kernels():
+    # The measure itself: optax's AdamW writes three arrays per leaf, so its count grows by at
+    # least that with every leaf (a count that saw no per-leaf kernel could not fail above).
+    growth = fusions(optax.adamw(1e-3), LARGE) - fusions(optax.adamw(1e-3), SMALL)
+    assert growth >= 3 * (LARGE - SMALL), growth
