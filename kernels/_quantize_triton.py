@@ -5,7 +5,7 @@ Imported lazily by :func:`triaccel_jax.kernels.quantize.quantize_blocks` and
 program handles ``ROWS`` whole blocks laid out as a ``(ROWS, WIDTH)`` tile (``WIDTH`` the block
 size rounded up to a power of two, the extra columns masked), so a block's absolute maximum is
 one reduction along the tile's rows and the data is read once. The arithmetic is the
-reference's (:mod:`triaccel_jax.kernels.quantize`) operation by operation, with IEEE-rounded
+reference's (:mod:`triaccel_jax.kernels.quantize`), with the same values at every step, IEEE-rounded
 division and square root (``div_rn``, ``sqrt_rn``) and the reference's counter hash of the
 element's flat index (:func:`triaccel_jax.kernels._rounding.counter_bits`, 32-bit integer
 multiplies and shifts), so the two agree bit for bit.
@@ -89,16 +89,16 @@ def quantize_kernel(
         inverse = tl.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)
         ratio = tl.minimum(tl.maximum(x * factor[:, None], 0.0) * inverse[:, None], 1.0)
         position = tl.sqrt_rn(ratio) * 256.0 - 1.0
-        lower = tl.minimum(tl.maximum(tl.floor(position), 0.0), 254.0)
+        lower = tl.minimum(
+            tl.maximum(tl.floor(position), 0.0), 254.0
+        )  # the reference's clip(trunc)
         root = (lower + 1.0) * 0.00390625  # exact: (code + 1) / 256
         distance = ratio - root * root
         gap = (lower * 2.0 + 3.0) * 1.52587890625e-05  # exact: (2 * code + 3) / 2**16
         if STOCHASTIC:
             up = _uniform(words_ptr, offsets) * gap < distance
         else:
-            half = gap * 0.5
-            odd = (lower.to(tl.int32) & 1) == 1
-            up = (distance > half) | ((distance == half) & odd)
+            up = distance >= gap * 0.5  # ties to the upper level
         code = lower + up.to(tl.float32)
         code = tl.where(kept[:, None], code, 0.0)
         tl.store(codes_ptr + offsets, code.to(tl.uint8), mask=mask)
@@ -109,7 +109,7 @@ def quantize_kernel(
         fraction = scaled - lower
         if STOCHASTIC:
             up = _uniform(words_ptr, offsets) < fraction
-        else:
+        else:  # the reference's round to nearest even, as floor and fraction
             odd = (lower.to(tl.int32) & 1) == 1
             up = (fraction > 0.5) | ((fraction == 0.5) & odd)
         code = tl.minimum(tl.maximum(lower + up.to(tl.float32), -127.0), 127.0)

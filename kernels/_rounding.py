@@ -155,31 +155,36 @@ def fold_words(words: jax.Array, data: jax.Array | int) -> jax.Array:
 
     Args:
       words: uint32 ``[w0, w1]``.
-      data: an integer scalar (a step count, a leaf's index), traced or not; its low 32 bits.
+      data: integers (a step count, leaves' indices), traced or not; their low 32 bits.
 
     Returns:
-      uint32 ``[w0', w1']``.
+      uint32 words shaped ``data.shape + (2,)``: one pair per integer.
     """
     h = mix32(jnp.asarray(data).astype(_U32) + _U32(GOLDEN))
-    return jnp.stack([mix32(words[0] ^ h), mix32(words[1] + h)])
+    return jnp.stack([mix32(words[0] ^ h), mix32(words[1] + h)], axis=-1)
 
 
 def key_words(key: jax.Array) -> jax.Array:
-    """The two uint32 words that key :func:`counter_bits`: the key's data, every word folded in.
+    """The two uint32 words that key :func:`counter_bits`, from the key's data alone.
+
+    Two words of key data (Threefry's, or :func:`fold_words`') are taken as they are, xor-ed
+    with two constants so that the data of ``jax.random.key(0)``, all zeros, does not give the
+    mix its fixed point at zero; any other number of words (4 for ``rbg``) is folded into two.
 
     Args:
-      key: a typed PRNG key, or legacy uint32 key data (``jax.random.PRNGKey``'s, or
-        :func:`fold_words`' words); any implementation's key data (2 words for Threefry, 4 for
-        ``rbg``) is folded into two.
+      key: a typed PRNG key, or legacy uint32 key data.
 
     Returns:
-      uint32 ``[w0, w1]``, a function of the key data alone (no generator runs).
+      uint32 ``[w0, w1]`` (no generator runs).
     """
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
     if key.dtype != _U32:
         raise ValueError(f"a PRNG key or uint32 key data is needed, got {key.dtype}")
-    words = jnp.array([GOLDEN, MIX_A], _U32)
+    offset = jnp.array([GOLDEN, MIX_A], _U32)
+    if key.shape == (2,):
+        return key ^ offset
+    words = offset
     for word in key.reshape(-1):
         words = fold_words(words, word)
     return words

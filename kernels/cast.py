@@ -134,6 +134,48 @@ def cast_reference(
     return _reference(x, dtype, rounding, words, scale)
 
 
+def round_stochastic(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
+    """Rounds ``x`` stochastically to ``dtype`` with the caller's random bits (pure JAX).
+
+    :func:`cast`'s stochastic rounding, for a caller that draws its own bits, one uint32 per
+    element; XLA fuses it with whatever computes ``x``. :func:`cast` draws Philox bits from a key,
+    as its Triton kernel does; an optimizer that stores its state at every step draws cheaper ones
+    (:func:`triaccel_jax.kernels.quantize.random_bits`, a counter hash). No custom VJP: this
+    stores values, it is not a layer.
+
+    Args:
+      x: a floating-point array (computed in float32).
+      dtype: bfloat16, float16 or float8_e4m3fn; or a dtype that holds every value of ``x``
+        exactly (a plain cast, ``bits`` unread).
+      bits: uint32 random bits shaped like ``x``.
+
+    Returns:
+      ``x`` in ``dtype``, with the special values and overflow of :func:`cast_reference`.
+
+    Raises:
+      ValueError: a non-float ``x``, an unsupported ``dtype``, or ``bits`` not uint32 of
+        ``x``'s shape.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from triaccel_jax.kernels.cast import round_stochastic
+      >>> x = jnp.full((1000,), 1.0 + 2.0**-9)  # a quarter of the way from 1 to the next bf16
+      >>> bits = jax.random.bits(jax.random.key(0), x.shape, jnp.uint32)
+      >>> y = round_stochastic(x, jnp.bfloat16, bits).astype(jnp.float32)
+      >>> bool(jnp.all((y == 1.0) | (y == 1.0 + 2.0**-7))), round(float(jnp.mean(y)), 3)
+      (True, 1.002)
+    """
+    dtype, _ = _validate(x, dtype, "nearest", None, None)
+    if bits.dtype != jnp.uint32 or bits.shape != x.shape:
+        raise ValueError(
+            f"`bits` must be uint32 shaped like `x` {list(x.shape)}, got "
+            f"{bits.dtype}{list(bits.shape)}"
+        )
+    if _rounding.is_exact(x.dtype, dtype):
+        return x.astype(dtype)
+    return _rounding.round_stochastic(x.astype(jnp.float32), _rounding.target_format(dtype), bits)
+
+
 def scale_from_amax(
     amax: jax.Array | float, dtype: Any = jnp.float8_e4m3fn, *, margin: int = 0
 ) -> jax.Array:

@@ -47,12 +47,14 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import _rounding
@@ -98,28 +100,54 @@ def num_blocks(size: int, block_size: int) -> int:
 
 
 def fold_in(key: jax.Array, data: Any) -> jax.Array:
-    """A new key for :func:`quantize_blocks` from ``key`` and an integer, in a few integer ops.
+    """New keys for :func:`quantize_blocks` from ``key`` and integers, in a few integer ops.
 
     The counterpart of ``jax.random.fold_in`` for this module's counter hash: ``key``'s data and
     the low 32 bits of ``data`` mixed into two words, where ``jax.random.fold_in`` runs Threefry
     (20 rounds; an optimizer that folds a step and a leaf index into its key per state leaf
     compiles seconds slower over a few hundred leaves with it). Distinct ``data`` give distinct
-    keys.
+    keys; an array of ``data`` gives one key each, in one vectorized operation.
 
     Args:
       key: a typed PRNG key or uint32 key data (as :func:`quantize_blocks` takes).
-      data: an integer scalar (a step count, a leaf's index), traced or not.
+      data: an integer, or an array of them (a step count, leaves' indices), traced or not.
 
     Returns:
-      uint32[2] key data, a key that :func:`quantize_blocks` takes.
+      uint32 key data shaped ``jnp.shape(data) + (2,)``: keys that :func:`quantize_blocks` takes.
 
     Example:
       >>> import jax, jax.numpy as jnp
       >>> key = jax.random.key(0)
       >>> fold_in(key, 1).dtype, bool(jnp.any(fold_in(key, 1) != fold_in(key, 2)))
       (dtype('uint32'), True)
+      >>> fold_in(key, jnp.arange(3)).shape
+      (3, 2)
     """
     return _rounding.fold_words(_rounding.key_words(key), data)
+
+
+def random_bits(key: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """The uint32 random bits :func:`quantize_blocks` rounds with, one per element of ``shape``.
+
+    The counter hash of each element's flat index under ``key``
+    (:func:`triaccel_jax.kernels._rounding.counter_bits`): for another rounding that should be as
+    cheap, e.g. an optimizer state stored in bfloat16 with
+    :func:`triaccel_jax.kernels.cast.round_stochastic`.
+
+    Args:
+      key: a typed PRNG key or uint32 key data (as :func:`quantize_blocks` takes).
+      shape: the shape of the array to round.
+
+    Returns:
+      uint32 bits of ``shape``; the same key gives the same bits.
+
+    Example:
+      >>> import jax
+      >>> bits = random_bits(jax.random.key(0), (2, 3))
+      >>> bits.dtype, bits.shape
+      (dtype('uint32'), (2, 3))
+    """
+    return _rounding.counter_bits(_rounding.key_words(key), tuple(shape))
 
 
 def check_block_size(block_size: Any) -> int:
@@ -178,11 +206,20 @@ def _as_blocks(x: jax.Array, block_size: int) -> jax.Array:
     """The flattened ``x`` padded with zeros to whole blocks, shaped ``(blocks, block_size)``."""
     flat = x.reshape(-1)
     padding = num_blocks(flat.size, block_size) * block_size - flat.size
-    return jnp.pad(flat, (0, padding)).reshape(-1, block_size)
+    if padding:
+        flat = lax.pad(flat, jnp.zeros((), flat.dtype), [(0, padding, 0)])
+    return flat.reshape(-1, block_size)
 
 
 def _from_blocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    return blocks.reshape(-1)[: math.prod(shape)].reshape(shape)
+    flat = blocks.reshape(-1)
+    size = math.prod(shape)
+    return (flat if flat.size == size else flat[:size]).reshape(shape)
+
+
+def _per_block(values: jax.Array, blocks: jax.Array) -> jax.Array:
+    """One value per block broadcast over the block's elements."""
+    return lax.broadcast_in_dim(values, blocks.shape, (0,))
 
 
 def sqrt_level(code: jax.Array) -> jax.Array:
@@ -208,49 +245,53 @@ def _quantize_reference(
 ) -> Quantized:
     """The reference on validated arguments; ``words`` are the hash's key words (or None).
 
-    Per element: a product with the block's reciprocal (computed once per block), a floor and
-    compares; the sqrt map adds a square root. Whether to take the upper level is decided by
-    comparing distances in value, ``uniform * gap < x - low`` (stochastic) or ``x - low >
-    gap / 2`` (nearest, ties to the even code), rather than by dividing by the gap.
+    Per element: a product with the block's reciprocal (computed once per block), a rounding to
+    an integer and compares; the sqrt map adds a square root. The sqrt map decides whether to
+    take the upper level by comparing distances in value, ``uniform * gap < x - low``
+    (stochastic) or ``x - low >= gap / 2`` (nearest), rather than by dividing by the gap. Written
+    in ``lax`` operations: an optimizer quantizes every state leaf, and ``jnp``'s wrappers
+    (``where``, ``clip``) were each a nested function to trace and lower per leaf.
     """
+    f32 = np.float32
     blocks = _as_blocks(x.astype(jnp.float32), block_size)
-    absmax = jnp.max(jnp.abs(blocks), axis=1, keepdims=True)  # NaN if the block holds one
+    absmax = jnp.max(jnp.abs(blocks), axis=1)  # NaN if the block holds one
     finite = jnp.isfinite(absmax)
     kept = finite & (absmax >= TINY)
     # Blocks whose maximum is 2**64 or more are scaled by 2**-64 (exact) before the reciprocal,
     # which for a maximum above 2**126 would be a subnormal that XLA:CPU flushes to zero. The
     # linear map's factor * 127 / safe is a normal number for any finite maximum; the sqrt
     # map's factor / safe is not (2**-128 near float32's largest), so it scales x first.
-    factor = jnp.where(absmax >= HUGE, np.float32(1 / HUGE), np.float32(1))
-    safe = jnp.where(kept, absmax * factor, np.float32(1))
+    factor = lax.select(absmax >= HUGE, jnp.full_like(absmax, 1 / HUGE), jnp.ones_like(absmax))
+    safe = lax.select(kept, absmax * factor, jnp.ones_like(absmax))
+    zero = jnp.zeros(blocks.shape, jnp.int32)
     if mapping == "linear":
         # Level c stands for c * absmax / 127: x's position in levels, up to rounding.
-        scaled = blocks * (factor * (np.float32(LINEAR_MAX) / safe))
-        lower = jnp.floor(scaled)
-        fraction = scaled - lower  # exact
+        scaled = blocks * _per_block(factor * (f32(LINEAR_MAX) / safe), blocks)
         if words is None:
-            odd = (lower.astype(jnp.int32) & 1) == 1
-            up = (fraction > 0.5) | ((fraction == 0.5) & odd)
+            code = lax.round(scaled, lax.RoundingMethod.TO_NEAREST_EVEN)
         else:
-            up = _uniform(words, blocks.shape) < fraction
-        code = jnp.clip(lower + up.astype(jnp.float32), -LINEAR_MAX, LINEAR_MAX)
-        codes = jnp.where(kept, code, np.float32(0)).astype(jnp.int8)
+            lower = lax.floor(scaled)
+            up = _uniform(words, blocks.shape) < scaled - lower
+            code = lax.select(up, lower + f32(1), lower)
+        code = lax.clamp(f32(-LINEAR_MAX), code, f32(LINEAR_MAX)).astype(jnp.int32)
+        codes = lax.select(_per_block(kept, blocks), code, zero).astype(jnp.int8)
     else:
-        ratio = jnp.minimum(jnp.maximum(blocks * factor, np.float32(0)) * (1 / safe), 1)
-        position = jnp.sqrt(ratio) * np.float32(SQRT_LEVELS) - np.float32(1)  # in [-1, 255]
-        lower = jnp.clip(jnp.floor(position), 0, SQRT_LEVELS - 2)
-        distance = ratio - sqrt_level(lower)  # exact level; the distance in value, not in sqrt
-        gap = (lower * 2 + 3) * np.float32(2.0**-16)  # exact: level(lower + 1) - level(lower)
+        ratio = lax.max(blocks * _per_block(factor, blocks), jnp.zeros_like(blocks))
+        ratio = lax.min(ratio * _per_block(f32(1) / safe, blocks), jnp.ones_like(blocks))
+        position = lax.sqrt(ratio) * f32(SQRT_LEVELS) - f32(1)  # in [-1, 255]
+        # Truncation is the floor here: a negative position is clipped to code 0 either way.
+        lower = lax.clamp(0, position.astype(jnp.int32), SQRT_LEVELS - 2)
+        root = (lower + 1).astype(jnp.float32) * f32(1 / SQRT_LEVELS)  # exact
+        distance = ratio - root * root  # to the level below, in value (not in sqrt); exact level
+        gap = (lower * 2 + 3).astype(jnp.float32) * f32(2.0**-16)  # exact
         if words is None:
-            half = gap * np.float32(0.5)
-            odd = (lower.astype(jnp.int32) & 1) == 1
-            up = (distance > half) | ((distance == half) & odd)
+            up = distance >= gap * f32(0.5)  # to nearest, ties to the upper level
         else:
             # Below the lowest level the distance is negative: never up, the lowest level kept.
             up = _uniform(words, blocks.shape) * gap < distance
-        code = lower + up.astype(jnp.float32)
-        codes = jnp.where(kept, code, np.float32(0)).astype(jnp.uint8)
-    scales = jnp.where(finite, absmax, np.float32(np.nan))[:, 0]
+        code = lax.select(up, lower + 1, lower)
+        codes = lax.select(_per_block(kept, blocks), code, zero).astype(jnp.uint8)
+    scales = lax.select(finite, absmax, jnp.full_like(absmax, np.nan))
     return Quantized(_from_blocks(codes, x.shape), scales)
 
 
@@ -258,12 +299,11 @@ def _dequantize_reference(
     codes: jax.Array, scales: jax.Array, block_size: int, mapping: str, dtype: jnp.dtype
 ) -> jax.Array:
     blocks = _as_blocks(codes, block_size)
-    absmax = scales[:, None]
     if mapping == "linear":
-        step = absmax * np.float32(1 / LINEAR_MAX)
+        step = _per_block(scales * np.float32(1 / LINEAR_MAX), blocks)
         values = blocks.astype(jnp.float32) * step
     else:
-        values = sqrt_level(blocks) * absmax
+        values = sqrt_level(blocks) * _per_block(scales, blocks)
     return _from_blocks(values, codes.shape).astype(dtype)
 
 

@@ -229,3 +229,30 @@ def test_errors():
         cast_lib.cast_reference(x, jnp.float8_e4m3fn, scale=jnp.ones(3))
     with pytest.raises(ValueError, match="rounding"):
         cast_lib.cast(x, jnp.float16, rounding="down", key=key)
+
+
+@pytest.mark.parametrize("dtype", TARGETS, ids=lambda d: jnp.dtype(d).name)
+def test_round_stochastic_with_given_bits_is_the_casts_rounding(dtype):
+    # With the very bits cast draws from a key (Philox stream 0), the two agree bit for bit: one
+    # rounding, whoever draws the bits.
+    x = _wide_values(4096, dtype, seed=3)
+    key = jax.random.key(9)
+    bits = _rounding.random_streams(_rounding.seed_words(key), x.shape)[0]
+    expected = cast_lib.cast_reference(x, dtype, rounding="stochastic", key=key)
+    got = cast_lib.round_stochastic(x, dtype, bits)
+    np.testing.assert_array_equal(
+        np.asarray(got).view(_RAW[got.dtype.itemsize]),
+        np.asarray(expected).view(_RAW[expected.dtype.itemsize]),
+    )
+
+
+def test_round_stochastic_names_bad_bits_and_casts_exact_targets_plainly():
+    x = jnp.linspace(-1, 1, 6).reshape(2, 3)
+    bits = jnp.zeros((2, 3), jnp.uint32)
+    np.testing.assert_array_equal(cast_lib.round_stochastic(x, jnp.float32, bits), x)
+    with pytest.raises(ValueError, match="uint32 shaped like"):
+        cast_lib.round_stochastic(x, jnp.bfloat16, bits.astype(jnp.int32))
+    with pytest.raises(ValueError, match="uint32 shaped like"):
+        cast_lib.round_stochastic(x, jnp.bfloat16, bits.reshape(3, 2))
+    with pytest.raises(ValueError, match="supported"):
+        cast_lib.round_stochastic(x, jnp.float8_e5m2, bits)

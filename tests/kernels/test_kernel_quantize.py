@@ -243,6 +243,16 @@ def test_counter_bits_are_distinct_and_uniform():
     assert abs(np.corrcoef(uniform, (other >> 8) / 2.0**24)[0, 1]) < 4.5 / np.sqrt(n)
 
 
+def test_random_bits_are_the_bits_quantize_blocks_rounds_with():
+    # Every element but the first lies half a level above 0: it rounds up exactly when its
+    # uniform, the top 24 of its bits, is below one half.
+    n, key = 512, jax.random.key(4)
+    x = jnp.full((n,), 0.5 / 127, jnp.float32).at[0].set(1.0)
+    codes = np.asarray(q.quantize_blocks(x, block_size=n, rounding="stochastic", key=key).codes)
+    uniform = (np.asarray(q.random_bits(key, (n,))) >> 8) / 2.0**24
+    np.testing.assert_array_equal(codes[1:], (uniform[1:] < 0.5).astype(np.int8))
+
+
 def test_fold_in_gives_every_step_and_leaf_its_own_key():
     key = jax.random.key(3)
     steps = jax.vmap(lambda t: q.fold_in(key, t))(jnp.arange(100))
