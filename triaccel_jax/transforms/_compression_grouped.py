@@ -8,10 +8,10 @@ computes the same stores for a whole group of leaves with a fixed number of oper
 * the estimates are concatenated into one flat buffer; every element's leaf, and its block or
   conv channel pair, come from an iota (:mod:`triaccel_jax.transforms._segments`);
 * block means are one ``segment_sum`` into the concatenated block means of all leaves;
-* the top-``k`` of every leaf at once is one stable sort by (leaf, ``-|value|``): within its leaf
-  an element's rank is its position in the sorted buffer less the leaf's offset, and the first
-  ``k_l`` of each leaf are gathered into the concatenated outliers. The stable sort breaks ties by
-  the lower flat index, as ``lax.top_k`` does, so indices and values equal the reference's;
+* the top-``k`` of every leaf: the leaves are grouped by size into power-of-two widths, and
+  each group is one ``(leaves, width)`` matrix and one batched ``lax.top_k`` (a sort of the
+  whole buffer is far slower on XLA:CPU), which breaks ties by the lower index as the per-leaf
+  reference does, so indices and values equal the reference's;
 * the per-leaf checks and summaries (finite, trace, largest magnitude) are segment reductions
   over the small block-mean and outlier buffers.
 
@@ -53,6 +53,17 @@ class CurvatureStores:
       outlier_values: float32 ``(K,)``.
       means_shapes: static, each leaf's block-means shape (``(num_blocks,)`` or ``(in, out)``).
       outlier_counts: static, each leaf's number of outliers ``k``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from triaccel_jax.transforms import CurvatureStores, compress_diagonal
+      >>> a = compress_diagonal(jnp.array([1.0, 3.0, 0.0, 8.0]), block_size=2, rho=0.25)
+      >>> b = compress_diagonal(jnp.array([2.0, 2.0]), block_size=2, rho=0.5)
+      >>> stores = CurvatureStores.of([a, b])
+      >>> stores.block_means.tolist(), stores.outlier_counts
+      ([2.0, 4.0, 2.0], (1, 1))
+      >>> stores.leaves()[0].outlier_indices.tolist()
+      [3]
     """
 
     block_means: jax.Array
@@ -200,19 +211,48 @@ class StoreGroup:
         )
         blended = decay * full + (1 - decay) * h
 
-        # Every leaf's top-k by magnitude at once: sorted by leaf, then by -|value|, stably.
-        position = jnp.arange(segments.total, dtype=jnp.int32)
-        _, _, order = lax.sort((leaf, -jnp.abs(blended), position), num_keys=2, is_stable=True)
+        local_indices = self._top_k(jnp.abs(blended))
+        return flat.replace(
+            block_means=means.astype(jnp.float32),
+            outlier_indices=local_indices,
+            outlier_values=blended[starts[outlier_leaf] + local_indices],
+        )
+
+    def _top_k(self, magnitude: jax.Array) -> jax.Array:
+        """Every leaf's ``k`` largest magnitudes' indices within the leaf, laid end to end.
+
+        A sort of the whole buffer is slow on XLA:CPU (hundreds of ms for a few 100k elements),
+        where ``lax.top_k`` over rows is fast. The leaves are grouped by size into power-of-two
+        widths; each group is one ``(leaves, width)`` matrix (padding below every magnitude) and
+        one batched ``top_k``, so the number of kernels follows the number of size classes, not
+        of leaves. ``top_k`` puts the largest first and breaks ties by the lower index, as the
+        per-leaf reference does.
+        """
+        segments = self.segments
+        sizes = segments.sizes
+        widths = 1 << np.ceil(np.log2(np.maximum(sizes, 1))).astype(np.int64)
+        ks = np.diff(self.outlier_offsets)
+        pieces, where = [], np.zeros((len(sizes), 2), np.int64)
+        base = 0
+        for width in np.unique(widths):
+            members = np.flatnonzero(widths == width)
+            k = int(ks[members].max())
+            column = jnp.arange(int(width), dtype=jnp.int32)[None, :]
+            valid = column < table(sizes[members])[:, None]
+            index = jnp.where(valid, table(segments.offsets[members])[:, None] + column, 0)
+            rows = jnp.where(valid, magnitude[index], -1.0)
+            _, top = lax.top_k(rows, k)
+            pieces.append(top.reshape(-1))
+            # Leaf members[r]'s outliers start at base + r * k in the laid-out results.
+            where[members, 0] = base + np.arange(len(members)) * k
+            base += len(members) * k
+        results = jnp.concatenate(pieces)
+        outlier_leaf = self._outlier_leaf()
         rank = (
             jnp.arange(int(self.outlier_offsets[-1]), dtype=jnp.int32)
             - table(self.outlier_offsets[:-1])[outlier_leaf]
         )
-        chosen = order[starts[outlier_leaf] + rank]
-        return flat.replace(
-            block_means=means.astype(jnp.float32),
-            outlier_indices=chosen - starts[outlier_leaf],
-            outlier_values=blended[chosen],
-        )
+        return results[table(where[:, 0])[outlier_leaf] + rank].astype(jnp.int32)
 
     def finite(self, flat: CurvatureStores) -> jax.Array:
         """Per leaf, whether its block means and outlier values are all finite, shape ``(L,)``.
