@@ -20,7 +20,6 @@ from triaccel_jax import training
 from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
 from triaccel_jax.controller._noise_scale import observe_noise
 from triaccel_jax.transforms import CurvatureSignalsState
-from triaccel_jax.transforms import LeafSignals
 from triaccel_jax.transforms import LossScaling
 from triaccel_jax.transforms import TriAccelConfig
 from triaccel_jax.transforms import fused_triaccel
@@ -52,16 +51,13 @@ def mse(params, batch):
 def with_curvature(state, curvature):
     """``state`` with every triaccel leaf's mean curvature set to ``curvature[leaf name]``."""
 
-    def set_leaf(path, signals):
-        return signals._replace(mean_curvature=jnp.float32(curvature[path[-1].key]))
-
     def set_state(node):
         if not isinstance(node, CurvatureSignalsState):
             return node
-        leaf_signals = jax.tree_util.tree_map_with_path(
-            set_leaf, node.leaf_signals, is_leaf=lambda x: isinstance(x, LeafSignals)
-        )
-        return node._replace(leaf_signals=leaf_signals)
+        # The signals are vectors over the observed leaves, in the order of their paths.
+        means = [curvature[path.split("/")[-1]] for path in node.leaf_paths()]
+        signals = node.leaf_signals._replace(mean_curvature=jnp.asarray(means, jnp.float32))
+        return node._replace(leaf_signals=signals)
 
     return jax.tree.map(set_state, state, is_leaf=lambda x: isinstance(x, CurvatureSignalsState))
 

@@ -10,7 +10,8 @@ model):
   :func:`unmask` for a loss under ``optax.masked``);
 * the compressed curvature store (:class:`CompressedDiagonal`, :func:`compress_diagonal`,
   :func:`expand_diagonal`, with :func:`block_counts` and :func:`uses_channel_pairs` for its
-  layout), updated without gathering sharded leaves;
+  layout), updated without gathering sharded leaves, and :class:`CurvatureStores`, every
+  leaf's store laid end to end as the signals' state keeps them;
 * :func:`curvature_signals` (state :class:`CurvatureSignalsState`, the one state that keeps
   curvature and noise signals), an observer that keeps them beside any optax optimizer,
   leaving its updates untouched, and :func:`scale_by_curvature`, Tri-Accel's per-leaf
@@ -42,6 +43,7 @@ from triaccel_jax.transforms._alias import scale_by_curvature
 from triaccel_jax.transforms._alias import scale_by_triaccel
 from triaccel_jax.transforms._alias import triaccel
 from triaccel_jax.transforms._compression import CompressedDiagonal
+from triaccel_jax.transforms._compression_grouped import CurvatureStores
 from triaccel_jax.transforms._compression import block_counts
 from triaccel_jax.transforms._compression import compress_diagonal
 from triaccel_jax.transforms._compression import expand_diagonal
@@ -86,6 +88,7 @@ from triaccel_jax.transforms._state_precision import quantize_state
 __all__ = (
     "Bfloat16Leaf",
     "CompressedDiagonal",
+    "CurvatureStores",
     "CurvatureSignalsState",
     "DynamicLossScaleState",
     "FusedApply",

@@ -4,8 +4,10 @@ Every ``curvature_every`` steps the curvature signals fold a fresh diagonal curv
 into each leaf's compressed EMA, and from the bias-corrected EMA derive the leaf's step-size
 scale ``s_l = clip((kappa_ref / kappa_l) ** alpha, min_scale, max_scale)`` and its
 noise-to-signal ratio (docs/design.md §3.2 to §3.4). The whole tree is refreshed under one
-``lax.cond``. Trees here are shaped like the updates; a leaf the signals do not observe holds
-``optax.MaskedNode()`` in the stores and signals, and False in the ``active`` tree.
+``lax.cond``. The stores and the signals are kept laid end to end over the observed leaves
+(vectors with one entry per leaf), and when every leaf is known to be whole on its devices the
+refresh runs over flat buffers with segment reductions, so that the compiled program does not
+grow with the number of leaves (docs/design.md §13).
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ _HUGE = float(jnp.finfo(jnp.float32).max)
 
 
 class LeafSignals(NamedTuple):
-    """Per-leaf float32 scalars that the curvature signals keep for the planner and controller.
+    """Per-leaf float32 figures that the curvature signals keep for the planner and controller.
 
+    In the signals' state each field is a vector with one entry per observed leaf (in the
+    params' leaf order; :meth:`CurvatureSignalsState.signals_by_leaf` gives each leaf's scalars).
     All are refreshed on curvature steps (every ``curvature_every`` steps, from the first).
 
     Attributes:
