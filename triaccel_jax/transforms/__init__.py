@@ -43,11 +43,11 @@ from triaccel_jax.transforms._alias import scale_by_curvature
 from triaccel_jax.transforms._alias import scale_by_triaccel
 from triaccel_jax.transforms._alias import triaccel
 from triaccel_jax.transforms._compression import CompressedDiagonal
-from triaccel_jax.transforms._compression_grouped import CurvatureStores
 from triaccel_jax.transforms._compression import block_counts
 from triaccel_jax.transforms._compression import compress_diagonal
 from triaccel_jax.transforms._compression import expand_diagonal
 from triaccel_jax.transforms._compression import uses_channel_pairs
+from triaccel_jax.transforms._compression_grouped import CurvatureStores
 from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._curvature import HutchinsonDiagonalState
 from triaccel_jax.transforms._curvature import fisher_diagonal
@@ -88,8 +88,8 @@ from triaccel_jax.transforms._state_precision import quantize_state
 __all__ = (
     "Bfloat16Leaf",
     "CompressedDiagonal",
-    "CurvatureStores",
     "CurvatureSignalsState",
+    "CurvatureStores",
     "DynamicLossScaleState",
     "FusedApply",
     "FusedTriAccel",
