@@ -24,11 +24,20 @@ blocks of jitted steps after warm-up, as a ratio to the same optimizer's fp32 ro
 
 Results go to ``OUT/state_precision.json`` after every run (a rerun resumes where it stopped).
 
+``--rounding nearest|stochastic`` stores the bf16 and int8 rows with that rounding
+(``quantize_state``'s ``rounding``); without it the rows take the library's default, which is
+also how the study runs against a tree from before the option (``PYTHONPATH`` pointed at it).
+Rows of one output folder share one rounding: compare roundings in separate folders, with the
+fp32 rows copied from one to the other (the JSON is keyed by row, lr and seed, so they are not
+trained again). ``--fixed-lr`` skips the tuning and trains every row at its grid's centre (the
+tuned rate of docs/accuracy.md), so that rows differ in the state alone.
+
 Usage::
 
   .venv/bin/python benchmarks/state_precision.py [--workloads fashion_mlp fashion_cnn]
       [--optimizers adamw muon] [--states fp32 bf16 int8 planned] [--seeds 0 1 2 3 4]
-      [--out /tmp/state_precision] [--quick] [--report]
+      [--rounding nearest|stochastic] [--fixed-lr] [--out /tmp/state_precision] [--quick]
+      [--report]
 """
 
 from __future__ import annotations
@@ -100,10 +109,18 @@ def direction(opt: str, lr: Any) -> optax.GradientTransformation:
     )
 
 
+# quantize_state's rounding for the bf16, int8 and planned rows (--rounding); None: its default.
+ROUNDING: str | None = None
+
+
 def stored(opt: str, lr: Any, fmt: Any) -> optax.GradientTransformation:
     """The optimizer with its state in ``fmt`` (a format name or a per-leaf mapping)."""
     inner = direction(opt, lr)
-    return inner if fmt == "fp32" else triaccel_jax.quantize_state(inner, format=fmt)
+    if fmt == "fp32":
+        return inner
+    if ROUNDING is None:
+        return triaccel_jax.quantize_state(inner, format=fmt)
+    return triaccel_jax.quantize_state(inner, format=fmt, rounding=ROUNDING)
 
 
 def trained(opt: str, fmt: Any, lr: float) -> optax.GradientTransformation:
@@ -339,15 +356,15 @@ def run_workload(bench: Workbench, store: Store, args: argparse.Namespace) -> No
             row = f"{bench.name}/{opt}/{state}"
             centre = CENTRES[(bench.name, opt)]
             tuned = {}
-            for lr in grid(centre):
+            for lr in [] if args.fixed_lr else grid(centre):
                 tuned[lr] = one_run(
                     bench, store, opt, state, "tune", lr, args.tune_seed, args.budget
                 )
-            best = max(tuned, key=lambda lr: tuned[lr]["accuracy"])
+            best = max(tuned, key=lambda lr: tuned[lr]["accuracy"]) if tuned else centre
             edge = best != centre
             store.data["chosen"][row] = {
                 "lr": best,
-                "grid": sorted(tuned),
+                "grid": sorted(tuned) or [centre],
                 "validation": {f"{lr:.6g}": tuned[lr]["accuracy"] for lr in sorted(tuned)},
                 "edge": edge,
             }
@@ -542,6 +559,7 @@ def report(store: Store, seeds: list[int]) -> str:
     out = [table(rows), ""]
     for r in rows:
         vals = ", ".join(f"{k}: {v:.2f}%" for k, v in r["validation"].items())
+        vals = vals or "not tuned (--fixed-lr)"
         out.append(f"- {r['workload']} {r['optimizer']} {r['state']}: validation {vals}")
         if r["state"] == "planned":
             out.append(
@@ -569,10 +587,22 @@ def main() -> None:
     parser.add_argument(
         "--timing-only", action="store_true", help="only time the rows already trained"
     )
+    parser.add_argument(
+        "--rounding",
+        choices=("nearest", "stochastic"),
+        help="quantize_state's rounding for the narrow rows (default: the library's default)",
+    )
+    parser.add_argument(
+        "--fixed-lr",
+        action="store_true",
+        help="no tuning: every row trains at its grid's centre",
+    )
     parser.add_argument("--out", default="/tmp/state_precision")
     parser.add_argument("--quick", action="store_true", help="a smoke test on a tiny subset")
     parser.add_argument("--report", action="store_true", help="only print the table")
     args = parser.parse_args()
+    global ROUNDING
+    ROUNDING = args.rounding
     if args.quick:
         args.seeds = args.seeds[:2]
         args.blocks, args.block_steps = 2, 3
