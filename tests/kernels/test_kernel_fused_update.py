@@ -80,7 +80,7 @@ def test_float32_equals_triaccel(learning_rate):
             old.mu["w"],
             old.nu["w"],
             params["w"],
-            new.leaf_signals["w"].step_scale,
+            new.signals_by_leaf()["w"].step_scale,
             new.count,
         )
         # Same operations on the same float32 values: equal up to XLA's choice of fusing a * b + c
@@ -101,7 +101,7 @@ def test_bfloat16_moments_round_stochastically_around_triaccel():
             old.mu["w"],
             old.nu["w"],
             params["w"],
-            new.leaf_signals["w"].step_scale,
+            new.signals_by_leaf()["w"].step_scale,
             count=new.count,
             learning_rate=1e-2,
             weight_decay=1e-2,
@@ -263,7 +263,7 @@ def test_direction_is_the_shared_moment_update_times_the_step_scale():
         old, new = state[0], new_state[0]  # the curvature signals keep Adam's moments
         s = _adam.adam_scalars(count=new.count, **HYPER)
         moments = jax.jit(_adam.adam_moments)(g["w"], old.mu["w"], old.nu["w"], s)
-        scale = new.leaf_signals["w"].step_scale
+        scale = new.signals_by_leaf()["w"].step_scale
         np.testing.assert_allclose(updates["w"], scale * moments.direction, rtol=3e-7, atol=0)
         np.testing.assert_array_equal(new.mu["w"], moments.mu)
         np.testing.assert_array_equal(new.nu["w"], moments.nu)

@@ -34,6 +34,7 @@ from jax import lax
 
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms._segments import Segments
+from triaccel_jax.transforms._segments import iota
 from triaccel_jax.transforms._segments import locate
 from triaccel_jax.transforms._segments import table
 
@@ -153,20 +154,16 @@ class StoreGroup:
 
     def _block_leaf(self) -> jax.Array:
         """The leaf of every block, shape ``(B,)``."""
-        return locate(self.block_offsets, jnp.arange(int(self.block_offsets[-1]), dtype=jnp.int32))
+        return locate(self.block_offsets, iota(int(self.block_offsets[-1])))
 
     def _outlier_leaf(self) -> jax.Array:
         """The leaf of every outlier slot, shape ``(K,)``."""
-        return locate(
-            self.outlier_offsets, jnp.arange(int(self.outlier_offsets[-1]), dtype=jnp.int32)
-        )
+        return locate(self.outlier_offsets, iota(int(self.outlier_offsets[-1])))
 
     def _block_weights(self, block_leaf: jax.Array) -> jax.Array:
         """Elements per block, shape ``(B,)``: a channel pair's spatial size, else the block
         length (the leaf's last block possibly shorter)."""
-        is_last = jnp.arange(block_leaf.size, dtype=jnp.int32) == (
-            table(self.block_offsets[1:])[block_leaf] - 1
-        )
+        is_last = iota(block_leaf.size) == (table(self.block_offsets[1:])[block_leaf] - 1)
         return jnp.where(
             is_last,
             table(self._last, jnp.float32)[block_leaf],
@@ -237,7 +234,7 @@ class StoreGroup:
         for width in np.unique(widths):
             members = np.flatnonzero(widths == width)
             k = int(ks[members].max())
-            column = jnp.arange(int(width), dtype=jnp.int32)[None, :]
+            column = iota(int(width))[None, :]
             valid = column < table(sizes[members])[:, None]
             index = jnp.where(valid, table(segments.offsets[members])[:, None] + column, 0)
             rows = jnp.where(valid, magnitude[index], -1.0)
@@ -248,10 +245,7 @@ class StoreGroup:
             base += len(members) * k
         results = jnp.concatenate(pieces)
         outlier_leaf = self._outlier_leaf()
-        rank = (
-            jnp.arange(int(self.outlier_offsets[-1]), dtype=jnp.int32)
-            - table(self.outlier_offsets[:-1])[outlier_leaf]
-        )
+        rank = iota(int(self.outlier_offsets[-1])) - table(self.outlier_offsets[:-1])[outlier_leaf]
         return results[table(where[:, 0])[outlier_leaf] + rank].astype(jnp.int32)
 
     def finite(self, flat: CurvatureStores) -> jax.Array:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 class Segments:
@@ -71,11 +72,11 @@ class Segments:
 
     def ids(self) -> jax.Array:
         """The int32 leaf index of every element of the flat buffer."""
-        return locate(self.offsets, jnp.arange(self.total, dtype=jnp.int32))
+        return locate(self.offsets, iota(self.total))
 
     def local(self, ids: jax.Array) -> jax.Array:
         """Every element's index within its own leaf, from :meth:`ids`."""
-        return jnp.arange(self.total, dtype=jnp.int32) - table(self.offsets[:-1])[ids]
+        return iota(self.total) - table(self.offsets[:-1])[ids]
 
     def sum(self, flat: jax.Array) -> jax.Array:
         """The sum over each leaf, shape ``(L,)`` (float32 in, float32 out).
@@ -130,6 +131,17 @@ class _RowPlan(NamedTuple):
 
 # Elements per row of Segments.sum: a row crossed by a leaf boundary is split element by element.
 ROW = 128
+
+
+def iota(size: int) -> jax.Array:
+    """``0, 1, ..., size - 1`` (int32), computed when the program runs.
+
+    The index arithmetic built on it (leaf ids, blocks, ranks) depends on nothing but static
+    shapes, so XLA would otherwise fold it into constants as large as the buffer at compile
+    time: over a second for a few million elements, and an executable that holds them. The
+    optimization barrier keeps it a computation (a few cheap element-wise kernels).
+    """
+    return lax.optimization_barrier(jnp.arange(size, dtype=jnp.int32))
 
 
 def table(values: Any, dtype: Any = jnp.int32) -> jax.Array:
