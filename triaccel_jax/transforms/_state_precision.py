@@ -240,7 +240,7 @@ class _Constant(NamedTuple):
     value: Any
 
 
-_CALLS = ("jit", "pjit", "closed_call", "core_call")
+_CALLS = ("jit",)  # the primitive of a call to a jitted function
 
 
 def _inline(closed: Any) -> tuple[list[_Equation], list[int], list[Any]]:
