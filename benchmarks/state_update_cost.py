@@ -26,9 +26,14 @@ report, not a test: it exits 0 whatever the figures, 1 only when one is not fini
 step) for a smoke test well under a minute; its figures mean little. Other scripts import :func:`rows`
 (``benchmarks/compile_time.py`` prints them among its contributed rows).
 
+``--cpu-time`` times the turns in the process's CPU seconds (all its threads) instead of wall
+seconds: on a machine other jobs share, their load then disturbs the ratios far less.
+``--sections`` measures only some of the rows.
+
 Usage::
 
     python benchmarks/state_update_cost.py [--quick] [--rounds 9] [--steps 5] [--repeats 2]
+        [--sections update peak compile cnn] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -127,6 +132,11 @@ def transformer_params(blocks: int, d: int = 128) -> dict[str, Any]:
     return params
 
 
+# The clock turns are timed with: wall-clock seconds, or (--cpu-time) this process's CPU
+# seconds over all its threads, which other processes on a shared machine disturb far less.
+CLOCK: Callable[[], float] = time.perf_counter
+
+
 def interleaved(
     steps: dict[str, Callable[[], Any]], baseline: str, rounds: int
 ) -> dict[str, tuple[float, float]]:
@@ -141,9 +151,9 @@ def interleaved(
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
+            start = CLOCK()
             steps[name]()
-            seconds[name].append(time.perf_counter() - start)
+            seconds[name].append(CLOCK() - start)
     return {
         name: (
             statistics.median(s / b for s, b in zip(seconds[name], seconds[baseline], strict=True)),
@@ -320,14 +330,21 @@ FULL = Sizes(leaves=4, size=1024, blocks=12, batch=128, rounds=9, steps=5, repea
 QUICK = Sizes(leaves=4, size=128, blocks=1, batch=8, rounds=2, steps=1, repeats=1)
 
 
-def measure(sizes: Sizes) -> list[Row]:
-    """Every row of the report at ``sizes``."""
-    return [
-        *update_rows(sizes.leaves, sizes.size, sizes.rounds, sizes.steps),
-        *peak_rows(sizes.leaves, sizes.size),
-        *compile_rows(sizes.blocks, sizes.repeats),
-        *cnn_rows(sizes.batch, sizes.rounds, sizes.steps),
-    ]
+SECTIONS = ("update", "peak", "compile", "cnn")
+
+
+def measure(sizes: Sizes, sections: tuple[str, ...] = SECTIONS) -> list[Row]:
+    """The rows of ``sections`` (every one by default) at ``sizes``."""
+    report = []
+    if "update" in sections:
+        report += update_rows(sizes.leaves, sizes.size, sizes.rounds, sizes.steps)
+    if "peak" in sections:
+        report += peak_rows(sizes.leaves, sizes.size)
+    if "compile" in sections:
+        report += compile_rows(sizes.blocks, sizes.repeats)
+    if "cnn" in sections:
+        report += cnn_rows(sizes.batch, sizes.rounds, sizes.steps)
+    return report
 
 
 def rows(quick: bool) -> list[tuple[str, float, float, str]]:
@@ -342,7 +359,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="timed rounds (update and cnn rows)")
     parser.add_argument("--steps", type=int, help="steps per timed turn")
     parser.add_argument("--repeats", type=int, help="compiles per compile row (the best counts)")
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="rows to measure"
+    )
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time turns in this process's CPU seconds (steadier on a shared machine)",
+    )
     args = parser.parse_args(argv)
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.process_time
     sizes = QUICK if args.quick else FULL
     sizes = sizes._replace(
         **{k: v for k, v in vars(args).items() if k in Sizes._fields and v is not None}
@@ -350,8 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"jax {jax.__version__}, optax {optax.__version__}, {jax.default_backend()}, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; {sizes}"
+        + ("; CPU time" if args.cpu_time else "")
     )
-    report = measure(sizes)
+    report = measure(sizes, tuple(args.sections))
     for row in report:
         print(row.line())
     return 0 if all(math.isfinite(r.ratio) for r in report) else 1
