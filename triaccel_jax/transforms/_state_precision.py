@@ -509,7 +509,7 @@ def quantize_state(
     -0.08 [-0.25, +0.10] points and stochastic +0.01 [-0.08, +0.11]; CNN 1 epoch, int8 nearest
     +0.09 [-0.29, +0.48] and stochastic -0.07 [-0.34, +0.20]; bf16 alike (95% paired
     intervals): no difference either rounding shows, while stochastic rounding's bits make the
-    update about 1.4 times as long on a CPU (benchmarks/state_update_cost.py).
+    int8 update 1.2 to 1.3 times as long on a CPU (benchmarks/state_update_cost.py).
 
     **Order.** The inner update is traced once and evaluated group by group: first what reads
     no stored leaf (counts, a global norm of the gradients), then each group of stored leaves
