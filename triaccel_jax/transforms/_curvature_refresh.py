@@ -138,13 +138,14 @@ def observed_order(active: Any) -> list[int]:
 
 def per_leaf(vector: jax.Array, flags: list[bool]) -> list[jax.Array | None]:
     """``vector``'s entries spread over the leaves: the ``i``-th observed leaf gets
-    ``vector[i]``, the others None."""
-    out: list[jax.Array | None] = []
-    position = 0
-    for flag in flags:
-        out.append(vector[position] if flag else None)
-        position += bool(flag)
-    return out
+    ``vector[i]``, the others None.
+
+    The entries are taken out behind an optimization barrier, so that each leaf's kernel reads
+    its scalar as an input: with the index of the entry fused into it, every leaf's kernel would
+    differ from every other's, and XLA compiles identical kernels (leaves of one shape) once.
+    """
+    entries = iter(lax.optimization_barrier(tuple(vector[i] for i in range(sum(flags)))))
+    return [next(entries) if flag else None for flag in flags]
 
 
 class NoiseMoments(NamedTuple):

@@ -71,8 +71,21 @@ class Segments:
         ]
 
     def ids(self) -> jax.Array:
-        """The int32 leaf index of every element of the flat buffer."""
-        return locate(self.offsets, iota(self.total))
+        """The int32 leaf index of every element of the flat buffer.
+
+        Built row by row (rows of ``ROW`` elements): a row within one leaf is that leaf's index
+        broadcast, and only the rows a leaf boundary crosses come from a small table. A binary
+        search per element was 80 ms on 2.4M elements on this CPU, this is one broadcast and a
+        scatter of a few rows.
+        """
+        rows = -(-self.total // ROW)
+        plan = self._row_plan(rows)
+        by_row = jnp.broadcast_to(
+            lax.optimization_barrier(table(plan.row_leaf))[:, None], (rows, ROW)
+        )
+        crossed = np.flatnonzero(plan.crossed)
+        by_row = by_row.at[table(crossed)].set(table(plan.crossed_leaf))
+        return jnp.minimum(by_row.reshape(-1)[: self.total], len(self) - 1)
 
     def local(self, ids: jax.Array) -> jax.Array:
         """Every element's index within its own leaf, from :meth:`ids`."""
