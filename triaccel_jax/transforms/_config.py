@@ -96,7 +96,7 @@ class TriAccelConfig:
       >>> config = triaccel_jax.TriAccelConfig(block_size=8, state_dtype=jnp.bfloat16)
       >>> tx = optax.inject_hyperparams(triaccel_jax.triaccel)(learning_rate=1e-3, config=config)
       >>> state = jax.jit(tx.init)({"w": jnp.ones(16)})
-      >>> state.inner_state[0].curvature["w"].block_means.shape, config.state_dtype
+      >>> state.inner_state[0].curvature_by_leaf()["w"].block_means.shape, config.state_dtype
       ((2,), 'bfloat16')
 
     References:
