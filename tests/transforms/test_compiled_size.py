@@ -6,8 +6,10 @@ kernel, even sliced from one flat buffer, so an optimizer's count grows with the
 number of per-leaf arrays it writes (AdamW: ``mu``, ``nu`` and the update). The curvature
 signals' statistics, refresh, noise ratio and step scale run over flat buffers with segment
 reductions, so each transform here grows with the leaves only by the per-leaf arrays it writes
-itself: the observer's gradient EMA ``mu``, and nothing for the transforms whose Adam moments
-replace the inner optimizer's.
+itself (the observer's gradient EMA ``mu``; the step scales take each leaf's scalar out of their
+vector, one small kernel a leaf, so that the leaves' update kernels stay identical and XLA
+compiles the leaves of one shape once) and nothing for Adam's moments, which replace the inner
+optimizer's.
 
 Counted on the compiled HLO of one update, for 8 and for 64 leaves of distinct shapes: the growth
 of (transform - the optax optimizer inside it) is at most ``writes * 56 + slack``.
@@ -33,9 +35,16 @@ SMALL, LARGE = 8, 64
 SLACK = 8
 
 
+# Distinct shapes (XLA compiles a kernel per distinct shape, where equal shapes might share),
+# all of 129 to 256 elements: the grouped top-k runs one kernel per power-of-two size class, and
+# both trees span the same one.
+SHAPES = [
+    (rows, cols) for rows in range(2, 17) for cols in range(2, 129) if 128 < rows * cols <= 256
+]
+
+
 def _params(count: int) -> dict[str, jax.Array]:
-    # Distinct shapes: XLA compiles a kernel per distinct shape, where equal shapes might share.
-    return {f"layer{i:02d}": jnp.ones((4 + i, 3 + i % 5)) for i in range(count)}
+    return {f"layer{i:02d}": jnp.ones(SHAPES[i]) for i in range(count)}
 
 
 def fusions(tx: optax.GradientTransformation, count: int) -> int:
@@ -63,8 +72,8 @@ CASES = {
         lambda: optax.adamw(1e-3),
         1,
     ),
-    "triaccel": (lambda: triaccel_jax.triaccel(1e-3), lambda: optax.adamw(1e-3), 0),
-    "scale_by_curvature(muon)": (lambda: triaccel_jax.scale_by_curvature(_muon()), _muon, 1),
+    "triaccel": (lambda: triaccel_jax.triaccel(1e-3), lambda: optax.adamw(1e-3), 1),
+    "scale_by_curvature(muon)": (lambda: triaccel_jax.scale_by_curvature(_muon()), _muon, 2),
 }
 
 

@@ -23,6 +23,7 @@ from hypothesis import settings
 import triaccel_jax
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _compression_sharded as compression_sharded
+from triaccel_jax.transforms import _curvature_refresh as refresh_lib
 from triaccel_jax.transforms import _segments as segments_lib
 from triaccel_jax.transforms._compression_grouped import CurvatureStores
 from triaccel_jax.transforms._compression_grouped import StoreGroup
@@ -136,13 +137,15 @@ def _train(make, steps=6):
         "conv": jax.random.normal(keys[0], (3, 3, 2, 4)) * 0.3,
         "dense": jax.random.normal(keys[1], (8, 5)) * 0.3,
         "bias": jnp.zeros(5),
+        # At or above GROUPED_LEAF_LIMIT: folded leaf by leaf beside the others, laid together.
+        "wide": jax.random.normal(keys[3], (130, 128)) * 0.01,
         "count": jnp.int32(0),
     }
     x = jax.random.normal(keys[2], (16, 8))
 
     def loss(p):
         hidden = jnp.tanh(x @ p["dense"] + p["bias"])
-        return jnp.mean(hidden**2) + jnp.sum(p["conv"] ** 2) * 0.1
+        return jnp.mean(hidden**2) + jnp.sum(p["conv"] ** 2) * 0.1 + jnp.sum(jnp.sin(p["wide"]))
 
     tx = make()
     state = tx.init(params)
@@ -168,4 +171,5 @@ def test_the_grouped_transform_trains_as_the_per_leaf_path(name, monkeypatch):
     chex.assert_trees_all_close(grouped, per_leaf, rtol=2e-5, atol=1e-6)
     (state,) = triaccel_jax.transforms.find_signal_states(grouped[1])
     assert int(state.curvature_count) >= 3
-    assert sorted(state.leaf_paths()) == ["bias", "conv", "dense"]
+    assert sorted(state.leaf_paths()) == ["bias", "conv", "dense", "wide"]
+    assert 130 * 128 >= refresh_lib.GROUPED_LEAF_LIMIT > 8 * 5

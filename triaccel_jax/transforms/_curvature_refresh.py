@@ -12,6 +12,7 @@ grow with the number of leaves (docs/design.md §13).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -168,29 +170,47 @@ class NoiseMoments(NamedTuple):
     inv_bias_correction2: jax.Array
 
 
-def all_whole(leaves: list[jax.Array]) -> bool:
-    """Whether every leaf is known to be whole on its devices (so that laying them end to end
-    gathers nothing)."""
-    return all(compression_sharded.is_known_whole(leaf) for leaf in leaves)
+def grouped(leaves: list[jax.Array]) -> list[bool]:
+    """Which leaves are laid end to end in flat buffers: those known to be whole on their
+    devices (laying a sharded leaf out would gather it) and under ``GROUPED_LEAF_LIMIT``
+    elements. The flat buffers are temporaries as large as the leaves they hold (about ten of
+    them in a refresh), so a large leaf keeps the per-leaf path: its temporaries are its own,
+    and its kernels are shared with the other leaves of its shape."""
+    return [
+        math.prod(jnp.shape(leaf)) < GROUPED_LEAF_LIMIT and compression_sharded.is_known_whole(leaf)
+        for leaf in leaves
+    ]
+
+
+# Leaves of this many elements or more keep the per-leaf path (see `grouped`).
+GROUPED_LEAF_LIMIT = 2**14
 
 
 def leaf_means(
     leaves: list[jax.Array], fn: Callable[[jax.Array], jax.Array] | None = None
 ) -> jax.Array:
-    """Each leaf's mean of ``fn(leaf)`` (element-wise; None: the leaf), shape ``(L,)`` in float32.
+    """Each leaf's mean of ``fn(leaf)`` (element-wise, ``fn(0) == 0``; None: the leaf), shape
+    ``(L,)`` in float32.
 
-    When every leaf is known to be whole on its devices: the leaves are laid end to end as they
-    are (XLA:CPU fuses no producer into a concatenation, so ``fn`` is applied after it, once) and
-    one segmented sum gives the means. Else leaf by leaf, never gathering a leaf that may be
-    sharded.
+    The :func:`grouped` leaves are laid end to end as they are (XLA:CPU fuses no producer into
+    a concatenation, so ``fn`` is applied after it, once) and one segmented sum gives their
+    means; the others are reduced leaf by leaf.
     """
     fn = (lambda x: x) if fn is None else fn
     if not leaves:
         return jnp.zeros((0,), jnp.float32)
-    if all_whole(leaves):
-        segments = Segments([jnp.shape(leaf) for leaf in leaves])
-        return segments.mean(fn(segments.concat(leaves)))
-    return jnp.stack([jnp.mean(fn(jnp.asarray(leaf, jnp.float32))) for leaf in leaves])
+    flat = grouped(leaves)
+    together = [i for i, g in enumerate(flat) if g]
+    apart = [i for i, g in enumerate(flat) if not g]
+    means = jnp.zeros((len(leaves),), jnp.float32)
+    if together:
+        segments = Segments([jnp.shape(leaves[i]) for i in together])
+        values = segments.mean(fn(segments.concat([leaves[i] for i in together])))
+        means = values if not apart else means.at[np.asarray(together)].set(values)
+    if apart:
+        values = jnp.stack([jnp.mean(fn(jnp.asarray(leaves[i], jnp.float32))) for i in apart])
+        means = values if not together else means.at[np.asarray(apart)].set(values)
+    return means
 
 
 def refresh_when_due(
@@ -263,31 +283,9 @@ def refresh_when_due(
             tuple(g.shape) for g, flag in zip(jax.tree.leaves(updates), flags, strict=True) if flag
         ]
         decay = settings.curvature_decay
-        if all_whole(estimates):
-            group = StoreGroup(shapes, stores)
-            if fisher and axis_name is None:
-                observed = [
-                    g for g, flag in zip(jax.tree.leaves(updates), flags, strict=True) if flag
-                ]
-                h = jnp.square(group.segments.concat(observed))
-            else:
-                h = group.segments.concat(estimates)
-            candidate = group.update(stores, h, decay)
-            keep = group.finite(candidate)
-            new_stores = group.select(keep, candidate, stores)
-            summary = group.summarize(new_stores)
-        else:
-            folded = [
-                _fold_store(store, h, decay)
-                for store, h in zip(stores.leaves(), estimates, strict=True)
-            ]
-            new_stores = CurvatureStores.of([store for store, _ in folded])
-            keep = jnp.stack([kept for _, kept in folded])
-            per_leaf_summaries = [
-                compression.summarize_diagonal(store, shape)
-                for (store, _), shape in zip(folded, shapes, strict=True)
-            ]
-            summary = jax.tree.map(lambda *xs: jnp.stack(xs), *per_leaf_summaries)
+        observed = [g for g, flag in zip(jax.tree.leaves(updates), flags, strict=True) if flag]
+        squared = fisher and axis_name is None
+        new_stores, keep, summary = _fold_all(stores, shapes, estimates, observed, squared, decay)
         old_dropped = signals.dropped_estimates
         dropped = jnp.where(keep, old_dropped, optax.safe_increment(old_dropped))
         kept = jnp.maximum(curvature_count - dropped, 0)
@@ -323,6 +321,100 @@ def refresh_when_due(
     due = state.count % jnp.asarray(settings.curvature_every, jnp.int32) == 0
     operand = (stores, state.estimator_state, state.curvature_count, signals)
     return lax.cond(due, refresh, lambda operand: operand, operand)
+
+
+def _fold_all(
+    stores: CurvatureStores,
+    shapes: list[tuple[int, ...]],
+    estimates: list[jax.Array],
+    updates: list[jax.Array],
+    squared: bool,
+    decay: Any,
+) -> tuple[CurvatureStores, jax.Array, compression.DiagonalSummary]:
+    """Every observed leaf's store after an estimate, whether it was kept, and its summary
+    (vectors over the leaves). The :func:`grouped` leaves are folded together over flat
+    buffers; the others one by one (partitioned when sharded). ``squared``: the estimate is the
+    squared update (the Fisher's), squared once after laying the updates out."""
+    count = len(shapes)
+    flags = grouped(estimates)
+    together = [i for i in range(count) if flags[i]]
+    apart = [i for i in range(count) if not flags[i]]
+    blocks, outliers = stores.block_offsets, stores.outlier_offsets
+    keep = jnp.zeros((count,), jnp.bool_)
+    summary = compression.DiagonalSummary(*(jnp.zeros((count,), jnp.float32) for _ in range(3)))
+    new = stores
+    if together:
+        every = len(together) == count
+        block_index = np.concatenate([np.arange(blocks[i], blocks[i + 1]) for i in together])
+        outlier_index = np.concatenate([np.arange(outliers[i], outliers[i + 1]) for i in together])
+        sub = (
+            stores
+            if every
+            else CurvatureStores(
+                stores.block_means[block_index],
+                stores.outlier_indices[outlier_index],
+                stores.outlier_values[outlier_index],
+                means_shapes=tuple(stores.means_shapes[i] for i in together),
+                outlier_counts=tuple(stores.outlier_counts[i] for i in together),
+            )
+        )
+        group = StoreGroup([shapes[i] for i in together], sub)
+        if squared:
+            h = jnp.square(group.segments.concat([updates[i] for i in together]))
+        else:
+            h = group.segments.concat([estimates[i] for i in together])
+        candidate = group.update(sub, h, decay)
+        kept = group.finite(candidate)
+        folded = group.select(kept, candidate, sub)
+        group_summary = group.summarize(folded)
+        if every:
+            new, keep, summary = folded, kept, group_summary
+        else:
+            new = new.replace(
+                block_means=new.block_means.at[block_index].set(folded.block_means),
+                outlier_indices=new.outlier_indices.at[outlier_index].set(folded.outlier_indices),
+                outlier_values=new.outlier_values.at[outlier_index].set(folded.outlier_values),
+            )
+            keep = keep.at[np.asarray(together)].set(kept)
+            summary = jax.tree.map(
+                lambda all_, part: all_.at[np.asarray(together)].set(part), summary, group_summary
+            )
+    if apart:
+        # Each leaf's store is sliced out behind a barrier, so that the fold's kernels, which
+        # read it, are the same for every leaf of one shape (XLA compiles those once).
+        pieces = lax.optimization_barrier(
+            [
+                (
+                    stores.block_means[blocks[i] : blocks[i + 1]].reshape(stores.means_shapes[i]),
+                    stores.outlier_indices[outliers[i] : outliers[i + 1]],
+                    stores.outlier_values[outliers[i] : outliers[i + 1]],
+                )
+                for i in apart
+            ]
+        )
+        folded_leaves = [
+            _fold_store(compression.CompressedDiagonal(*piece), estimates[i], decay)
+            for piece, i in zip(pieces, apart, strict=True)
+        ]
+        block_index = np.concatenate([np.arange(blocks[i], blocks[i + 1]) for i in apart])
+        outlier_index = np.concatenate([np.arange(outliers[i], outliers[i + 1]) for i in apart])
+        laid = CurvatureStores.of([store for store, _ in folded_leaves])
+        new = new.replace(
+            block_means=new.block_means.at[block_index].set(laid.block_means),
+            outlier_indices=new.outlier_indices.at[outlier_index].set(laid.outlier_indices),
+            outlier_values=new.outlier_values.at[outlier_index].set(laid.outlier_values),
+        )
+        keep = keep.at[np.asarray(apart)].set(jnp.stack([k for _, k in folded_leaves]))
+        per_leaf = [
+            compression.summarize_diagonal(store, shapes[i])
+            for (store, _), i in zip(folded_leaves, apart, strict=True)
+        ]
+        summary = jax.tree.map(
+            lambda all_, *parts: all_.at[np.asarray(apart)].set(jnp.stack(parts)),
+            summary,
+            *per_leaf,
+        )
+    return new, keep, summary
 
 
 class _Folded(NamedTuple):
