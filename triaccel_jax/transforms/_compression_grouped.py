@@ -104,9 +104,20 @@ class CurvatureStores:
             for i, shape in enumerate(self.means_shapes)
         ]
 
-    def replace(self, **arrays: jax.Array) -> CurvatureStores:
-        """The same layout with new arrays."""
-        return dataclasses.replace(self, **arrays)
+    def replace(
+        self,
+        *,
+        block_means: jax.Array | None = None,
+        outlier_indices: jax.Array | None = None,
+        outlier_values: jax.Array | None = None,
+    ) -> CurvatureStores:
+        """The same layout with new arrays (None: the array kept)."""
+        return dataclasses.replace(
+            self,
+            block_means=self.block_means if block_means is None else block_means,
+            outlier_indices=self.outlier_indices if outlier_indices is None else outlier_indices,
+            outlier_values=self.outlier_values if outlier_values is None else outlier_values,
+        )
 
 
 def _concat(pieces: list[jax.Array], dtype: Any) -> jax.Array:

@@ -91,7 +91,8 @@ def is_known_whole(x: jax.Array) -> bool:
         return False
     if any(kind != jax.sharding.AxisType.Explicit for kind in mesh.axis_types):
         return False
-    return all(entry is None for entry in tuple(sharding.spec))
+    spec = getattr(sharding, "spec", None)
+    return spec is not None and all(entry is None for entry in tuple(spec))
 
 
 def _explicit_axes(x: jax.Array) -> tuple[str, ...]:

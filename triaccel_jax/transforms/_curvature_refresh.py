@@ -275,7 +275,7 @@ def refresh_when_due(
         curvature_count = optax.safe_increment(curvature_count)
         if not any(flags):
             return stores, estimator_state, curvature_count, signals
-        treedef = jax.tree.structure(updates)
+        treedef: Any = jax.tree.structure(updates)  # a PyTreeDef: no stubs mypy can see
         estimates = [
             h for h, flag in zip(treedef.flatten_up_to(diagonal), flags, strict=True) if flag
         ]

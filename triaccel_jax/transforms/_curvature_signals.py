@@ -360,11 +360,7 @@ def prepare(
         like_updates=like_updates,
         active=jax.tree_util.tree_map_with_path(observed, updates, mu),
         mu=mu,
-        nu=(
-            like_updates(state.nu)
-            if jax.tree.structure(state.nu) == jax.tree.structure(state.mu)
-            else state.nu
-        ),
+        nu=(like_updates(state.nu) if _structure(state.nu) == _structure(state.mu) else state.nu),
         count=optax.safe_increment(state.count),
         keys=treedef.unflatten([jax.random.fold_in(step_key, i) for i in range(len(with_paths))]),
     )
@@ -597,6 +593,11 @@ def keep_signals(
         return direction, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _structure(tree: Any) -> Any:
+    """``tree``'s PyTreeDef (typed Any: jaxlib's has no stubs mypy can see)."""
+    return jax.tree.structure(tree)
 
 
 def _is_moments_or_none(node: Any) -> bool:

@@ -308,7 +308,7 @@ def _fused(
     )
     scalars = kernels.adam_scalars(count=step.count, b1=settings.b1, b2=settings.b2, eps=fused.eps)
 
-    def moments() -> tuple[Any, Any]:
+    def moments() -> refresh_lib.NoiseMoments:
         # Only the steps that refresh the curvature read the moments outside the kernel.
         return signals_lib.noise_moments(signals_lib.adam_moments(step, grads, scalars), scalars)
 
@@ -316,7 +316,7 @@ def _fused(
         step, grads, signals_state, params, moments, settings=settings, config=config
     )
     # The step scale of each observed leaf (a vector over them in the state), None elsewhere.
-    treedef = jax.tree.structure(grads)
+    treedef: Any = jax.tree.structure(grads)  # a PyTreeDef: no stubs mypy can see
     flags = [bool(flag) for flag in treedef.flatten_up_to(step.active)]
     signals = treedef.unflatten(refresh_lib.per_leaf(refreshed[3].step_scale, flags))
     decays = _decayed_leaves(fused.mask, grads, step.like_updates)

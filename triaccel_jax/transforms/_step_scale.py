@@ -61,7 +61,7 @@ def scale_by_step_scale(
                 "the step scale reads the curvature signals of its chain: compose it after "
                 "them with with_signals (as scale_by_triaccel and scale_by_curvature do)"
             )
-        treedef = jax.tree.structure(updates)
+        treedef: Any = jax.tree.structure(updates)  # a PyTreeDef: no stubs mypy can see
         try:
             moments = treedef.flatten_up_to(curvature_signals.mu)
         except (ValueError, TypeError) as error:
