@@ -138,7 +138,7 @@ def _train(make, steps=6):
         "dense": jax.random.normal(keys[1], (8, 5)) * 0.3,
         "bias": jnp.zeros(5),
         # At or above GROUPED_LEAF_LIMIT: folded leaf by leaf beside the others, laid together.
-        "wide": jax.random.normal(keys[3], (130, 128)) * 0.01,
+        "wide": jax.random.normal(keys[3], (260, 128)) * 0.01,
         "count": jnp.int32(0),
     }
     x = jax.random.normal(keys[2], (16, 8))
@@ -172,4 +172,4 @@ def test_the_grouped_transform_trains_as_the_per_leaf_path(name, monkeypatch):
     (state,) = triaccel_jax.transforms.find_signal_states(grouped[1])
     assert int(state.curvature_count) >= 3
     assert sorted(state.leaf_paths()) == ["bias", "conv", "dense", "wide"]
-    assert 130 * 128 >= refresh_lib.GROUPED_LEAF_LIMIT > 8 * 5
+    assert 260 * 128 >= refresh_lib.GROUPED_LEAF_LIMIT > 8 * 5
