@@ -219,14 +219,14 @@ class StoreGroup:
         )
         blended = decay * full + (1 - decay) * h
 
-        local_indices = self._top_k(jnp.abs(blended))
+        local_indices = self._top_k(jnp.abs(blended), outlier_leaf)
         return flat.replace(
             block_means=means.astype(jnp.float32),
             outlier_indices=local_indices,
             outlier_values=blended[starts[outlier_leaf] + local_indices],
         )
 
-    def _top_k(self, magnitude: jax.Array) -> jax.Array:
+    def _top_k(self, magnitude: jax.Array, outlier_leaf: jax.Array) -> jax.Array:
         """Every leaf's ``k`` largest magnitudes' indices within the leaf, laid end to end.
 
         A sort of the whole buffer is slow on XLA:CPU (hundreds of ms for a few 100k elements),
@@ -255,7 +255,6 @@ class StoreGroup:
             where[members, 0] = base + np.arange(len(members)) * k
             base += len(members) * k
         results = jnp.concatenate(pieces)
-        outlier_leaf = self._outlier_leaf()
         rank = iota(int(self.outlier_offsets[-1])) - table(self.outlier_offsets[:-1])[outlier_leaf]
         return results[table(where[:, 0])[outlier_leaf] + rank].astype(jnp.int32)
 

@@ -132,12 +132,6 @@ def reference_curvature(mean_curvatures: Any) -> jax.Array:
     return jnp.nanmedian(jnp.where(jnp.isfinite(stacked), stacked, jnp.nan))
 
 
-def observed_order(active: Any) -> list[int]:
-    """Positions, among the leaves of ``active`` (a tree of bools), of the observed leaves: the
-    order of the per-leaf vectors in the signals' state."""
-    return [i for i, flag in enumerate(jax.tree.leaves(active)) if flag]
-
-
 def per_leaf(vector: jax.Array, flags: list[bool]) -> list[jax.Array | None]:
     """``vector``'s entries spread over the leaves: the ``i``-th observed leaf gets
     ``vector[i]``, the others None.
@@ -348,8 +342,7 @@ def _fold_all(
     new = stores
     if together:
         every = len(together) == count
-        block_index = np.concatenate([np.arange(blocks[i], blocks[i + 1]) for i in together])
-        outlier_index = np.concatenate([np.arange(outliers[i], outliers[i + 1]) for i in together])
+        block_index, outlier_index = _ranges(blocks, together), _ranges(outliers, together)
         sub = (
             stores
             if every
@@ -399,8 +392,7 @@ def _fold_all(
             _fold_store(compression.CompressedDiagonal(*piece), estimates[i], decay)
             for piece, i in zip(pieces, apart, strict=True)
         ]
-        block_index = np.concatenate([np.arange(blocks[i], blocks[i + 1]) for i in apart])
-        outlier_index = np.concatenate([np.arange(outliers[i], outliers[i + 1]) for i in apart])
+        block_index, outlier_index = _ranges(blocks, apart), _ranges(outliers, apart)
         laid = CurvatureStores.of([store for store, _ in folded_leaves])
         new = new.replace(
             block_means=new.block_means.at[block_index].set(laid.block_means),
@@ -418,6 +410,11 @@ def _fold_all(
             *per_leaf,
         )
     return new, keep, summary
+
+
+def _ranges(offsets: np.ndarray, leaves: list[int]) -> np.ndarray:
+    """The positions of ``leaves``' pieces in a buffer laid out at ``offsets`` (static)."""
+    return np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in leaves])
 
 
 class _Folded(NamedTuple):
