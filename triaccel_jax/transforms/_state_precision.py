@@ -503,8 +503,8 @@ def quantize_state(
     so that an EMA's increments smaller than half a level are kept in expectation instead of
     rounded away (Gupta et al., 2015), with random bits from a counter hash of each element's
     index keyed by ``seed``, the update's count and the leaf
-    (:func:`triaccel_jax.kernels.quantize.random_bits`). The first store, at ``init``, rounds to nearest either way. The
-    default is the study's (benchmarks/state_precision.py, AdamW at lr 0.004, seeds 0-4 paired,
+    (:func:`triaccel_jax.kernels.quantize.random_bits`). The first store, at ``init``, rounds
+    to nearest either way. The default is the study's (benchmarks/state_precision.py, AdamW at lr 0.004, seeds 0-4 paired,
     Fashion-MNIST, 2026-12-05): test accuracy against float32 state, MLP 3 epochs, int8 nearest
     -0.08 [-0.25, +0.10] points and stochastic +0.01 [-0.08, +0.11]; CNN 1 epoch, int8 nearest
     +0.09 [-0.29, +0.48] and stochastic -0.07 [-0.34, +0.20]; bf16 alike (95% paired
