@@ -165,6 +165,9 @@ def _train(make, steps=6):
 @pytest.mark.standard_promotion("optax.sgd promotes its learning rate against the updates")
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_the_grouped_transform_trains_as_the_per_leaf_path(name, monkeypatch):
+    # Three small leaves beside a large one would all keep the per-leaf path by default
+    # (GROUPED_MIN_LEAVES): lowered, so that the small ones are laid out flat beside it.
+    monkeypatch.setattr(refresh_lib, "GROUPED_MIN_LEAVES", 2)
     grouped = _train(TRANSFORMS[name])
     monkeypatch.setattr(compression_sharded, "is_known_whole", lambda x: False)
     per_leaf = _train(TRANSFORMS[name])
@@ -173,3 +176,12 @@ def test_the_grouped_transform_trains_as_the_per_leaf_path(name, monkeypatch):
     assert int(state.curvature_count) >= 3
     assert sorted(state.leaf_paths()) == ["bias", "conv", "dense", "wide"]
     assert 260 * 128 >= refresh_lib.GROUPED_LEAF_LIMIT > 8 * 5
+
+
+def test_a_few_small_leaves_beside_large_ones_keep_the_per_leaf_path():
+    small, large = jnp.zeros((4, 8)), jnp.zeros((refresh_lib.GROUPED_LEAF_LIMIT,))
+    few = refresh_lib.GROUPED_MIN_LEAVES - 1
+    assert refresh_lib.grouped([small] * few) == [True] * few
+    assert refresh_lib.grouped([small] * few + [large]) == [False] * (few + 1)
+    many = refresh_lib.GROUPED_MIN_LEAVES
+    assert refresh_lib.grouped([large] + [small] * many) == [False] + [True] * many

@@ -36,6 +36,7 @@ from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms._segments import Segments
 from triaccel_jax.transforms._segments import iota
 from triaccel_jax.transforms._segments import locate
+from triaccel_jax.transforms._segments import runtime_indices
 from triaccel_jax.transforms._segments import table
 
 
@@ -93,16 +94,50 @@ class CurvatureStores:
         return _offsets(self.outlier_counts)
 
     def leaves(self) -> list[compression.CompressedDiagonal]:
-        """The per-leaf stores (the inverse of :meth:`of`)."""
-        blocks, outliers = self.block_offsets, self.outlier_offsets
+        """The per-leaf stores (the inverse of :meth:`of`).
+
+        Each piece is read at an offset XLA learns only when the program runs
+        (:func:`triaccel_jax.transforms._segments.runtime_indices`), so the stores of leaves of
+        one shape are read, and used, by one compiled kernel.
+        """
+        count = len(self.means_shapes)
+        blocks = runtime_indices(self.block_offsets[:count])
+        outliers = runtime_indices(self.outlier_offsets[:count])
         return [
             compression.CompressedDiagonal(
-                self.block_means[blocks[i] : blocks[i + 1]].reshape(shape),
-                self.outlier_indices[outliers[i] : outliers[i + 1]],
-                self.outlier_values[outliers[i] : outliers[i + 1]],
+                lax.dynamic_slice_in_dim(self.block_means, blocks[i], math.prod(shape)).reshape(
+                    shape
+                ),
+                lax.dynamic_slice_in_dim(self.outlier_indices, outliers[i], size),
+                lax.dynamic_slice_in_dim(self.outlier_values, outliers[i], size),
             )
-            for i, shape in enumerate(self.means_shapes)
+            for i, (shape, size) in enumerate(
+                zip(self.means_shapes, self.outlier_counts, strict=True)
+            )
         ]
+
+    def with_leaves(
+        self, positions: Sequence[int], stores: Sequence[compression.CompressedDiagonal]
+    ) -> CurvatureStores:
+        """These stores with the leaves at ``positions`` replaced by ``stores`` (same sizes).
+
+        Written in place at offsets XLA learns only when the program runs, as :meth:`leaves`
+        reads them, so that leaves of one shape share the compiled writes.
+        """
+        blocks = runtime_indices([self.block_offsets[i] for i in positions])
+        outliers = runtime_indices([self.outlier_offsets[i] for i in positions])
+        means, indices, values = self.block_means, self.outlier_indices, self.outlier_values
+        for block, outlier, store in zip(blocks, outliers, stores, strict=True):
+            means = lax.dynamic_update_slice_in_dim(
+                means, jnp.ravel(store.block_means).astype(jnp.float32), block, 0
+            )
+            indices = lax.dynamic_update_slice_in_dim(
+                indices, store.outlier_indices.astype(jnp.int32), outlier, 0
+            )
+            values = lax.dynamic_update_slice_in_dim(
+                values, store.outlier_values.astype(jnp.float32), outlier, 0
+            )
+        return self.replace(block_means=means, outlier_indices=indices, outlier_values=values)
 
     def replace(
         self,

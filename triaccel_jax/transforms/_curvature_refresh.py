@@ -30,6 +30,7 @@ from triaccel_jax.transforms._compression_grouped import CurvatureStores
 from triaccel_jax.transforms._compression_grouped import StoreGroup
 from triaccel_jax.transforms._config import CurvatureSettings
 from triaccel_jax.transforms._segments import Segments
+from triaccel_jax.transforms._segments import runtime_indices
 
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 _HUGE = float(jnp.finfo(jnp.float32).max)
@@ -136,12 +137,15 @@ def per_leaf(vector: jax.Array, flags: list[bool]) -> list[jax.Array | None]:
     """``vector``'s entries spread over the leaves: the ``i``-th observed leaf gets
     ``vector[i]``, the others None.
 
-    The entries are taken out behind an optimization barrier, so that each leaf's kernel reads
-    its scalar as an input: with the index of the entry fused into it, every leaf's kernel would
-    differ from every other's, and XLA compiles identical kernels (leaves of one shape) once.
+    Each entry is read at an index from behind an optimization barrier
+    (:func:`triaccel_jax.transforms._segments.runtime_indices`), so that the read fuses into the
+    leaf's own kernel and the leaves of one shape share one compiled kernel.
     """
-    entries = iter(lax.optimization_barrier(tuple(vector[i] for i in range(sum(flags)))))
-    return [next(entries) if flag else None for flag in flags]
+    indices = iter(runtime_indices(range(sum(flags))))
+    return [
+        lax.dynamic_index_in_dim(vector, next(indices), keepdims=False) if flag else None
+        for flag in flags
+    ]
 
 
 class NoiseMoments(NamedTuple):
@@ -167,13 +171,22 @@ class NoiseMoments(NamedTuple):
 def grouped(leaves: list[jax.Array]) -> list[bool]:
     """Which leaves are laid end to end in flat buffers: those known to be whole on their
     devices (laying a sharded leaf out would gather it) and under ``GROUPED_LEAF_LIMIT``
-    elements. The flat buffers are temporaries as large as the leaves they hold (about ten of
-    them in a refresh), so a large leaf keeps the per-leaf path: its temporaries are its own,
-    and its kernels are shared with the other leaves of its shape."""
-    return [
+    elements, when they are every leaf or at least ``GROUPED_MIN_LEAVES`` of them.
+
+    The flat buffers are temporaries as large as the leaves they hold (about ten of them in a
+    refresh), so a large leaf keeps the per-leaf path: its temporaries are its own, and its
+    kernels are shared with the other leaves of its shape. The flat path compiles a fixed set of
+    kernels (about 65 on XLA:CPU) where the per-leaf path compiles about 20 per distinct shape;
+    beside leaves that take the per-leaf path anyway, a few small leaves cost less to compile on
+    it too than the flat path's whole set.
+    """
+    small = [
         math.prod(jnp.shape(leaf)) < GROUPED_LEAF_LIMIT and compression_sharded.is_known_whole(leaf)
         for leaf in leaves
     ]
+    if all(small) or sum(small) >= GROUPED_MIN_LEAVES:
+        return small
+    return [False] * len(leaves)
 
 
 # Leaves of this many elements or more keep the per-leaf path (see `grouped`). On the 193-leaf
@@ -181,6 +194,10 @@ def grouped(leaves: list[jax.Array]) -> list[bool]:
 # and 122 MB of temporaries; 2**15, 1.61x and 49 MB (46 MB before the flat path); 2**14, 2.04x
 # and 28 MB.
 GROUPED_LEAF_LIMIT = 2**15
+# Fewer small leaves than this, beside large ones, keep the per-leaf path (see `grouped`). On the
+# six 256x256 layers of benchmarks/compile_time.py (six small biases, 2026-12-05), triaccel's
+# update compiled 114 kernels with the biases flat and 83 with every leaf apart.
+GROUPED_MIN_LEAVES = 16
 
 
 def leaf_means(
@@ -376,29 +393,11 @@ def _fold_all(
                 lambda all_, part: all_.at[np.asarray(together)].set(part), summary, group_summary
             )
     if apart:
-        # Each leaf's store is sliced out behind a barrier, so that the fold's kernels, which
-        # read it, are the same for every leaf of one shape (XLA compiles those once).
-        pieces = lax.optimization_barrier(
-            [
-                (
-                    stores.block_means[blocks[i] : blocks[i + 1]].reshape(stores.means_shapes[i]),
-                    stores.outlier_indices[outliers[i] : outliers[i + 1]],
-                    stores.outlier_values[outliers[i] : outliers[i + 1]],
-                )
-                for i in apart
-            ]
-        )
-        folded_leaves = [
-            _fold_store(compression.CompressedDiagonal(*piece), estimates[i], decay)
-            for piece, i in zip(pieces, apart, strict=True)
-        ]
-        block_index, outlier_index = _ranges(blocks, apart), _ranges(outliers, apart)
-        laid = CurvatureStores.of([store for store, _ in folded_leaves])
-        new = new.replace(
-            block_means=new.block_means.at[block_index].set(laid.block_means),
-            outlier_indices=new.outlier_indices.at[outlier_index].set(laid.outlier_indices),
-            outlier_values=new.outlier_values.at[outlier_index].set(laid.outlier_values),
-        )
+        # Read and written back at offsets known only when the program runs, so that the fold's
+        # kernels are the same for every leaf of one shape (XLA compiles those once).
+        pieces = stores.leaves()
+        folded_leaves = [_fold_store(pieces[i], estimates[i], decay) for i in apart]
+        new = new.with_leaves(apart, [store for store, _ in folded_leaves])
         keep = keep.at[np.asarray(apart)].set(jnp.stack([k for _, k in folded_leaves]))
         per_leaf = [
             compression.summarize_diagonal(store, shapes[i])

@@ -157,6 +157,18 @@ def iota(size: int) -> jax.Array:
     return lax.optimization_barrier(jnp.arange(size, dtype=jnp.int32))
 
 
+def runtime_indices(values: Sequence[int]) -> tuple[jax.Array, ...]:
+    """Each of ``values`` as an int32 scalar that XLA treats as known only when the program runs.
+
+    A read of one leaf's piece of a flat buffer at a static offset is a slice, which XLA:CPU
+    compiles as a kernel of its own for every offset (a few milliseconds each), and it makes the
+    kernel it fuses into differ from every other leaf's. Read at an offset from behind an
+    optimization barrier (``lax.dynamic_slice``), the read fuses into the consumer as a dynamic
+    slice, and the leaves of one shape share one compiled kernel.
+    """
+    return tuple(lax.optimization_barrier(tuple(jnp.int32(int(v)) for v in values)))
+
+
 def table(values: Any, dtype: Any = jnp.int32) -> jax.Array:
     """A small per-leaf table (``L`` or ``L + 1`` entries) as a constant."""
     return jnp.asarray(np.asarray(values), dtype)
