@@ -246,7 +246,7 @@ def refresh_when_due(
     Leaves known to be whole on each device are folded together over flat buffers
     (:class:`triaccel_jax.transforms._compression_grouped.StoreGroup`), so the compiled refresh
     does not grow with their number; when any leaf may be sharded, each leaf keeps the per-leaf,
-    partitioned update (:func:`_fold_store`), which never gathers it.
+    partitioned update (``_compression_sharded.update_compressed_ema``), which never gathers it.
 
     Args:
       state: the signals' state: its ``count`` (before this step), ``curvature``,
@@ -346,18 +346,19 @@ def _fold_all(
     decay: Any,
 ) -> tuple[CurvatureStores, jax.Array, compression.DiagonalSummary]:
     """Every observed leaf's store after an estimate, whether it was kept, and its summary
-    (vectors over the leaves). The :func:`grouped` leaves are folded together over flat
-    buffers; the others one by one (partitioned when sharded). ``squared``: the estimate is the
-    squared update (the Fisher's), squared once after laying the updates out."""
+    (vectors over the leaves). The :func:`grouped` leaves' candidates are folded together over
+    flat buffers, the others' one by one (partitioned when sharded); the checks, the choice
+    between candidate and old store and the summaries then run over the laid-out stores, which
+    are small (a mean per block and ``k`` outliers per leaf), for every leaf at once.
+    ``squared``: the estimate is the squared update (the Fisher's), squared once after laying the
+    updates out."""
     count = len(shapes)
     flags = grouped(estimates)
     together = [i for i in range(count) if flags[i]]
     apart = [i for i in range(count) if not flags[i]]
-    blocks, outliers = stores.block_offsets, stores.outlier_offsets
-    keep = jnp.zeros((count,), jnp.bool_)
-    summary = compression.DiagonalSummary(*(jnp.zeros((count,), jnp.float32) for _ in range(3)))
-    new = stores
+    candidate = stores
     if together:
+        blocks, outliers = stores.block_offsets, stores.outlier_offsets
         every = len(together) == count
         block_index, outlier_index = _ranges(blocks, together), _ranges(outliers, together)
         sub = (
@@ -376,39 +377,34 @@ def _fold_all(
             h = jnp.square(group.segments.concat([updates[i] for i in together]))
         else:
             h = group.segments.concat([estimates[i] for i in together])
-        candidate = group.update(sub, h, decay)
-        kept = group.finite(candidate)
-        folded = group.select(kept, candidate, sub)
-        group_summary = group.summarize(folded)
+        folded = group.update(sub, h, decay)
         if every:
-            new, keep, summary = folded, kept, group_summary
+            candidate = folded
         else:
-            new = new.replace(
-                block_means=new.block_means.at[block_index].set(folded.block_means),
-                outlier_indices=new.outlier_indices.at[outlier_index].set(folded.outlier_indices),
-                outlier_values=new.outlier_values.at[outlier_index].set(folded.outlier_values),
-            )
-            keep = keep.at[np.asarray(together)].set(kept)
-            summary = jax.tree.map(
-                lambda all_, part: all_.at[np.asarray(together)].set(part), summary, group_summary
+            candidate = candidate.replace(
+                block_means=candidate.block_means.at[block_index].set(folded.block_means),
+                outlier_indices=candidate.outlier_indices.at[outlier_index].set(
+                    folded.outlier_indices
+                ),
+                outlier_values=candidate.outlier_values.at[outlier_index].set(
+                    folded.outlier_values
+                ),
             )
     if apart:
         # Read and written back at offsets known only when the program runs, so that the fold's
         # kernels are the same for every leaf of one shape (XLA compiles those once).
         pieces = stores.leaves()
-        folded_leaves = [_fold_store(pieces[i], estimates[i], decay) for i in apart]
-        new = new.with_leaves(apart, [store for store, _ in folded_leaves])
-        keep = keep.at[np.asarray(apart)].set(jnp.stack([k for _, k in folded_leaves]))
-        per_leaf = [
-            compression.summarize_diagonal(store, shapes[i])
-            for (store, _), i in zip(folded_leaves, apart, strict=True)
-        ]
-        summary = jax.tree.map(
-            lambda all_, *parts: all_.at[np.asarray(apart)].set(jnp.stack(parts)),
-            summary,
-            *per_leaf,
+        candidate = candidate.with_leaves(
+            apart,
+            [
+                compression_sharded.update_compressed_ema(pieces[i], estimates[i], decay)
+                for i in apart
+            ],
         )
-    return new, keep, summary
+    every_leaf = StoreGroup(shapes, stores)
+    keep = every_leaf.finite(candidate)
+    new = every_leaf.select(keep, candidate, stores)
+    return new, keep, every_leaf.summarize(new)
 
 
 def _ranges(offsets: np.ndarray, leaves: list[int]) -> np.ndarray:
