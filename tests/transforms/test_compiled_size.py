@@ -6,17 +6,23 @@ kernel, even sliced from one flat buffer, so an optimizer's count grows with the
 number of per-leaf arrays it writes (AdamW: ``mu``, ``nu`` and the update). The curvature
 signals' statistics, refresh, noise ratio and step scale run over flat buffers with segment
 reductions, so each transform here grows with the leaves only by the per-leaf arrays it writes
-itself (the observer's gradient EMA ``mu``; the step scales take each leaf's scalar out of their
-vector, one small kernel a leaf, so that the leaves' update kernels stay identical and XLA
-compiles the leaves of one shape once) and nothing for Adam's moments, which replace the inner
-optimizer's.
+itself (the observer's gradient EMA ``mu``) and nothing for Adam's moments, which replace the
+inner optimizer's.
 
 Counted on the compiled HLO of one update, for 8 and for 64 leaves of distinct shapes: the growth
 of (transform - the optax optimizer inside it) is at most ``writes * 56 + slack``.
+
+Fusions in the HLO are not what XLA compiles: fusions with identical computations (the leaves of
+one shape) are compiled once. Large leaves keep a per-leaf path; for them the count that matters
+is the number of kernels compiled (object files in XLA's dump), which must not grow with the
+number of leaves of one shape: each leaf's piece of the flat state is read at an offset that XLA
+learns only when the program runs, where a slice at a fixed offset is a kernel of its own.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
 
 import jax
@@ -91,3 +97,46 @@ def test_the_count_sees_per_leaf_kernels():
     # least that with every leaf (a count that saw no per-leaf kernel could not fail above).
     growth = fusions(optax.adamw(1e-3), LARGE) - fusions(optax.adamw(1e-3), SMALL)
     assert growth >= 3 * (LARGE - SMALL), growth
+
+
+def compiled_kernels(tx: optax.GradientTransformation, count: int, folder: str) -> int:
+    """The kernels XLA compiles for one update + ``apply_updates`` over ``count`` leaves of one
+    large shape (above ``GROUPED_LEAF_LIMIT``: the per-leaf path): its dump's object files."""
+    tx = optax.with_extra_args_support(tx)
+    params = {f"layer{i:02d}": jnp.ones((256, 160)) for i in range(count)}
+    state = tx.init(params)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    os.makedirs(folder)
+    jax.jit(step).lower(params, state, params).compile({"xla_dump_to": folder})
+    return sum(".obj-file." in name for name in os.listdir(folder))
+
+
+FEW, MANY = 4, 32
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_leaves_of_one_shape_share_their_compiled_kernels(name, tmp_path):
+    from triaccel_jax.transforms import _curvature_refresh
+
+    assert _curvature_refresh.GROUPED_LEAF_LIMIT <= 256 * 160
+    make, inner, _ = CASES[name]
+    kernels = {
+        (which, count): compiled_kernels(tx(), count, str(tmp_path / f"{which}{count}"))
+        for which, tx in (("transform", make), ("inner", inner))
+        for count in (FEW, MANY)
+    }
+    growth = (kernels["transform", MANY] - kernels["inner", MANY]) - (
+        kernels["transform", FEW] - kernels["inner", FEW]
+    )
+    # What may grow: the leaf search over the stores' offsets, one compare-and-gather kernel
+    # per halving (two searches), and a few kernels of scalar bookkeeping.
+    allowed = 2 * int(math.log2(MANY // FEW)) + 4
+    assert growth <= allowed, (name, kernels, f"grew by {growth}, allowed {allowed}")
+    # The count reads the dump (a count of nothing would pass above): a transform compiles
+    # dozens of kernels beyond the optimizer inside it. On the code before the per-leaf reads at
+    # run-time offsets the growth was 93 to 121.
+    assert kernels["transform", FEW] > kernels["inner", FEW] + 10, kernels
