@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -206,6 +207,32 @@ def counter_bits(words: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """
     check_size(shape)
     index = lax.iota(_U32, math.prod(shape)).reshape(shape)
+    return mix32(mix32(index ^ words[0]) + words[1])
+
+
+def counter_bits_like(words: jax.Array, shape: tuple[int, ...], sharding: Any = None) -> jax.Array:
+    """:func:`counter_bits` (the same bits) built from one iota per axis, laid out by ``sharding``.
+
+    The flat index is summed from the axes' iotas times their strides instead of reshaped from
+    one flat iota: each device computes the indices of its own shard without a reshape that
+    would cross shards, and under a mesh with Explicit axes the iotas are created with the
+    array's sharding (``sharding``, that of the array to round), so they combine with it.
+
+    Args:
+      words: the uint32 ``[w0, w1]`` from :func:`key_words`.
+      shape: the shape of the array being rounded.
+      sharding: the ``NamedSharding`` of that array's type under Explicit axes, or None.
+
+    Returns:
+      uint32 bits of ``shape``, equal to ``counter_bits(words, shape)``.
+    """
+    check_size(shape)
+    index = jnp.zeros(shape, _U32, out_sharding=sharding)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        iota = lax.broadcasted_iota(_U32, shape, axis, out_sharding=sharding)
+        index = index + iota * _U32(stride)
+        stride *= shape[axis]
     return mix32(mix32(index ^ words[0]) + words[1])
 
 
