@@ -1,0 +1,115 @@
+"""One-shot error of the block-wise quantizer's maps on blocks that span many magnitudes.
+
+The workload of issue 40: a 1024x256 first moment whose columns' scales spread 100x (log-uniform
+over two decades, so each block of 256, one row, holds every scale), and its second moment (the
+squares, spanning four decades). Each map quantizes it once (blocks of 256 for 8 bits, of 128
+for 4 bits, as Li et al. 2023 use; rank-1 normalisation for the 4-bit second moment), with
+rounding to nearest, and the table reports:
+
+* ``rel. norm error``: ``||dequantized - x|| / ||x||``;
+* ``mean rel. error``: the mean over the non-zero entries of ``|dequantized - x| / |x|`` (first
+  moments only: the zero-free maps store a second moment's smallest entries as their lowest
+  level by design, which this mean would count as errors of many times the value);
+* ``zeroed``: the fraction of non-zero entries stored as 0;
+* ``update error``: Adam's direction ``m / (sqrt(v) + 1e-8)`` with this moment dequantized and
+  the other exact, ``||u_hat - u|| / ||u||`` (a second moment stored as 0 makes it ``m / eps``);
+* ``bytes/elem``: codes and scales (:func:`triaccel_jax.kernels.quantize.stored_bytes`).
+
+Usage::
+
+  .venv/bin/python benchmarks/quantize_maps.py [--rows 1024] [--columns 256] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from triaccel_jax.kernels import quantize as q
+
+
+def workload(rows: int, columns: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A first moment whose columns' scales spread 100x, and its square (a second moment)."""
+    key_values, key_scales = jax.random.split(jax.random.key(seed))
+    scales = 10.0 ** jax.random.uniform(key_scales, (columns,), minval=-2.0, maxval=0.0)
+    m = jax.random.normal(key_values, (rows, columns)) * scales[None, :]
+    return np.asarray(m, np.float32), np.asarray(m * m, np.float32)
+
+
+EPS = 1e-8
+
+
+def _update(m: np.ndarray, v: np.ndarray) -> np.ndarray:
+    return m.astype(np.float64) / (np.sqrt(np.asarray(v, np.float64)) + EPS)
+
+
+def errors(
+    x: np.ndarray, back: np.ndarray, m: np.ndarray, v: np.ndarray
+) -> tuple[float, float, float, float]:
+    """Relative norm error, mean relative error (first moments), zeroed fraction, and the
+    relative error of Adam's direction with ``x`` (``m`` or ``v``) replaced by ``back``."""
+    x64, back64 = x.astype(np.float64), np.asarray(back, np.float64)
+    nonzero = x64 != 0
+    relative = np.abs(back64 - x64)[nonzero] / np.abs(x64[nonzero])
+    exact = _update(m, v)
+    approximate = _update(back64, v) if x is m else _update(m, back64)
+    return (
+        float(np.linalg.norm(back64 - x64) / np.linalg.norm(x64)),
+        float(relative.mean()) if x is m else float("nan"),
+        float(np.mean(back64[nonzero] == 0)),
+        float(np.linalg.norm(approximate - exact) / np.linalg.norm(exact)),
+    )
+
+
+def rows_of(m: np.ndarray, v: np.ndarray) -> list[tuple[str, str, int | str, tuple, float]]:
+    """One row per (moment, map): its errors and bytes per element."""
+    out = []
+    for moment, x, maps in (
+        ("m (signed)", m, ("linear", "dynamic", "dynamic4")),
+        ("v (non-negative)", v, ("linear", "sqrt", "dynamic_unsigned", "linear4_unsigned")),
+    ):
+        for mapping in maps:
+            block = 128 if q.MAP_BITS[mapping] == 4 else 256
+            quantized = q.quantize_blocks(jnp.asarray(x), block_size=block, mapping=mapping)
+            back = q.dequantize_blocks(
+                quantized.codes,
+                quantized.scales,
+                block_size=block,
+                mapping=mapping,
+                shape=x.shape,
+            )
+            nbytes = q.stored_bytes(x.shape, block_size=block, mapping=mapping) / x.size
+            out.append((moment, mapping, block, errors(x, back, m, v), nbytes))
+        if moment.startswith("v"):
+            rank1 = q.quantize_rank1(jnp.asarray(x), mapping="linear4_unsigned")
+            back = q.dequantize_rank1(rank1.codes, rank1.row_scales, rank1.column_scales)
+            nbytes = (rank1.codes.size + 4 * (x.shape[0] + x.shape[1])) / x.size
+            out.append((moment, "linear4_unsigned", "rank-1", errors(x, back, m, v), nbytes))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=1024)
+    parser.add_argument("--columns", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    m, v = workload(args.rows, args.columns, args.seed)
+    print(f"{args.rows}x{args.columns}, column scales log-uniform over 10**-2 .. 1, nearest")
+    print(
+        f"{'moment':<17} {'map':<17} {'blocks':>6} {'rel. norm error':>16} "
+        f"{'mean rel. error':>16} {'zeroed':>8} {'update error':>13} {'bytes/elem':>10}"
+    )
+    for moment, mapping, block, (norm, mean, zeroed, update), nbytes in rows_of(m, v):
+        mean_text = "-" if np.isnan(mean) else f"{mean:.4f}"
+        print(
+            f"{moment:<17} {mapping:<17} {block!s:>6} {norm:>16.4f} {mean_text:>16} "
+            f"{zeroed:>8.1%} {update:>13.4g} {nbytes:>10.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
