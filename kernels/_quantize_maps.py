@@ -177,11 +177,17 @@ def take(table: np.ndarray, index: jax.Array) -> jax.Array:
 def count_at_most(table: np.ndarray, t: jax.Array) -> jax.Array:
     """How many entries of the sorted ``table`` (a power of two of them) are ``<= t``, as int32.
 
-    A branchless binary search: at each halving one gather and one compare per element. NaN
-    compares false and counts 0.
+    A branchless binary search, at each halving one gather and one compare per element; a table
+    of at most 16 entries is compared entry by entry instead. NaN compares false and counts 0.
     """
     size = table.size
     index = jnp.zeros(t.shape, jnp.int32, out_sharding=explicit_sharding(t))
+    if size <= 16:
+        # A 4-bit map's 15 finite entries: compares with constants, no gather (on a CPU a
+        # gather per halving cost 6x these compares).
+        for entry in table[:-1]:
+            index = index + (t >= entry).astype(jnp.int32)
+        return index
     step = size // 2
     while step >= 1:
         probe = take(table, index + np.int32(step - 1))
@@ -205,9 +211,20 @@ def codes(mapping: str, t: jax.Array, uniform: jax.Array | None) -> jax.Array:
     if uniform is None:
         return count_at_most(MIDPOINTS[mapping], t)
     table = LEVELS[mapping]
-    lower = lax.min(count_at_most(UPPER_LEVELS[mapping], t), np.int32(table.size - 2))
-    low = take(table, lower)
-    gap = take(table, lower + np.int32(1)) - low
+    if table.size <= 16:
+        # A 4-bit map: the level below and above from compares with constants, no gather.
+        lower = jnp.zeros(t.shape, jnp.int32, out_sharding=explicit_sharding(t))
+        low, high = jnp.full_like(t, table[0]), jnp.full_like(t, table[1])
+        for k in range(1, table.size - 1):
+            above = t >= table[k]
+            lower = lower + above.astype(jnp.int32)
+            low = lax.select(above, jnp.full_like(t, table[k]), low)
+            high = lax.select(above, jnp.full_like(t, table[k + 1]), high)
+        gap = high - low
+    else:
+        lower = lax.min(count_at_most(UPPER_LEVELS[mapping], t), np.int32(table.size - 2))
+        low = take(table, lower)
+        gap = take(table, lower + np.int32(1)) - low
     # Below the lowest level the distance is negative: never up, the lowest level kept.
     up = uniform * gap < t - low
     return lax.select(up, lower + np.int32(1), lower)
