@@ -15,6 +15,7 @@ constant as large as the buffer.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -157,7 +158,7 @@ def iota(size: int) -> jax.Array:
     return lax.optimization_barrier(jnp.arange(size, dtype=jnp.int32))
 
 
-def runtime_indices(values: Sequence[int]) -> tuple[jax.Array, ...]:
+def runtime_indices(values: Iterable[Any]) -> tuple[jax.Array, ...]:
     """Each of ``values`` as an int32 scalar that XLA treats as known only when the program runs.
 
     A read of one leaf's piece of a flat buffer at a static offset is a slice, which XLA:CPU
