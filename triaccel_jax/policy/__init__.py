@@ -9,6 +9,10 @@ the planner (``triaccel_jax.precision``):
 * :class:`PrecisionPolicy`, a plain, hashable map from leaf path to :class:`LeafPrecision`, and
   :class:`PrecisionPlan`, what the planner returns (the policy, and the hysteresis streaks to
   pass back next time); :func:`check_policy` checks what a caller passed;
+* the formats optimizer state is stored in (float32, bfloat16, 8- and 4-bit codes), one
+  registry that ``quantize_state``, the state planner and the policy read:
+  :class:`StateFormat`, :data:`STATE_FORMATS`, :func:`state_format`,
+  :func:`measure_error_variance`;
 * the casts: :func:`cast_params` (the compute copy), :func:`master_params`,
   :func:`stochastic_apply_updates` (stochastically rounded updates of low-precision masters).
 
@@ -31,13 +35,19 @@ from triaccel_jax.policy._policy import PrecisionPolicy
 from triaccel_jax.policy._policy import check_policy
 from triaccel_jax.policy._policy import pending_from_document
 from triaccel_jax.policy._policy import trainable_paths
+from triaccel_jax.policy._state_format import STATE_FORMATS
+from triaccel_jax.policy._state_format import StateFormat
+from triaccel_jax.policy._state_format import measure_error_variance
+from triaccel_jax.policy._state_format import state_format
 
 __all__ = (
+    "STATE_FORMATS",
     "STATE_NAMES",
     "FloatFormat",
     "LeafPrecision",
     "PrecisionPlan",
     "PrecisionPolicy",
+    "StateFormat",
     "carried_itemsize",
     "carrier_dtype",
     "cast_by_path",
@@ -46,7 +56,9 @@ __all__ = (
     "float_format",
     "format_name",
     "master_params",
+    "measure_error_variance",
     "pending_from_document",
+    "state_format",
     "stochastic_apply_updates",
     "trainable_paths",
 )

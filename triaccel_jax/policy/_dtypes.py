@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from triaccel_jax.policy._state_format import STATE_FORMATS
+
 
 class FloatFormat(NamedTuple):
     """A format's short name, JAX dtype, bytes per element, unit roundoff and largest finite."""
@@ -85,7 +87,9 @@ def carried_itemsize(name: str) -> int:
     return FORMATS[carrier_name(name)].itemsize
 
 
-STATE_NAMES = ("fp32", "bf16")
+# The dtypes a policy keeps a leaf's own optimizer state in: the float formats of the state
+# registry (the coded ones are quantize_state's, around another optimizer).
+STATE_NAMES = tuple(name for name, state in STATE_FORMATS.items() if state.is_float)
 
 _ALIASES = {
     "float32": "fp32",

@@ -1,0 +1,64 @@
+"""The state-format registry: every format's maps exist, its bytes and its error model hold."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from triaccel_jax import policy
+from triaccel_jax.kernels import quantize as quantize_lib
+
+
+@pytest.mark.parametrize("name", sorted(policy.STATE_FORMATS))
+def test_the_error_model_is_what_a_store_measures(name):
+    state = policy.state_format(name)
+    measured = policy.measure_error_variance(name)
+    if name == "fp32":
+        assert measured == state.error_variance == 0.0
+    else:
+        # A second seed and the registered constant agree within sampling error.
+        again = policy.measure_error_variance(name, seed=1)
+        assert math.isclose(measured, state.error_variance, rel_tol=0.05), (name, measured)
+        assert math.isclose(again, state.error_variance, rel_tol=0.15), (name, again)
+
+
+@pytest.mark.parametrize("name", sorted(policy.STATE_FORMATS))
+def test_a_coded_format_names_kernel_maps_and_counts_their_bytes(name):
+    state = policy.state_format(name)
+    if state.is_float:
+        assert state.block_size is None and state.unsigned_map is None
+        assert state.bytes_per_element(4) == (4.0 if name == "fp32" else 2.0)
+        assert state.bytes_per_element(2) == 2.0
+        return
+    assert state.signed_map in quantize_lib.ALL_MAPS
+    assert state.unsigned_map in quantize_lib.ALL_MAPS
+    assert quantize_lib.MAP_BITS[state.signed_map] == state.bits
+    assert quantize_lib.MAP_BITS[state.unsigned_map] == state.bits
+    # The per-element figure is what the kernels store, scales included.
+    shape = (64, state.block_size)
+    for mapping in (state.signed_map, state.unsigned_map):
+        stored = quantize_lib.stored_bytes(shape, block_size=state.block_size, mapping=mapping)
+        assert stored == state.bytes_per_element(4) * math.prod(shape)
+
+
+def test_an_unknown_format_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"unknown state format 'int3'.*int4"):
+        policy.state_format("int3")
+
+
+def test_the_policy_keeps_its_own_state_in_the_float_formats():
+    assert policy.STATE_NAMES == ("fp32", "bf16")
+    assert [name for name in policy.STATE_FORMATS] == [
+        "fp32",
+        "bf16",
+        "int8",
+        "int8_dynamic",
+        "int4",
+    ]
+    # From the most to the least precise: bytes fall, error grows.
+    formats = list(policy.STATE_FORMATS.values())
+    for more, less in itertools.pairwise(formats):
+        assert more.bytes_per_element(4) >= less.bytes_per_element(4)
+    assert formats[-1].error_variance > formats[1].error_variance
