@@ -303,7 +303,7 @@ def _plain_update(tx_options, inner, grads, state, params):
             codes, scales = quantize.quantize_blocks(
                 value, block_size=block_size, mapping=old.mapping, rounding=rounding, key=key
             )
-            stored.append(QuantizedLeaf(codes, scales, old.mapping, old.dtype))
+            stored.append(QuantizedLeaf(codes, scales, old.mapping, old.dtype, block_size))
         elif isinstance(old, Bfloat16Leaf):
             bits = quantize.random_bits(key, value.shape) if stochastic else None
             narrow = (
@@ -561,7 +561,8 @@ def test_a_callable_chooses_the_format_per_state_leaf():
     adam = adam.inner_state[0]
     assert isinstance(adam.mu["out"], QuantizedLeaf)
     assert adam.nu["out"].dtype == jnp.float32
-    assert "0/mu/dense/kernel" in asked and "0/count" in asked
+    # Asked about the leaves it could store only: not the count, not the small biases.
+    assert asked == ["0/mu/dense/kernel", "0/mu/out", "0/nu/dense/kernel", "0/nu/out"]
 
 
 # -- compiled bytes ------------------------------------------------------------------------------
@@ -653,11 +654,14 @@ def test_a_non_float_leaf_asked_to_be_quantized_is_an_error():
         return {"visits": jnp.zeros((5000,), jnp.int32), "ema": jnp.zeros((5000,))}
 
     inner = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
-    # Asked for explicitly, by a callable or a mapping: an error naming the leaf.
-    with pytest.raises(ValueError, match="'visits' is int32"):
-        quantize_state(inner, format=lambda path, leaf: "int8").init({})
+    # Named in a mapping: an error naming the leaf.
     with pytest.raises(ValueError, match="'visits' is int32"):
         quantize_state(inner, format={"visits": "bf16"}).init({})
+    # A callable is asked about the float leaves only, so "int8" for everything is a format for
+    # everything that can take it, as the string is.
+    state = quantize_state(inner, format=lambda path, leaf: "int8").init({})
+    assert state.inner_state["visits"].dtype == jnp.int32
+    assert isinstance(state.inner_state["ema"], QuantizedLeaf)
     # A format for the whole state converts the float leaves and leaves integers alone.
     state = quantize_state(inner).init({})
     assert state.inner_state["visits"].dtype == jnp.int32
@@ -665,5 +669,145 @@ def test_a_non_float_leaf_asked_to_be_quantized_is_an_error():
 
 
 def test_a_callable_returning_an_unknown_format_is_an_error():
+    tx = quantize_state(optax.adamw(1e-3), format=lambda path, leaf: "int4", min_size=100)
     with pytest.raises(ValueError, match="format"):
-        quantize_state(optax.adamw(1e-3), format=lambda path, leaf: "int4").init(make_params())
+        tx.init(make_params())
+
+
+# -- states whose fields combine (issue 40) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16", "fp32"])
+def test_centered_rmsprop_stays_finite_where_its_variance_is_small(fmt):
+    # Gradients within 10% of a fixed one: nu - mu**2 is a few percent of nu. Rounded
+    # independently, mu**2 came out above nu and rsqrt(nu - mu**2 + eps) was NaN (int8 from the
+    # 4th step, bf16 from the 36th). The centered variance is stored instead, clamped at 0, so
+    # what the update reads is never negative. (float32 state: the reference, finite too.)
+    params = make_params()
+    tx = quantize_state(optax.rmsprop(1e-3, centered=True), format=fmt, block_size=64, min_size=100)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    base = grads_like(params, 0)
+    for step in range(60):
+        noise = grads_like(params, 100 + step)
+        grads = jax.tree.map(lambda b, n: b * (1 + 0.1 * jnp.tanh(n)), base, noise)
+        updates, state = update(grads, state, params)
+        assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates)), step
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("bias_correction", [False, True], ids=["plain", "bias-corrected"])
+def test_centered_rmsprop_follows_float32_rmsprop(fmt, bias_correction):
+    params = make_params()
+
+    def make():
+        return optax.rmsprop(1e-3, centered=True, bias_correction=bias_correction)
+
+    tx = quantize_state(make(), format=fmt, block_size=64, min_size=100)
+    state, plain = tx.init(params), make().init(params)
+    for step in range(30):
+        grads = grads_like(params, step)
+        updates, state = tx.update(grads, state, params)
+        expected, plain = make().update(grads, plain, params)
+    error = optax.tree.norm(jax.tree.map(jnp.subtract, updates, expected))
+    assert float(error) < 0.05 * float(optax.tree.norm(expected))
+
+
+def test_the_centered_variance_is_stored_with_the_zero_free_map():
+    tx = quantize_state(optax.rmsprop(1e-3, centered=True), block_size=64, min_size=100)
+    stored = tx.init(make_params()).inner_state[0]
+    assert isinstance(stored, triaccel_jax.transforms.CenteredState)
+    assert stored.state.mu["dense"]["kernel"].mapping == "linear"
+    assert stored.state.nu["dense"]["kernel"].mapping == "sqrt"
+    # fp32 state stores nothing, so nothing is centered: the inner's state exactly.
+    fp32 = quantize_state(optax.rmsprop(1e-3, centered=True), format="fp32").init(make_params())
+    assert isinstance(fp32.inner_state[0], optax.ScaleByRStdDevState)
+
+
+# -- second moments found by role ----------------------------------------------------------------
+
+
+def test_adafactors_second_moments_take_the_zero_free_map():
+    # (256, 300) is factored into v_row (256,) and v_col (300,); (5000,) keeps a full v.
+    params = {"matrix": jnp.ones((256, 300)), "vector": jnp.ones((5000,))}
+    state = quantize_state(optax.adafactor(1e-3), min_size=200).init(params)
+    factored = next(
+        node
+        for node in jax.tree.leaves(
+            state.inner_state, is_leaf=lambda n: isinstance(n, optax.FactoredState)
+        )
+        if isinstance(node, optax.FactoredState)
+    )
+    assert factored.v_row["matrix"].mapping == "sqrt"
+    assert factored.v_col["matrix"].mapping == "sqrt"
+    assert factored.v["vector"].mapping == "sqrt"
+
+
+def test_a_dict_held_second_moment_takes_the_zero_free_map():
+    def init(params):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return {"m": zeros, "v": zeros}
+
+    def update(updates, state, params=None):
+        m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, state["m"], updates)
+        v = jax.tree.map(lambda v, g: 0.99 * v + 0.01 * g * g, state["v"], updates)
+        return jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + 1e-8), m, v), {"m": m, "v": v}
+
+    tx = quantize_state(optax.GradientTransformation(init, update), min_size=100)
+    state = tx.init(make_params())
+    assert state.inner_state["v"]["dense"]["kernel"].mapping == "sqrt"
+    assert state.inner_state["m"]["dense"]["kernel"].mapping == "linear"
+
+
+@pytest.mark.parametrize(
+    ("make", "get", "expected"),
+    [
+        # SM3's `mu` holds its non-negative accumulators and `nu` its signed momentum: by name
+        # the momentum took the unsigned map and lost its sign.
+        (lambda: optax.sm3(1e-2), lambda s: s[0].nu["dense"]["kernel"], "linear"),
+        (lambda: optax.sm3(1e-2), lambda s: s[0].mu["out"][0], "sqrt"),
+        (lambda: optax.adadelta(1e-2), lambda s: s[1].e_g["dense"]["kernel"], "sqrt"),
+        (lambda: optax.adadelta(1e-2), lambda s: s[1].e_x["dense"]["kernel"], "sqrt"),
+        (lambda: optax.adan(1e-2), lambda s: s[0].n["dense"]["kernel"], "sqrt"),
+        (lambda: optax.adan(1e-2), lambda s: s[0].v["dense"]["kernel"], "linear"),
+        (lambda: optax.adabelief(1e-2), lambda s: s[0].nu["dense"]["kernel"], "sqrt"),
+    ],
+    ids=["sm3-nu", "sm3-mu", "adadelta-e_g", "adadelta-e_x", "adan-n", "adan-v", "adabelief"],
+)
+def test_optax_states_second_moments_are_found_by_their_type(make, get, expected):
+    state = quantize_state(make(), min_size=10, block_size=64).init(make_params())
+    assert get(state.inner_state).mapping == expected
+
+
+# -- clear errors, raised early ------------------------------------------------------------------
+
+
+def test_a_format_path_that_names_no_leaf_is_refused_naming_the_nearest():
+    tx = quantize_state(optax.adamw(1e-2), format={"dense/kernal": "int8", "out": "bf16"})
+    with pytest.raises(ValueError, match=r"'dense/kernal'.*'dense/kernel'"):
+        tx.init(make_params())
+
+
+def test_a_callable_format_is_asked_only_about_leaves_it_can_store():
+    asked = []
+
+    def every(path, leaf):
+        asked.append(path)
+        return "int8"
+
+    params = make_params()
+    tx = quantize_state(optax.adamw(1e-2), format=every, min_size=100)
+    state = tx.init(params)
+    assert "0/count" not in asked and "0/mu/dense/bias" not in asked  # an int; under min_size
+    assert isinstance(state.inner_state[0].mu["dense"]["kernel"], QuantizedLeaf)
+    chex.assert_type(state.inner_state[0].count, jnp.int32)
+    updates, _ = tx.update(grads_like(params, 0), state, params)
+    assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
+@pytest.mark.parametrize("factory", [optax.adam, optax.contrib.muon], ids=["adam", "muon"])
+def test_a_factory_in_place_of_a_transformation_is_refused_when_built(factory):
+    with pytest.raises(TypeError, match=r"call it.*\(1e-3\)"):
+        quantize_state(factory)
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        quantize_state("adam")

@@ -32,7 +32,9 @@ model):
   :func:`unfused_reason` and :func:`uses_triton` to say when it applies;
 * :func:`quantize_state`, any optax optimizer's state kept in bfloat16 or block-wise 8-bit
   codes between its updates (state :class:`QuantizedState`, leaves :class:`QuantizedLeaf` and
-  :class:`Bfloat16Leaf`), and :func:`compiled_state_bytes` (a :class:`StateBytes`), the bytes
+  :class:`Bfloat16Leaf`, centered moments :class:`CenteredState`), :func:`to_quantized_state`
+  and :func:`dequantize_state`, which convert a plain optimizer state to a quantized one and
+  back, and :func:`compiled_state_bytes` (a :class:`StateBytes`), the bytes
   per parameter of the parameters and a state as XLA's compiled update holds them.
 
 The algorithm is described in the repository's ``docs/design.md`` (sections 3.1 to 3.5, 3.8,
@@ -79,14 +81,18 @@ from triaccel_jax.transforms._signals import mean_curvatures
 from triaccel_jax.transforms._signals import signals
 from triaccel_jax.transforms._state_conversion import convert_state
 from triaccel_jax.transforms._state_precision import Bfloat16Leaf
+from triaccel_jax.transforms._state_precision import CenteredState
 from triaccel_jax.transforms._state_precision import QuantizedLeaf
 from triaccel_jax.transforms._state_precision import QuantizedState
 from triaccel_jax.transforms._state_precision import StateBytes
 from triaccel_jax.transforms._state_precision import compiled_state_bytes
+from triaccel_jax.transforms._state_precision import dequantize_state
 from triaccel_jax.transforms._state_precision import quantize_state
+from triaccel_jax.transforms._state_precision import to_quantized_state
 
 __all__ = (
     "Bfloat16Leaf",
+    "CenteredState",
     "CompressedDiagonal",
     "CurvatureSignalsState",
     "CurvatureStores",
@@ -107,6 +113,7 @@ __all__ = (
     "compress_diagonal",
     "convert_state",
     "curvature_signals",
+    "dequantize_state",
     "dynamic_loss_scale",
     "expand_diagonal",
     "find_signal_states",
@@ -125,6 +132,7 @@ __all__ = (
     "scale_by_triaccel",
     "select_tree",
     "signals",
+    "to_quantized_state",
     "triaccel",
     "unfused_reason",
     "unmask",

@@ -11,10 +11,12 @@ state) is the inner's, untouched. docs/design.md §3.9 gives the formats and the
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import itertools
 import math
 import numbers
+import weakref
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -36,14 +38,73 @@ from triaccel_jax.transforms._curvature_signals import CurvatureSignalsState
 
 FORMATS = ("fp32", "bf16", "int8")
 ROUNDINGS = ("nearest", "stochastic")
-# optax's names for state fields that hold non-negative second moments: Adam's, AdamW's,
-# RMSProp's and Muon's Adam fallback's ``nu``, AMSGrad's ``nu_max``, Adagrad's ``sum_of_squares``,
-# and optax.contrib's Prodigy's and D-Adaptation AdamW's ``exp_avg_sq``.
-SECOND_MOMENTS = ("nu", "nu_max", "sum_of_squares", "exp_avg_sq")
+# Names of state fields and dict keys that hold non-negative second moments, for states of a type
+# _SECOND_MOMENTS_BY_TYPE does not know: optax's ``nu``, ``nu_max`` and ``sum_of_squares``,
+# PyTorch's (and optax.contrib's Prodigy's) ``exp_avg_sq``, and ``v``, ``v_row`` and ``v_col``
+# (Adam's v as the papers write it; Adafactor's).
+SECOND_MOMENTS = ("nu", "nu_max", "sum_of_squares", "exp_avg_sq", "v", "v_row", "v_col")
 # Fields of optax.inject_hyperparams' state: numbers the user sets, never parameter-sized state.
 _HYPERPARAM_FIELDS = ("hyperparams", "hyperparams_states")
 
 FormatChoice = str | Mapping[str, str] | Callable[[str, jax.ShapeDtypeStruct], str | None]
+
+
+def _state_types(names: Mapping[str, tuple[str, ...]]) -> dict[type, tuple[str, ...]]:
+    """``{optax state type: fields}`` for the names this optax has (older ones lack some)."""
+    # Some (ScaleByRStdDevWithCountState) are not exported at optax's top level.
+    from optax._src import transform as optax_transform
+
+    found = {}
+    for name, fields in names.items():
+        module, _, attribute = name.rpartition(".")
+        places = (optax.contrib,) if module == "contrib" else (optax, optax_transform)
+        for place in places:
+            kind = getattr(place, attribute, None)
+            if isinstance(kind, type):
+                found[kind] = fields
+                break
+    return found
+
+
+# The second moments of optax's state types, by role: every field that holds a non-negative
+# quantity the update divides by (or takes the root of). A state of one of these types is read
+# by its type alone, not by field names: SM3's ``nu`` is its signed momentum (its accumulators
+# are ``mu``), Adan's ``v`` a signed average of gradient differences.
+_SECOND_MOMENTS_BY_TYPE = _state_types(
+    {
+        "ScaleByAdamState": ("nu",),  # adam, adamw, adamax (a max of |g|), nadam, radam, yogi
+        "ScaleByAmsgradState": ("nu", "nu_max"),
+        "ScaleByRmsState": ("nu",),
+        "ScaleByRmsWithCountState": ("nu",),
+        "ScaleByRStdDevState": ("nu",),  # stored centered: CenteredState
+        "ScaleByRStdDevWithCountState": ("nu",),
+        "ScaleByBeliefState": ("nu",),  # adabelief's nu is already centered: E[(g - m)**2]
+        "ScaleByRssState": ("sum_of_squares",),
+        "ScaleByAdaDeltaState": ("e_g", "e_x"),
+        "ScaleByAdanState": ("n",),
+        "ScaleBySM3State": ("mu",),
+        "ScaleByNovogradState": ("nu",),
+        "ScaleByLionState": (),
+        "TraceState": (),
+        "FactoredState": ("v_row", "v_col", "v"),  # adafactor
+        "contrib.MuonState": (),
+        "contrib.ProdigyState": ("exp_avg_sq",),
+        "contrib.DAdaptAdamWState": ("exp_avg_sq",),
+        "contrib.MomoAdamState": ("exp_avg_sq",),
+        "contrib.MadgradState": ("grad_sum_sq",),
+        "contrib.ScaleByAdemamixState": ("nu",),
+        "contrib.ScaleBySimplifiedAdEMAMixState": ("n",),
+        # Sophia's nu averages Hutchinson's estimates of the Hessian's diagonal, which may be
+        # negative: signed.
+        "contrib.SophiaState": (),
+    }
+)
+# States whose update reads ``second - |mean|**2`` (a centered variance): rounded independently,
+# the difference of the two stored moments goes negative where the variance is small, and the
+# update's root is NaN. Stored as :class:`CenteredState`: ``mean`` and the variance itself.
+_CENTERED = _state_types(
+    {"ScaleByRStdDevState": ("mu", "nu"), "ScaleByRStdDevWithCountState": ("mu", "nu")}
+)
 
 
 @jax.tree_util.register_dataclass
@@ -58,12 +119,15 @@ class QuantizedLeaf:
       mapping: ``"linear"`` (signed state) or ``"sqrt"`` (a non-negative second moment); static.
       dtype: the name of the dtype the inner optimizer keeps the leaf in (what the leaf is
         dequantized to); static.
+      block_size: elements per block (what the scales are per); static, so that the leaf
+        dequantizes on its own (:func:`dequantize_state`).
     """
 
     codes: jax.Array
     scales: jax.Array
     mapping: str = dataclasses.field(metadata={"static": True})
     dtype: str = dataclasses.field(metadata={"static": True})
+    block_size: int = dataclasses.field(metadata={"static": True})
 
 
 @jax.tree_util.register_dataclass
@@ -78,6 +142,27 @@ class Bfloat16Leaf:
 
     value: jax.Array
     dtype: str = dataclasses.field(metadata={"static": True})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CenteredState:
+    """An optax state of a centered second moment, stored with its variance in place of ``nu``.
+
+    ``optax.rmsprop(centered=True)`` keeps ``mu`` (the mean of the gradients) and ``nu`` (the
+    mean of their squares) and divides by ``sqrt(nu - mu**2 + eps)``. Where the variance is
+    small, ``nu`` and ``mu**2`` are nearly equal, and rounded independently their difference goes
+    negative: NaN updates. :func:`quantize_state` stores such a state (optax's
+    ``ScaleByRStdDevState`` and ``ScaleByRStdDevWithCountState``) as this node: ``state`` is the
+    inner's state with ``nu`` replaced by the variance ``max(nu - |mu|**2, 0)``, which the
+    zero-free map stores as a second moment, and each update reads ``nu`` back as ``variance +
+    |mu|**2`` of the stored ``mu``, so ``nu - |mu|**2`` is the stored variance, never negative.
+
+    Attributes:
+      state: the inner's state node, its ``nu`` holding the centered variance.
+    """
+
+    state: Any
 
 
 class QuantizedState(NamedTuple):
@@ -163,13 +248,78 @@ def _field_names(path: Sequence[Any]) -> set[str]:
     return {entry.name for entry in path if isinstance(entry, jax.tree_util.GetAttrKey)}
 
 
-def _mapped_format(mapping: Mapping[str, str], name: str) -> str | None:
-    """The entry of the longest parameter path that ``name`` ends with (on a '/' boundary)."""
+def _path_names(path: Sequence[Any]) -> set[str]:
+    """The field names and string dict keys on ``path``: what a state's role is read from."""
+    names = _field_names(path)
+    names.update(
+        entry.key
+        for entry in path
+        if isinstance(entry, jax.tree_util.DictKey) and isinstance(entry.key, str)
+    )
+    return names
+
+
+def _is_known(node: Any) -> bool:
+    return type(node) in _SECOND_MOMENTS_BY_TYPE
+
+
+def _second_moment_leaves(tree: Any, names: tuple[str, ...]) -> list[bool]:
+    """For each leaf of ``tree`` (flattened as the wrapper flattens the inner state), whether it
+    is a non-negative second moment: a field of an optax state type that
+    ``_SECOND_MOMENTS_BY_TYPE`` lists (by type, whatever the field's name), else a leaf under a
+    field or dict key named in ``names``."""
+    found: list[bool] = []
+    nodes, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda node: _is_opaque(node) or _is_known(node)
+    )
+    for path, node in nodes:
+        if _is_known(node):
+            fields = _SECOND_MOMENTS_BY_TYPE[type(node)]
+            leaves, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_opaque)
+            found.extend(getattr(inner[0], "name", None) in fields for inner, _ in leaves)
+        else:
+            found.append(bool(_path_names(path) & set(names)))
+    return found
+
+
+def _mapped_key(mapping: Mapping[str, str], name: str) -> str | None:
+    """The longest key of ``mapping`` that ``name`` ends with (on a '/' boundary), or None."""
     best = None
     for key in mapping:
         if (name == key or name.endswith("/" + key)) and (best is None or len(key) > len(best)):
             best = key
-    return None if best is None else mapping[best]
+    return best
+
+
+def _check_mapping_paths(mapping: Mapping[str, str], state_paths: list[str], params: Any) -> None:
+    """Refuses a key of ``mapping`` that names no parameter and no state leaf, naming the
+    nearest path: a misspelt path would otherwise keep its leaf in float32 without a word."""
+    param_paths = [
+        tree_lib.path_string(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
+    known = [*param_paths, *state_paths]
+    for key in mapping:
+        if any(path == key or path.endswith("/" + key) for path in known):
+            continue
+        nearest = difflib.get_close_matches(key, param_paths or known, n=1, cutoff=0.0)
+        hint = f"; the nearest parameter path is {nearest[0]!r}" if nearest else ""
+        raise ValueError(
+            f"`format` names {key!r}, which is no parameter path and no state leaf path (nor a "
+            f"'/'-bounded end of one){hint}"
+        )
+
+
+def _eligible(path: Sequence[Any], leaf: Any, min_size: int) -> bool:
+    """Whether a leaf of the inner state can be stored in fewer bits: a floating-point array of
+    at least ``min_size`` elements (never a scalar), not a hyperparameter of
+    ``inject_hyperparams`` nor the curvature signals' state."""
+    if _is_opaque(leaf) or not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
+        return False
+    if _field_names(path) & set(_HYPERPARAM_FIELDS):
+        return False
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+        return False
+    return len(leaf.shape) > 0 and math.prod(leaf.shape) >= max(min_size, 1)
 
 
 def _spec(
@@ -177,40 +327,135 @@ def _spec(
     leaf: Any,
     format: FormatChoice,
     min_size: int,
-    second_moments: tuple[str, ...],
+    second_moment: bool,
 ) -> _Spec | None:
-    """How one leaf of the inner state is stored; None: as the inner keeps it."""
+    """How one leaf of the inner state is stored; None: as the inner keeps it.
+
+    A string format applies to every eligible leaf (:func:`_eligible`); a callable is asked
+    about the eligible leaves only (a count or a small bias has no choice to make); a mapping
+    that names a non-float leaf is an error, because a user named it.
+    """
     if _is_opaque(leaf) or not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
         return None
-    fields = _field_names(path)
-    if fields & set(_HYPERPARAM_FIELDS):
+    if _field_names(path) & set(_HYPERPARAM_FIELDS):
         return None
     name = tree_lib.path_string(path)
-    explicit = not isinstance(format, str)
     if isinstance(format, str):
         chosen = format
     elif isinstance(format, Mapping):
-        chosen = _check_format(_mapped_format(format, name), f"`format` for state leaf {name!r}")
-    else:
-        abstract = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-        chosen = _check_format(format(name, abstract), f"`format({name!r}, ...)`")
-    if chosen == "fp32":
-        return None
-    if not jnp.issubdtype(leaf.dtype, jnp.floating):
-        if explicit:
+        key = _mapped_key(format, name)
+        chosen = _check_format(
+            None if key is None else format[key], f"`format` for state leaf {name!r}"
+        )
+        if chosen != "fp32" and not jnp.issubdtype(leaf.dtype, jnp.floating):
             raise ValueError(
                 f"state leaf {name!r} is {jnp.dtype(leaf.dtype).name}: only floating-point "
-                f"leaves can be stored in {chosen!r}"
+                f"leaves can be stored in {chosen!r} (`format[{key!r}]`)"
             )
+    elif _eligible(path, leaf, min_size):
+        abstract = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+        chosen = _check_format(format(name, abstract), f"`format({name!r}, ...)`")
+    else:
         return None
-    size = math.prod(leaf.shape)
-    if len(leaf.shape) == 0 or size < max(min_size, 1):
+    if chosen == "fp32" or not _eligible(path, leaf, min_size):
         return None
     if chosen == "bf16":
         if jnp.dtype(leaf.dtype).itemsize <= 2:  # already 16 bits or fewer
             return None
         return _Spec("bf16", None)
-    return _Spec("int8", "sqrt" if fields & set(second_moments) else "linear")
+    return _Spec("int8", "sqrt" if second_moment else "linear")
+
+
+# -- centered second moments -------------------------------------------------------------------
+
+
+def _abs_sq(x: jax.Array) -> jax.Array:
+    # optax's abs_sq: |x|**2, real for a complex x.
+    return (x.real * x.real + x.imag * x.imag) if jnp.iscomplexobj(x) else x * x
+
+
+def _centered_fields(node: Any) -> tuple[str, str]:
+    mean, second = _CENTERED[type(node)]
+    return mean, second
+
+
+def _center(node: Any) -> CenteredState:
+    """A ``ScaleByRStdDevState``-like node as stored: its ``nu`` replaced by ``nu - |mu|**2``
+    (clamped at 0: rounding in the inner's own float arithmetic may leave it a hair below)."""
+    mean, second = _centered_fields(node)
+
+    def variance(m: jax.Array, n: jax.Array) -> jax.Array:
+        return jnp.maximum(n - _abs_sq(m).astype(n.dtype), jnp.zeros((), n.dtype))
+
+    values = jax.tree.map(variance, getattr(node, mean), getattr(node, second))
+    return CenteredState(node._replace(**{second: values}))
+
+
+def _uncenter(node: CenteredState) -> Any:
+    """The inner's node back from :func:`_center`'s: ``nu = variance + |mu|**2``. With the
+    stored ``mu``, ``nu - |mu|**2`` then rounds to a number >= 0 (``(a + b) - b >= 0`` for
+    ``a, b >= 0`` in floating point), so the update's root is real."""
+    inner = node.state
+    mean, second = _centered_fields(inner)
+    values = jax.tree.map(
+        lambda m, v: v + _abs_sq(m).astype(v.dtype), getattr(inner, mean), getattr(inner, second)
+    )
+    return inner._replace(**{second: values})
+
+
+def _is_centered_kind(node: Any) -> bool:
+    return type(node) in _CENTERED
+
+
+def _center_where(tree: Any, stored: list[bool]) -> Any:
+    """``tree`` with each centered-moment node that holds a stored leaf (``stored``, one flag per
+    leaf as :func:`_second_moment_leaves` counts them) replaced by :func:`_center`'s. The leaves
+    keep their order: a :class:`CenteredState` flattens as the node it holds."""
+    nodes, treedef = jax.tree_util.tree_flatten(
+        tree, is_leaf=lambda node: _is_opaque(node) or _is_centered_kind(node)
+    )
+    position = 0
+    out = []
+    for node in nodes:
+        count = len(jax.tree_util.tree_leaves(node, is_leaf=_is_opaque))
+        if _is_centered_kind(node) and any(stored[position : position + count]):
+            node = _center(node)
+        out.append(node)
+        position += count
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _uncenter_all(tree: Any) -> Any:
+    """``tree`` with every :class:`CenteredState` read back as the inner's node."""
+    return jax.tree.map(
+        lambda node: _uncenter(node) if isinstance(node, CenteredState) else node,
+        tree,
+        is_leaf=lambda node: isinstance(node, CenteredState) or _is_opaque(node),
+    )
+
+
+def _recenter_like(tree: Any, like: Any) -> Any:
+    """``tree`` (the inner's new state) with the nodes centered that are centered in ``like``
+    (the state it was given, as stored)."""
+    nodes, _ = jax.tree_util.tree_flatten(
+        tree, is_leaf=lambda node: _is_opaque(node) or _is_centered_kind(node)
+    )
+    marks, treedef = jax.tree_util.tree_flatten(
+        like,
+        is_leaf=lambda node: (
+            _is_opaque(node) or _is_centered_kind(node) or isinstance(node, CenteredState)
+        ),
+    )
+    if len(nodes) != len(marks):
+        raise ValueError(
+            "the inner optimizer's update returned a state of another structure than it was "
+            f"given ({len(nodes)} nodes, {len(marks)} before)"
+        )
+    out = [
+        _center(node) if isinstance(mark, CenteredState) else node
+        for node, mark in zip(nodes, marks, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 # -- the update, leaf group by leaf group ------------------------------------------------------
@@ -483,13 +728,27 @@ def quantize_state(
 
     * ``"int8"``: block-wise 8-bit codes with one float32 scale (the absolute maximum) per
       ``block_size`` consecutive elements (Dettmers et al., 2021). Signed leaves use a linear
-      map (int8 codes ``c`` for ``c * absmax / 127``); leaves under a field named in
-      ``second_moments`` (Adam's ``nu``) use a map linear in the square root and without a zero
-      level (uint8 codes ``c`` for ``absmax * ((c + 1) / 256) ** 2``), so a small second
-      moment is never stored as zero, which would turn ``m / (sqrt(v) + eps)`` into ``m / eps``
-      (Li et al., 2023). About 1 byte per element plus ``4 / block_size``.
+      map (int8 codes ``c`` for ``c * absmax / 127``); non-negative second moments use a map
+      linear in the square root and without a zero level (uint8 codes ``c`` for
+      ``absmax * ((c + 1) / 256) ** 2``), so a small second moment is never stored as zero,
+      which would turn ``m / (sqrt(v) + eps)`` into ``m / eps`` (Li et al., 2023). About 1
+      byte per element plus ``4 / block_size``.
     * ``"bf16"``: bfloat16, 2 bytes per element (leaves already 16 bits or narrower are kept).
     * ``"fp32"``: the leaf as the inner keeps it.
+
+    **Second moments** are found by role: in a state of one of optax's types, by its type
+    (Adam's, RMSProp's, AdaBelief's and Novograd's ``nu``, AMSGrad's ``nu`` and ``nu_max``,
+    Adagrad's ``sum_of_squares``, Adafactor's ``v_row``, ``v_col`` and ``v``, Adadelta's
+    ``e_g`` and ``e_x``, Adan's ``n``, SM3's accumulators ``mu`` (its ``nu`` is a signed
+    momentum), optax.contrib's ``exp_avg_sq``); in any other state (a dict, a custom
+    NamedTuple), by the field names and dict keys in ``second_moments``.
+
+    **Centered second moments.** ``optax.rmsprop(centered=True)`` divides by
+    ``sqrt(nu - mu**2 + eps)``; ``nu`` and ``mu**2`` rounded independently differ by a
+    negative number where the variance is small, and the update is NaN. Its state is stored
+    as a :class:`CenteredState`: ``mu`` and the variance ``max(nu - mu**2, 0)`` (a second
+    moment), from which each update reads ``nu`` back, so the variance it sees is the stored
+    one, never negative.
 
     Only floating-point leaves of at least ``min_size`` elements (never scalars) are converted;
     counts, hyperparameters of ``optax.inject_hyperparams`` (which stay findable and settable
@@ -525,18 +784,23 @@ def quantize_state(
       format: ``"int8"``, ``"bf16"`` or ``"fp32"`` for every eligible leaf; or a mapping from
         parameter paths as :func:`triaccel_jax.signals` names them (``"dense/kernel"``) to
         formats, a state leaf taking the entry of the longest path its own path ends with
-        (``"0/mu/dense/kernel"`` takes ``"dense/kernel"``) and ``"fp32"`` without one; or a
-        callable ``(path, leaf) -> format`` called with each state leaf's path (``"/"``-joined)
-        and a ``jax.ShapeDtypeStruct``, returning a format or None (``"fp32"``). A mapping or
-        callable that asks for a non-float leaf to be converted is an error.
+        (``"0/mu/dense/kernel"`` takes ``"dense/kernel"``) and ``"fp32"`` without one (a path
+        that names no parameter and no state leaf is refused at ``init``, naming the nearest
+        parameter path; a mapping that asks for a non-float leaf to be converted is an error);
+        or a callable ``(path, leaf) -> format`` called with the path (``"/"``-joined) and a
+        ``jax.ShapeDtypeStruct`` of each state leaf that can be stored (floating point, at
+        least ``min_size`` elements, not a hyperparameter: never a count), returning a format
+        or None (``"fp32"``), so that ``lambda path, leaf: "int8"`` is ``"int8"``.
       rounding: ``"nearest"`` or ``"stochastic"``, how each update stores its new state (static).
       block_size: elements per quantization block (an int >= 1; static, it sets the scales'
         shape).
       min_size: leaves with fewer elements keep the inner's format: their bytes are negligible
         and their blocks would be mostly scale. 4096 is bitsandbytes' default.
-      second_moments: state field names whose leaves are non-negative second moments, stored
-        with the square-root map under ``"int8"``. A negative value there is stored as the
-        lowest level.
+      second_moments: field names and dict keys whose leaves are non-negative second moments,
+        stored with the square-root map under ``"int8"``, in states of a type other than
+        optax's own (whose second moments are known by type). A negative value there is stored
+        as the lowest level: leave out a name your state uses for a signed leaf (a velocity
+        ``v``).
       seed: seeds the stochastic rounding (an int that fits in 64 bits, as ``jax.random.key``
         takes); unread with ``rounding="nearest"``.
       impl: the implementation of the int8 quantize/dequantize kernels and of bf16's round to
@@ -550,10 +814,12 @@ def quantize_state(
 
     Raises:
       ValueError: an unknown format or rounding, ``block_size`` < 1, ``min_size`` < 0, a
-        ``seed`` beyond 64 bits, an unknown ``impl``; at ``init``, a mapping or callable asking for a non-float
-        leaf to be converted.
-      TypeError: ``block_size``, ``min_size`` or ``seed`` not an int, ``format`` neither a
-        string, a mapping nor a callable.
+        ``seed`` beyond 64 bits, an unknown ``impl``; at ``init``, a mapping asking for a
+        non-float leaf to be converted or naming a path that is no leaf's, a callable
+        returning an unknown format.
+      TypeError: ``inner`` not a ``GradientTransformation`` (a factory such as ``optax.adam``,
+        uncalled, is named), ``block_size``, ``min_size`` or ``seed`` not an int, ``format``
+        neither a string, a mapping nor a callable.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -580,6 +846,7 @@ def quantize_state(
       4-bit States", arXiv 2309.01507. Gupta et al., 2015, "Deep Learning with Limited
       Numerical Precision" (stochastic rounding).
     """
+    _check_inner(inner)
     format, block_size, min_size, second_moments, seed = _check_options(
         format, block_size, min_size, second_moments, seed, impl
     )
@@ -604,35 +871,45 @@ def quantize_state(
             key=key,
             impl=impl,
         )
-        return QuantizedLeaf(codes, scales, spec.mapping, dtype)
+        return QuantizedLeaf(codes, scales, spec.mapping, dtype, block_size)
 
     def load(node: Any) -> Any:
-        if isinstance(node, Bfloat16Leaf):
-            return node.value.astype(node.dtype)
-        if isinstance(node, QuantizedLeaf):
-            return quantize_lib.dequantize_blocks(
-                node.codes,
-                node.scales,
-                block_size=block_size,
-                mapping=node.mapping,
-                dtype=node.dtype,
-                impl=impl,
-            )
-        return node
+        return _load(node, impl)
+
+    def to_stored(inner_state: Any, params: Any) -> Any:
+        # The inner's plain state as this wrapper stores it, rounded to nearest: at init, and
+        # for a state converted from another format (to_quantized_state).
+        flat, _ = jax.tree_util.tree_flatten_with_path(inner_state, is_leaf=_is_opaque)
+        if isinstance(format, Mapping):
+            _check_mapping_paths(format, [tree_lib.path_string(p) for p, _ in flat], params)
+        roles = _second_moment_leaves(inner_state, second_moments)
+        specs = [
+            _spec(path, leaf, format, min_size, role)
+            for (path, leaf), role in zip(flat, roles, strict=True)
+        ]
+        # Centered before anything is rounded: the variance from the full-precision moments.
+        centered = _center_where(inner_state, [spec is not None for spec in specs])
+        values, treedef = jax.tree_util.tree_flatten(centered, is_leaf=_is_opaque)
+        leaves = [
+            value if spec is None else store(value, spec, value.dtype.name, None)
+            for value, spec in zip(values, specs, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def key_data() -> jax.Array:
+        return jax.random.key_data(jax.random.key(seed))
 
     def init_fn(params: Any) -> QuantizedState:
-        inner_state = inner.init(params)
-        flat, treedef = jax.tree_util.tree_flatten_with_path(inner_state, is_leaf=_is_opaque)
-        leaves = []
-        for path, leaf in flat:
-            spec = _spec(path, leaf, format, min_size, second_moments)
-            leaves.append(leaf if spec is None else store(leaf, spec, leaf.dtype.name, None))
-        key = jax.random.key_data(jax.random.key(seed))
         return QuantizedState(
             count=jnp.zeros([], jnp.int32),
-            key=key,
-            inner_state=jax.tree_util.tree_unflatten(treedef, leaves),
+            key=key_data(),
+            inner_state=to_stored(inner.init(params), params),
         )
+
+    def convert(state: Any, params: Any) -> QuantizedState:
+        count = state.count if isinstance(state, QuantizedState) else jnp.zeros([], jnp.int32)
+        plain = _match_structure(dequantize_state(state), jax.eval_shape(inner.init, params))
+        return QuantizedState(count=count, key=key_data(), inner_state=to_stored(plain, params))
 
     def update_fn(
         updates: Any, state: QuantizedState, params: Any = None, **extra_args: Any
@@ -668,6 +945,10 @@ def quantize_state(
             return store(new.astype(old.dtype), spec, old.dtype, key)
 
         inner_update = functools.partial(inner.update, **extra_args)
+        if _has_centered(state.inner_state):
+            # The inner reads its nu back from the stored variance and mean, and its new nu is
+            # centered again (from its full-precision mean) before it is stored.
+            inner_update = functools.partial(_centered_update, inner_update)
         updates, new_nodes = _grouped_update(
             inner_update, updates, nodes, treedef, params, load, store_new
         )
@@ -678,7 +959,206 @@ def quantize_state(
         )
         return updates, new_state
 
+    _CONVERTERS[init_fn] = convert
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# The wrappers quantize_state built, by their init function (which every copy of the
+# GradientTransformation shares), to what converts a state into theirs: the options stay the
+# wrapper's, without a field on optax's NamedTuple. Weak keys: a wrapper dropped is forgotten.
+_CONVERTERS: weakref.WeakKeyDictionary[Callable[..., Any], Callable[[Any, Any], QuantizedState]]
+_CONVERTERS = weakref.WeakKeyDictionary()
+
+
+def _check_inner(inner: Any) -> None:
+    """Refuses, when the wrapper is built, what is not a GradientTransformation: a factory such
+    as ``optax.adam`` would otherwise fail only at ``init``, far from the mistake."""
+    if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
+        return
+    if callable(inner):
+        name = getattr(inner, "__qualname__", None) or type(inner).__name__
+        module = getattr(inner, "__module__", None)
+        where = f"{module.split('.')[0]}.{name}" if module else name
+        raise TypeError(
+            f"`inner` must be an optax GradientTransformation; {where} is a function that "
+            f"builds one: call it, e.g. quantize_state({where}(1e-3))"
+        )
+    raise TypeError(f"`inner` must be an optax GradientTransformation, got {type(inner).__name__}")
+
+
+def _has_centered(tree: Any) -> bool:
+    return any(
+        isinstance(node, CenteredState)
+        for node in jax.tree_util.tree_leaves(
+            tree, is_leaf=lambda node: isinstance(node, CenteredState) or _is_opaque(node)
+        )
+    )
+
+
+def _centered_update(
+    update: Callable[..., tuple[Any, Any]], updates: Any, state: Any, params: Any = None
+) -> tuple[Any, Any]:
+    """The inner update over a state holding :class:`CenteredState` nodes."""
+    new_updates, new_state = update(updates, _uncenter_all(state), params)
+    return new_updates, _recenter_like(new_state, state)
+
+
+def _load(node: Any, impl: str = "auto") -> Any:
+    """A stored leaf's value in the dtype the inner keeps it in (any other node as it is)."""
+    if isinstance(node, Bfloat16Leaf):
+        return node.value.astype(node.dtype)
+    if isinstance(node, QuantizedLeaf):
+        return quantize_lib.dequantize_blocks(
+            node.codes,
+            node.scales,
+            block_size=node.block_size,
+            mapping=node.mapping,
+            dtype=node.dtype,
+            impl=impl,
+        )
+    return node
+
+
+def _describe(leaf: Any) -> str:
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        return type(leaf).__name__
+    return f"{jnp.dtype(dtype).name}{list(shape)}"
+
+
+def _match_structure(given: Any, expected: Any) -> Any:
+    """``given``'s leaves in ``expected``'s structure, matched by path: a state restored as
+    plain containers (a checkpoint read without a template gives dicts and lists for optax's
+    NamedTuples) has the same paths. A path missing or left over, or a leaf of another shape
+    or dtype, is refused by name, the first in ``expected``'s order."""
+    given_flat, _ = jax.tree_util.tree_flatten_with_path(given)
+    expected_flat, treedef = jax.tree_util.tree_flatten_with_path(expected)
+    by_path = {tree_lib.path_string(path): leaf for path, leaf in given_flat}
+    leaves = []
+    for path, want in expected_flat:
+        name = tree_lib.path_string(path)
+        if name not in by_path:
+            nearest = difflib.get_close_matches(name, list(by_path), n=1, cutoff=0.0)
+            hint = f" (its nearest is {nearest[0]!r})" if nearest else ""
+            raise ValueError(
+                f"the state has no leaf {name!r}, which the inner optimizer's state for these "
+                f"parameters has ({_describe(want)}){hint}"
+            )
+        leaf = by_path.pop(name)
+        if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
+            leaf = jnp.asarray(leaf)
+        if tuple(leaf.shape) != tuple(want.shape) or jnp.dtype(leaf.dtype) != jnp.dtype(want.dtype):
+            raise ValueError(
+                f"state leaf {name!r} is {_describe(leaf)}; the inner optimizer's state for these "
+                f"parameters has {_describe(want)} there"
+            )
+        leaves.append(leaf)
+    if by_path:
+        extra = next(iter(by_path))
+        raise ValueError(
+            f"the state has a leaf {extra!r} ({_describe(by_path[extra])}) that the inner "
+            "optimizer's state for these parameters has not"
+        )
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def dequantize_state(state: Any) -> Any:
+    """The inner optimizer's plain state from a :func:`quantize_state` state.
+
+    Every stored leaf (:class:`QuantizedLeaf`, :class:`Bfloat16Leaf`) is read back in the dtype
+    the inner keeps it in and every :class:`CenteredState` as the inner's node (``nu`` from the
+    stored variance and mean); counts, hyperparameters and every other leaf are kept as they
+    are. The result is what the inner optimizer takes: switch a running job to float32 state,
+    or to another format with :func:`to_quantized_state`. The values are the stored ones, so
+    they differ from a float32 run's by the rounding of the state, no more.
+
+    Args:
+      state: a :class:`QuantizedState`, or any tree holding stored leaves (its
+        ``inner_state``, say).
+
+    Returns:
+      The inner optimizer's state (the ``inner_state`` of a :class:`QuantizedState`), plain.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from triaccel_jax.transforms import dequantize_state, quantize_state
+      >>> params = {"w": jnp.full((64, 64), 0.5)}
+      >>> tx = quantize_state(optax.adam(1e-3), min_size=1024)
+      >>> _, state = tx.update(params, tx.init(params), params)  # the gradient 0.5 everywhere
+      >>> plain = dequantize_state(state)
+      >>> type(plain[0]).__name__, plain[0].mu["w"].dtype, round(float(plain[0].mu["w"][0, 0]), 6)
+      ('ScaleByAdamState', dtype('float32'), 0.05)
+      >>> optax.adam(1e-3).update(params, plain, params)[0]["w"].shape  # optax's own state
+      (64, 64)
+
+    References:
+      docs/design.md §3.9.
+    """
+    inner = state.inner_state if isinstance(state, QuantizedState) else state
+    loaded = jax.tree.map(_load, inner, is_leaf=lambda node: _is_stored(node) or _is_opaque(node))
+    return _uncenter_all(loaded)
+
+
+def to_quantized_state(tx: optax.GradientTransformation, state: Any, params: Any) -> QuantizedState:
+    """The state ``tx`` (a :func:`quantize_state` wrapper) keeps for an optimizer state.
+
+    Converts the inner optimizer's plain state (a float32 run's, say, or one restored from its
+    checkpoint) into the :class:`QuantizedState` that ``tx`` stores, the same leaves ``tx.init``
+    would convert, in the same formats and maps, rounded to nearest as ``tx.init`` rounds; given
+    a :class:`QuantizedState` of another format (another wrapper's), it is read back first
+    (:func:`dequantize_state`) and stored in ``tx``'s. So a running job switches its state's
+    format, and a float32 checkpoint restores into a quantized state. The inner's counts and
+    ``inject_hyperparams``' hyperparameters are kept as they are; the wrapper's own count (which
+    keys stochastic rounding) is the given :class:`QuantizedState`'s, else 0.
+
+    The state is matched to the inner optimizer's state for ``params`` by leaf path
+    (``"0/mu/dense/kernel"``), so a state restored as plain dicts and lists (a checkpoint read
+    without a template) converts too; each leaf must have the shape and dtype the inner's has.
+
+    Args:
+      tx: the transformation :func:`quantize_state` returned (not one wrapping it, such as a
+        chain: its options are read from it).
+      state: the inner optimizer's state (``optax.adamw(...).init(params)`` and its updates'),
+        plain or as restored from a checkpoint, or a :class:`QuantizedState`.
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``), which set the inner state's
+        structure.
+
+    Returns:
+      A :class:`QuantizedState`, as ``tx.init`` makes them: ``tx.update`` takes it.
+
+    Raises:
+      TypeError: ``tx`` was not built by :func:`quantize_state`.
+      ValueError: ``state`` does not match the inner optimizer's state for ``params``: the first
+        path missing, left over, or of another shape or dtype is named.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from triaccel_jax.transforms import quantize_state, to_quantized_state
+      >>> params = {"w": jnp.ones((64, 64))}
+      >>> plain = optax.adamw(1e-3).init(params)  # a float32 run's state
+      >>> plain = optax.adamw(1e-3).update(params, plain, params)[1]
+      >>> tx = quantize_state(optax.adamw(1e-3), min_size=1024)
+      >>> state = to_quantized_state(tx, plain, params)
+      >>> state.inner_state[0].mu["w"].codes.dtype, int(state.inner_state[0].count)
+      (dtype('int8'), 1)
+      >>> bf16 = to_quantized_state(quantize_state(optax.adamw(1e-3), format="bf16"), state, params)
+      >>> bf16.inner_state[0].nu["w"].value.dtype  # switched from int8 to bfloat16
+      dtype(bfloat16)
+
+    References:
+      docs/design.md §3.9.
+    """
+    try:
+        convert = _CONVERTERS.get(getattr(tx, "init", None))  # type: ignore[arg-type]
+    except TypeError:  # not weakly referable: no function, no wrapper's
+        convert = None
+    if convert is None:
+        raise TypeError(
+            "`tx` must be the transformation quantize_state returned (its options are read "
+            f"from it), got {type(tx).__name__}"
+        )
+    return convert(state, params)
 
 
 class StateBytes(NamedTuple):
