@@ -154,10 +154,17 @@ def test_bfloat16_parameters_are_priced_at_their_own_state_bytes():
     assert keep.bytes_per_parameter == pytest.approx(
         compiled_state_bytes(optax.adamw(1e-3), params).bytes_per_parameter, abs=1e-3
     )
-    capped = plan_state_formats(
-        sig, params, learning_rate=1e-2, budget=0.0, formats=("bf16",), max_bytes_per_parameter=5
-    )
+    with pytest.warns(UserWarning, match="cannot meet"):  # bf16 is no move: the cap is unmet
+        capped = plan_state_formats(
+            sig,
+            params,
+            learning_rate=1e-2,
+            budget=0.0,
+            formats=("bf16",),
+            max_bytes_per_parameter=5,
+        )
     assert set(capped.formats.values()) == {"fp32"} and capped.predicted_increase == 0.0
+    assert not capped.meets_cap
     every = plan_state_formats(sig, params, learning_rate=1e-2, budget=math.inf, min_size=0)
     assert set(every.formats.values()) == {"int8"}
     tx = triaccel_jax.quantize_state(optax.adamw(1e-3), format=every.formats, min_size=0)
@@ -176,3 +183,22 @@ def test_numpy_and_jax_scalars_are_numbers():
     )
     with pytest.raises(ValueError, match="budget"):
         plan_state_formats(sig, PARAMS, learning_rate=1e-2, budget=math.nan)
+
+
+def test_a_cap_the_plan_cannot_meet_is_said_in_the_plan_and_warned():
+    # int8 for every leaf is 4 + 2 * (1 + 4 / 256) = 6.03 bytes per parameter at the least: a
+    # cap of 5 cannot hold. The plan said nothing and returned 6.03.
+    sig = signals(dict.fromkeys(PARAMS, 1.0))
+    with pytest.warns(UserWarning, match=r"cannot meet max_bytes_per_parameter=5.*6\.0"):
+        plan = plan_state_formats(
+            sig, PARAMS, learning_rate=1e-2, max_bytes_per_parameter=5.0, min_size=1024
+        )
+    assert plan.meets_cap is False
+    assert plan.bytes_per_parameter > 5.0
+    assert set(plan.formats.values()) - {"fp32"} == {"int8"}  # lowered as far as it goes
+    # A cap met, and no cap: meets_cap holds and nothing is warned.
+    met = plan_state_formats(
+        sig, PARAMS, learning_rate=1e-2, max_bytes_per_parameter=9.0, min_size=1024
+    )
+    assert met.meets_cap is True and met.bytes_per_parameter <= 9.0
+    assert plan_state_formats(sig, PARAMS, learning_rate=1e-2).meets_cap is True

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import numpy as np
 
 from triaccel_jax import policy as policy_lib
+from triaccel_jax._src import caller
 from triaccel_jax._src import validation
 
 # The formats quantize_state stores, from the most to the least precise: (relative error
@@ -75,6 +76,10 @@ class StateFormatPlan(NamedTuple):
         summed over the leaves (in the loss's units).
       allowance: the increase the budget allowed (``inf`` with no budget).
       reasons: ``{leaf path: why}``.
+      meets_cap: whether ``bytes_per_parameter`` is within ``max_bytes_per_parameter`` (True
+        without a cap). False when no choice of the formats allowed reaches it (leaves under
+        ``min_size`` or without signals stay float32, and the fewest bytes of a format are its
+        floor); the plan is then the fewest bytes it can reach, and a warning says so.
     """
 
     formats: dict[str, str]
@@ -82,6 +87,7 @@ class StateFormatPlan(NamedTuple):
     predicted_increase: float
     allowance: float
     reasons: dict[str, str]
+    meets_cap: bool = True
 
 
 def plan_state_formats(
@@ -120,7 +126,8 @@ def plan_state_formats(
       min_size: leaves with fewer elements stay float32, as ``quantize_state`` keeps them.
       max_bytes_per_parameter: a memory cap on parameters plus state per parameter: leaves are
         lowered, least increase per byte first, until it holds (or none can be lowered further),
-        whatever the budget.
+        whatever the budget. A cap the plan cannot meet is said in the plan (``meets_cap``
+        False, ``bytes_per_parameter`` what it reached) and warned.
 
     Returns:
       A :class:`StateFormatPlan`.
@@ -278,4 +285,14 @@ def plan_state_formats(
             heapq.heappush(heap, (move[0], path, move))
     for path in movable:
         reasons.setdefault(path, f"{chosen[path]}: the cheapest within the budget")
-    return StateFormatPlan(chosen, used / total, spent, allowance, reasons)
+    meets_cap = cap is None or used <= cap
+    if not meets_cap:
+        # Said, not only returned: a plan over the cap would otherwise pass for one within it.
+        stuck = len(sizes) - len(movable)
+        caller.warn(
+            f"plan_state_formats cannot meet max_bytes_per_parameter={max_bytes_per_parameter}: "
+            f"with the formats {allowed} the fewest bytes it reaches are {used / total:.4g} "
+            f"per parameter ({stuck} of {len(sizes)} leaves must stay float32: under min_size, "
+            "without signals or with non-finite ones); the plan has meets_cap=False"
+        )
+    return StateFormatPlan(chosen, used / total, spent, allowance, reasons, meets_cap)
