@@ -103,13 +103,16 @@ class CurvatureStores:
         count = len(self.means_shapes)
         blocks = runtime_indices(self.block_offsets[:count])
         outliers = runtime_indices(self.outlier_offsets[:count])
+        # As arrays: nnx.Optimizer hands its state over in Variables, which lax's dynamic slice
+        # does not take.
+        means = jnp.asarray(self.block_means)
+        indices = jnp.asarray(self.outlier_indices)
+        values = jnp.asarray(self.outlier_values)
         return [
             compression.CompressedDiagonal(
-                lax.dynamic_slice_in_dim(self.block_means, blocks[i], math.prod(shape)).reshape(
-                    shape
-                ),
-                lax.dynamic_slice_in_dim(self.outlier_indices, outliers[i], size),
-                lax.dynamic_slice_in_dim(self.outlier_values, outliers[i], size),
+                lax.dynamic_slice_in_dim(means, blocks[i], math.prod(shape)).reshape(shape),
+                lax.dynamic_slice_in_dim(indices, outliers[i], size),
+                lax.dynamic_slice_in_dim(values, outliers[i], size),
             )
             for i, (shape, size) in enumerate(
                 zip(self.means_shapes, self.outlier_counts, strict=True)
