@@ -62,6 +62,9 @@ def test_the_collection_finds_modules_of_every_stage():
 # Modules whose examples run a Flax layer that promotes internally (avg_pool mixes an int constant
 # with the input's dtype): they run under standard promotion, every other module under strict.
 _FLAX_PROMOTES = {"triaccel_jax.models._small_cnn"}
+# Modules whose examples run an optax optimizer's update, which promotes its integer count inside
+# (``decay ** count`` in Adam's bias correction).
+_OPTAX_PROMOTES = {"triaccel_jax.transforms._state_precision"}
 
 
 @pytest.mark.parametrize(
@@ -72,6 +75,11 @@ _FLAX_PROMOTES = {"triaccel_jax.models._small_cnn"}
             marks=pytest.mark.standard_promotion("Flax's avg_pool promotes internally"),
         )
         if name in _FLAX_PROMOTES
+        else pytest.param(
+            name,
+            marks=pytest.mark.standard_promotion("optax's Adam promotes its count inside"),
+        )
+        if name in _OPTAX_PROMOTES
         else name
         for name in MODULES
     ],
