@@ -628,7 +628,7 @@ def test_block_size_and_min_size_trade_scales_and_small_leaves_for_bytes():
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"format": "int4"}, ValueError, "format"),
+        ({"format": "int3"}, ValueError, "format"),
         ({"format": {"dense/kernel": "fp8"}}, ValueError, "dense/kernel"),
         ({"format": {1: "int8"}}, TypeError, "parameter paths"),
         ({"format": 8}, TypeError, "format"),
@@ -669,7 +669,7 @@ def test_a_non_float_leaf_asked_to_be_quantized_is_an_error():
 
 
 def test_a_callable_returning_an_unknown_format_is_an_error():
-    tx = quantize_state(optax.adamw(1e-3), format=lambda path, leaf: "int4", min_size=100)
+    tx = quantize_state(optax.adamw(1e-3), format=lambda path, leaf: "int3", min_size=100)
     with pytest.raises(ValueError, match="format"):
         tx.init(make_params())
 

@@ -34,9 +34,10 @@ from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
 from triaccel_jax.kernels import cast as cast_lib
 from triaccel_jax.kernels import quantize as quantize_lib
+from triaccel_jax.policy import _state_format
 from triaccel_jax.transforms._curvature_signals import CurvatureSignalsState
 
-FORMATS = ("fp32", "bf16", "int8")
+FORMATS = tuple(_state_format.STATE_FORMATS)  # "fp32", "bf16", "int8", "int8_dynamic", "int4"
 ROUNDINGS = ("nearest", "stochastic")
 # Names of state fields and dict keys that hold non-negative second moments, for states of a type
 # _SECOND_MOMENTS_BY_TYPE does not know: optax's ``nu``, ``nu_max`` and ``sum_of_squares``,
@@ -121,6 +122,8 @@ class QuantizedLeaf:
         dequantized to); static.
       block_size: elements per block (what the scales are per); static, so that the leaf
         dequantizes on its own (:func:`dequantize_state`).
+      shape: the leaf's shape, for the 4-bit maps, whose codes (two per byte) are flat; None
+        for the 8-bit maps, whose codes are shaped like the leaf. Static.
     """
 
     codes: jax.Array
@@ -128,6 +131,7 @@ class QuantizedLeaf:
     mapping: str = dataclasses.field(metadata={"static": True})
     dtype: str = dataclasses.field(metadata={"static": True})
     block_size: int = dataclasses.field(metadata={"static": True})
+    shape: tuple[int, ...] | None = dataclasses.field(default=None, metadata={"static": True})
 
 
 @jax.tree_util.register_dataclass
@@ -181,8 +185,9 @@ class QuantizedState(NamedTuple):
 
 
 class _Spec(NamedTuple):
-    format: str  # "bf16" or "int8"
-    mapping: str | None  # the int8 map
+    format: str  # a name in FORMATS other than "fp32"
+    mapping: str | None  # the coded formats' map
+    block_size: int | None = None  # a stored leaf's, kept at every update
 
 
 def _is_stored(node: Any) -> bool:
@@ -204,7 +209,7 @@ def _check_format(value: Any, where: str) -> str:
 
 def _check_options(
     format: Any, block_size: Any, min_size: Any, second_moments: Any, seed: Any, impl: Any
-) -> tuple[FormatChoice, int, int, tuple[str, ...], int]:
+) -> tuple[FormatChoice, int | None, int, tuple[str, ...], int]:
     if isinstance(format, str):
         _check_format(format, "`format`")
     elif isinstance(format, Mapping):
@@ -218,7 +223,8 @@ def _check_options(
             f"`format` must be one of {FORMATS}, a mapping from parameter paths to them, or a "
             f"callable (path, leaf) -> format; got {type(format).__name__}"
         )
-    block_size = quantize_lib.check_block_size(block_size)
+    if block_size is not None:
+        block_size = quantize_lib.check_block_size(block_size)
     if isinstance(min_size, bool) or not isinstance(min_size, numbers.Integral):
         raise TypeError(f"`min_size` must be an int >= 0, got {min_size!r}")
     min_size = validation.check_integer("min_size", int(min_size), 0, strict=True)
@@ -363,7 +369,9 @@ def _spec(
         if jnp.dtype(leaf.dtype).itemsize <= 2:  # already 16 bits or fewer
             return None
         return _Spec("bf16", None)
-    return _Spec("int8", "sqrt" if second_moment else "linear")
+    state = _state_format.state_format(chosen)
+    mapping = state.unsigned_map if second_moment else state.signed_map
+    return _Spec(chosen, mapping)
 
 
 # -- centered second moments -------------------------------------------------------------------
@@ -706,7 +714,9 @@ def _gated(node: Any, gate: jax.Array) -> Any:
 
 
 def _stored_shape(node: Any) -> tuple[int, ...]:
-    return tuple(node.codes.shape if isinstance(node, QuantizedLeaf) else node.value.shape)
+    if isinstance(node, QuantizedLeaf):
+        return node.shape if node.shape is not None else tuple(node.codes.shape)
+    return tuple(node.value.shape)
 
 
 def quantize_state(
@@ -714,7 +724,7 @@ def quantize_state(
     *,
     format: FormatChoice = "int8",
     rounding: str = "nearest",
-    block_size: int = 256,
+    block_size: int | None = None,
     min_size: int = 4096,
     second_moments: Sequence[str] = SECOND_MOMENTS,
     seed: int = 0,
@@ -781,7 +791,9 @@ def quantize_state(
 
     Args:
       inner: the optimizer whose state is stored (any optax ``GradientTransformation``).
-      format: ``"int8"``, ``"bf16"`` or ``"fp32"`` for every eligible leaf; or a mapping from
+      format: ``"int8"``, ``"int8_dynamic"``, ``"int4"``, ``"bf16"`` or ``"fp32"`` (a name in
+        :data:`triaccel_jax.policy.STATE_FORMATS`, whose maps store the signed leaves and the
+        second moments) for every eligible leaf; or a mapping from
         parameter paths as :func:`triaccel_jax.signals` names them (``"dense/kernel"``) to
         formats, a state leaf taking the entry of the longest path its own path ends with
         (``"0/mu/dense/kernel"`` takes ``"dense/kernel"``) and ``"fp32"`` without one (a path
@@ -793,7 +805,8 @@ def quantize_state(
         or None (``"fp32"``), so that ``lambda path, leaf: "int8"`` is ``"int8"``.
       rounding: ``"nearest"`` or ``"stochastic"``, how each update stores its new state (static).
       block_size: elements per quantization block (an int >= 1; static, it sets the scales'
-        shape).
+        shape); None: each coded format's own (:data:`triaccel_jax.policy.STATE_FORMATS`: 256
+        for ``"int8"`` and ``"int8_dynamic"``, 128 for ``"int4"``).
       min_size: leaves with fewer elements keep the inner's format: their bytes are negligible
         and their blocks would be mostly scale. 4096 is bitsandbytes' default.
       second_moments: field names and dict keys whose leaves are non-negative second moments,
@@ -863,15 +876,20 @@ def quantize_state(
                 value = cast_lib.round_stochastic(leaf, jnp.bfloat16, bits)
             return Bfloat16Leaf(value, dtype)
         assert spec.mapping is not None
+        size = spec.block_size or block_size or _state_format.state_format(spec.format).block_size
+        assert size is not None
         codes, scales = quantize_lib.quantize_blocks(
             leaf,
-            block_size=block_size,
+            block_size=size,
             mapping=spec.mapping,
             rounding="nearest" if key is None else "stochastic",
             key=key,
             impl=impl,
         )
-        return QuantizedLeaf(codes, scales, spec.mapping, dtype, block_size)
+        packed = quantize_lib.MAP_BITS[spec.mapping] < 8
+        return QuantizedLeaf(
+            codes, scales, spec.mapping, dtype, size, tuple(leaf.shape) if packed else None
+        )
 
     def load(node: Any) -> Any:
         return _load(node, impl)
@@ -932,12 +950,12 @@ def quantize_state(
             # Stored as the old leaf was: the layout fixed at init, so the state's structure (and
             # the compiled step) never changes.
             spec = (
-                _Spec("int8", old.mapping)
+                _Spec("coded", old.mapping, old.block_size)
                 if isinstance(old, QuantizedLeaf)
                 else _Spec("bf16", None)
             )
             key = leaf_keys.get(index)
-            if spec.format == "int8":
+            if spec.format != "bf16":
                 # Computed once into memory, where the block maxima read it anyway: without the
                 # barrier XLA recomputed the inner's update from the old codes in the fusion
                 # that writes the new ones (on a CPU, 30% more time for AdamW's update).
@@ -1015,6 +1033,7 @@ def _load(node: Any, impl: str = "auto") -> Any:
             mapping=node.mapping,
             dtype=node.dtype,
             impl=impl,
+            shape=node.shape,
         )
     return node
 
