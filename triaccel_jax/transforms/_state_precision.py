@@ -29,15 +29,15 @@ import optax
 from jax.extend import core as jex_core
 
 from triaccel_jax import kernels
+from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import arrays
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
 from triaccel_jax.kernels import cast as cast_lib
 from triaccel_jax.kernels import quantize as quantize_lib
-from triaccel_jax.policy import _state_format
 from triaccel_jax.transforms._curvature_signals import CurvatureSignalsState
 
-FORMATS = tuple(_state_format.STATE_FORMATS)  # "fp32", "bf16", "int8", "int8_dynamic", "int4"
+FORMATS = tuple(policy_lib.STATE_FORMATS)  # "fp32", "bf16", "int8", "int8_dynamic", "int4"
 ROUNDINGS = ("nearest", "stochastic")
 # Names of state fields and dict keys that hold non-negative second moments, for states of a type
 # _SECOND_MOMENTS_BY_TYPE does not know: optax's ``nu``, ``nu_max`` and ``sum_of_squares``,
@@ -369,7 +369,7 @@ def _spec(
         if jnp.dtype(leaf.dtype).itemsize <= 2:  # already 16 bits or fewer
             return None
         return _Spec("bf16", None)
-    state = _state_format.state_format(chosen)
+    state = policy_lib.state_format(chosen)
     mapping = state.unsigned_map if second_moment else state.signed_map
     return _Spec(chosen, mapping)
 
@@ -876,7 +876,7 @@ def quantize_state(
                 value = cast_lib.round_stochastic(leaf, jnp.bfloat16, bits)
             return Bfloat16Leaf(value, dtype)
         assert spec.mapping is not None
-        size = spec.block_size or block_size or _state_format.state_format(spec.format).block_size
+        size = spec.block_size or block_size or policy_lib.state_format(spec.format).block_size
         assert size is not None
         codes, scales = quantize_lib.quantize_blocks(
             leaf,
