@@ -12,6 +12,7 @@ import contextlib
 import os
 import threading
 
+import hypothesis
 import jax
 import pytest
 
@@ -19,6 +20,49 @@ import pytest
 # compiles, and must not read executables a test (or an earlier run) wrote, so it is off here
 # (subprocesses inherit it). tests/cli/test_compilation_cache.py turns it on where it is tested.
 os.environ["TRIACCEL_COMPILATION_CACHE"] = "off"
+
+# Hypothesis profiles, picked by TRIACCEL_HYPOTHESIS_PROFILE (unset: "ci" under CI=true, else
+# Hypothesis's own default):
+#   "ci"   no deadline (a loaded 2-core machine makes an example's first compile look slow), the
+#          same examples on every run (derandomize) and no example database; each property runs
+#          the examples its @settings ask for. .ci/run's full tier.
+#   "fast" the same, at most FAST_EXAMPLES examples a property, also where its @settings name a
+#          larger count (capped at collection below). `bash tools/test.sh --fast` picks it.
+FAST_EXAMPLES = 10
+hypothesis.settings.register_profile(
+    "ci",
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow],
+)
+hypothesis.settings.register_profile(
+    "fast", hypothesis.settings.get_profile("ci"), max_examples=FAST_EXAMPLES
+)
+_PROFILE = os.environ.get(
+    "TRIACCEL_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") == "true" else "default"
+)
+hypothesis.settings.load_profile(_PROFILE)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under the "fast" profile, caps each property's examples at FAST_EXAMPLES.
+
+    An explicit ``@settings(max_examples=300)`` outranks any profile, so the cap is applied to
+    the settings Hypothesis keeps on the test (if a Hypothesis release stops keeping them there,
+    the properties simply run their full count).
+    """
+    if _PROFILE != "fast":
+        return
+    for item in items:
+        test = getattr(item, "obj", None)
+        own = getattr(test, "_hypothesis_internal_use_settings", None)
+        if isinstance(own, hypothesis.settings) and own.max_examples > FAST_EXAMPLES:
+            test._hypothesis_internal_use_settings = hypothesis.settings(  # type: ignore[union-attr]
+                own, max_examples=FAST_EXAMPLES
+            )
+
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles: list[str] = []  # the name of every function compiled, in order
