@@ -47,12 +47,15 @@ class Variant:
             yield
 
     def param(self) -> Any:
-        """The variant as a ``pytest.param``, marked ``standard_promotion`` where it needs it."""
+        """The variant as a ``pytest.param``, marked ``standard_promotion`` where it needs it,
+        and ``slow`` unless it is one of ``FAST_VARIANTS``."""
         marks = (
             [pytest.mark.standard_promotion(self.standard_promotion)]
             if self.standard_promotion
             else []
         )
+        if self.name not in FAST_VARIANTS:
+            marks.append(pytest.mark.slow)
         return pytest.param(self, marks=marks, id=self.name)
 
     def extra_args(self, loss_fn: Callable[[Any], Any]) -> dict[str, Any]:
@@ -70,6 +73,13 @@ class Variant:
     def __str__(self) -> str:
         return self.name
 
+
+# The variants the fast tier (`bash tools/test.sh --fast`, `-m "not slow"`) runs every check on:
+# triaccel itself, the observer beside an optax optimizer, stored 8-bit state and the step scale
+# over Muon. The others are marked slow (they run in the full suite and CI).
+FAST_VARIANTS = frozenset(
+    {"fisher-fp32", "observer-adamw", "int8-state-adamw", "curvature-scaled-muon"}
+)
 
 _OPTAX_PROMOTES = "optax's own optimizer promotes inside (a float to the power of an int32 count)"
 

@@ -56,6 +56,7 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
 
+@pytest.mark.slow
 def test_train_state_round_trip_with_policy_and_batch_stats(tmp_path):
     state = trained(make_state())
     with Checkpointer(tmp_path) as checkpointer:
@@ -71,6 +72,7 @@ def test_train_state_round_trip_with_policy_and_batch_stats(tmp_path):
     assert restored.opt_state[0].mu["kernel"].dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_a_resumed_controller_repeats_the_uninterrupted_losses(tmp_path):
     # The memory rule: goodput's decisions follow measured step times, which a resumed run
     # measures again (throughput is not saved), so only memory's are repeated step for step.
@@ -95,6 +97,7 @@ def test_a_resumed_controller_repeats_the_uninterrupted_losses(tmp_path):
     assert [i.loss for i in resumed.run(10)] == expected
 
 
+@pytest.mark.slow
 def test_an_interrupted_save_leaves_the_last_good_checkpoint(tmp_path):
     state = trained(make_state())
     with Checkpointer(tmp_path) as checkpointer:
@@ -189,6 +192,7 @@ def test_orbax_options_pass_through_interval_and_max_to_keep(tmp_path):
     np.testing.assert_array_equal(restored["w"], state["w"] + 9)
 
 
+@pytest.mark.slow
 def test_asynchronous_saves_are_complete_after_wait_and_close(tmp_path):
     states = {step: trained(make_state(), steps=step) for step in (1, 2)}
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)

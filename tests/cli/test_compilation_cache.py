@@ -56,6 +56,7 @@ def _run_main_job(args, env_extra):
     return json.loads(line[len("COUNTS ") :]), done.stdout
 
 
+@pytest.mark.slow
 def test_a_second_identical_run_compiles_nothing(tmp_path):
     cache = tmp_path / "cache"
     # The environment variable places the cache (the flag is tested below); every run, Tri-Accel
@@ -76,6 +77,7 @@ def test_a_second_identical_run_compiles_nothing(tmp_path):
     assert "| compile s | step s |" in out
 
 
+@pytest.mark.slow
 def test_no_compilation_cache_compiles_again(tmp_path):
     cache = tmp_path / "cache"
     args = [*TINY, "--runs", "fp32", "--output-dir", str(tmp_path / "out")]

@@ -68,6 +68,7 @@ def _table(out):
     }
 
 
+@pytest.mark.slow
 def test_main_job_writes_the_table_and_plots(tiny_job):
     out, tmp_path = tiny_job
     table = _table(out)
@@ -118,6 +119,7 @@ def test_main_job_writes_the_table_and_plots(tiny_job):
     assert elastic["evals"][-1]["accuracy"] == elastic["epoch_accuracy"][-1]
 
 
+@pytest.mark.slow
 def test_every_run_reports_memory_at_the_batch_it_trained_at_and_at_a_common_batch(grown_job):
     out, tmp_path = grown_job
     table = _table(out)

@@ -47,6 +47,7 @@ def changes(controller: Controller) -> list[tuple[int, str, int, int]]:
 # -- buckets under the fake probe ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_grows_to_the_largest_bucket_that_fits():
     controller = make_controller(batch_rule="memory")
     controller.run(12)
@@ -56,6 +57,7 @@ def test_grows_to_the_largest_bucket_that_fits():
     assert [c[1] for c in changes(controller)] == ["grow"] * len(changes(controller))
 
 
+@pytest.mark.slow
 def test_shrinks_when_memory_is_taken_away():
     # After 10 readings someone else takes 60% of the device.
     probe = FakeMemoryProbe(
@@ -69,6 +71,7 @@ def test_shrinks_when_memory_is_taken_away():
     assert controller.batch_size == 32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("limit", "start"),
     [
@@ -85,6 +88,7 @@ def test_noisy_readings_change_the_bucket_at_most_twice_in_100_checks(limit, sta
     assert len([c for c in changes(controller) if c[1] in ("grow", "shrink")]) <= 2
 
 
+@pytest.mark.slow
 def test_cpu_budget_keeps_the_chosen_bucket_under_the_budget():
     # Budget between the compiled peaks of two buckets: the controller must settle on the
     # largest bucket whose compiled peak is within the budget, and never run a larger one.
@@ -111,6 +115,7 @@ def test_cpu_budget_keeps_the_chosen_bucket_under_the_budget():
         assert peaks[info.micro_batch] <= budget
 
 
+@pytest.mark.slow
 def test_decisions_are_logged_with_their_figures():
     controller = make_controller(batch_rule="memory")
     controller.run(6)
@@ -125,6 +130,7 @@ def test_decisions_are_logged_with_their_figures():
 # -- out of memory -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_out_of_memory_loses_no_sample_and_training_continues():
     faults = {3: 1, 40: 2, 90: 1}  # at step 40 the retry runs out of memory too
     controller = make_controller(FaultyController, faults=faults, patience=1, batch_rule="memory")
@@ -147,6 +153,7 @@ def test_out_of_memory_loses_no_sample_and_training_continues():
         assert all(i.micro_batch < old for i in infos[step:])
 
 
+@pytest.mark.slow
 def test_out_of_memory_at_the_smallest_bucket_says_what_was_tried():
     controller = make_controller(FaultyController, faults={0: 3}, batch_size=32)
     with pytest.raises(triaccel_jax.OutOfMemoryError, match=r"1x32, 2x16, 4x8") as info:
@@ -164,6 +171,7 @@ def test_an_error_that_is_not_out_of_memory_propagates_unchanged():
     assert not [e for e in controller.events if e.kind == "oom"]
 
 
+@pytest.mark.slow
 def test_keep_global_batch_makes_an_oom_retry_the_same_update():
     common = dict(
         keep_global_batch=True, global_batch=64, batch_size=64, probe=FakeMemoryProbe(BIG)
@@ -204,6 +212,7 @@ def test_accumulated_micro_batches_give_the_big_batch_gradient():
 # -- compiles and learning rate ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_one_compile_per_distinct_bucket_and_policy(count_compiles):
     faults = {8: 1}
     with count_compiles():
@@ -228,6 +237,7 @@ def test_one_compile_per_distinct_bucket_and_policy(count_compiles):
     assert count_compiles.of("controller_step") == controller.compile_count
 
 
+@pytest.mark.slow
 def test_learning_rate_scaling_goes_through_inject_hyperparams_without_recompiling(
     count_compiles,
 ):
@@ -289,6 +299,7 @@ def optax_style_loss(params, batch):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replan_every", [None, 2])
 def test_an_optax_style_loss_trains_and_gets_the_compute_copy(replan_every):
     controller = make_controller(
@@ -409,6 +420,7 @@ def test_a_scheduled_learning_rate_is_left_to_its_schedule_and_the_update_scaled
     )
 
 
+@pytest.mark.slow
 def test_keep_global_batch_holds_the_effective_batch_constant():
     controller = make_controller(keep_global_batch=True, global_batch=256, batch_size=8)
     infos = controller.run(6)
@@ -421,6 +433,7 @@ def test_keep_global_batch_holds_the_effective_batch_constant():
 # -- precision, model state, callback -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_replanning_converts_the_state_and_passes_the_policy_to_the_loss():
     seen_policies = []
 
@@ -492,6 +505,7 @@ def test_hutchinson_gets_the_loss_as_an_extra_argument():
     assert all(s["max_curvature"] > 0 and s["trace"] != 0 for s in signals.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapper", ["masked", "multi_transform"])
 def test_hutchinson_under_optax_masked_trains_through_the_controller(wrapper):
     # optax hands the inner transform its own leaves only (MaskedNode for the others): the
@@ -572,6 +586,7 @@ def test_data_as_a_callable_with_num_examples():
 # -- state ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_state_round_trip_gives_the_same_next_decisions_and_losses():
     def probe():
         return FakeMemoryProbe(
@@ -679,6 +694,7 @@ def test_bad_data_is_rejected():
         Controller(loss_fn, params, tx, {})
 
 
+@pytest.mark.slow
 def test_the_first_replan_moves_leaves_at_once_and_first_replan_sets_when():
     options = {
         "planner": PlannerConfig(budget=float("inf"), min_size=0),
@@ -698,6 +714,7 @@ def test_the_first_replan_moves_leaves_at_once_and_first_replan_sets_when():
         make_controller(replan_every=None, first_replan=2)  # precision is not planned
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replan_every", [None, 5])
 def test_set_policy_converts_the_moments_whether_or_not_precision_is_replanned(replan_every):
     # set_policy's docstring promises converted moments; it held only with replan_every set.
@@ -710,6 +727,7 @@ def test_set_policy_converts_the_moments_whether_or_not_precision_is_replanned(r
     assert {str(m.dtype) for m in jax.tree.leaves(controller.opt_state[0].mu)} == {"bfloat16"}
 
 
+@pytest.mark.slow
 def test_resuming_with_opt_state_and_load_state_dict_does_not_compound_the_rate():
     # The documented recipe: a new controller given the step's params and opt_state= (which
     # holds the batch-scaled rate), then load_state_dict. The tuned rate comes from the record.

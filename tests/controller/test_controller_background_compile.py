@@ -61,6 +61,7 @@ def run_until_grown(controller, gate, max_steps=200):
     raise AssertionError(f"no grow in {max_steps} steps: {controller.event_records()}")
 
 
+@pytest.mark.slow
 def test_steps_run_between_the_grow_decision_and_the_switch(count_compiles, gate):
     controller = make_controller(**SETTINGS, compile_in_background=True)
     with count_compiles():
@@ -95,6 +96,7 @@ REPLAN_SETTINGS = {
 }
 
 
+@pytest.mark.slow
 def test_steps_run_between_the_replan_decision_and_the_switch(count_compiles, gate):
     controller = make_controller(**REPLAN_SETTINGS, compile_in_background=True)
     with count_compiles():
@@ -132,6 +134,7 @@ def test_steps_run_between_the_replan_decision_and_the_switch(count_compiles, ga
     assert count_compiles.of("controller_step") == sync_count.of("controller_step")
 
 
+@pytest.mark.slow
 def test_a_replan_to_a_policy_already_compiled_switches_at_once():
     controller = make_controller(**REPLAN_SETTINGS, compile_in_background=True)
     first = controller.policy
@@ -148,6 +151,7 @@ def test_a_replan_to_a_policy_already_compiled_switches_at_once():
     assert "replan" in kinds and "replan_decided" not in kinds and "compile" not in kinds
 
 
+@pytest.mark.slow
 def test_a_replan_due_while_a_grow_compiles_runs_when_the_compile_is_done(gate):
     controller = make_controller(
         **SETTINGS,

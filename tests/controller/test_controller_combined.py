@@ -86,6 +86,7 @@ def test_steps_queued_behind_a_late_out_of_memory_train_at_the_rate_of_their_sam
     assert [i.batch_size for i in infos][:7] == [64] * 6 + [32]
 
 
+@pytest.mark.slow
 def test_a_rollback_past_a_policy_switch_restores_the_policy_with_the_moments():
     holder: list = []
     waited, seen = waiting_for_compiles(holder, "replan_decided")
@@ -143,6 +144,7 @@ def test_set_policy_while_a_replan_compiles_in_the_background_is_not_undone_by_i
     assert "replan" not in [e.kind for e in controller.events]
 
 
+@pytest.mark.slow
 def test_every_event_reaches_a_step_info_also_a_switch_made_at_the_first_dispatch_of_a_run():
     for window in (0, 1):
         controller = make_controller(

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from simulated_devices import device_env
 from simulated_devices import run_script
 
@@ -124,6 +125,7 @@ TWO_PROCESSES = (
 )
 
 
+@pytest.mark.slow
 def test_data_parallel_controller_on_8_devices_matches_one_device():
     run_script(MULTI_DEVICE, devices=8)
 
@@ -134,6 +136,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_take_identical_decisions_when_their_probes_disagree():
     port = str(_free_port())
     processes = [

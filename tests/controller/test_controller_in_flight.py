@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from controller_harness import FaultyController
 from controller_harness import make_controller
 from controller_harness import without_step_times
@@ -41,6 +42,7 @@ def reads_with_nothing_queued(monkeypatch, controller) -> list[int]:
     return [q for q in queued_behind if q == 0]
 
 
+@pytest.mark.slow
 def test_the_steady_state_loop_reads_no_step_while_the_device_has_nothing_queued(monkeypatch):
     in_flight = make_controller(**SETTINGS)
     blocking = reads_with_nothing_queued(monkeypatch, in_flight)
@@ -49,6 +51,7 @@ def test_the_steady_state_loop_reads_no_step_while_the_device_has_nothing_queued
     assert len(reads_with_nothing_queued(monkeypatch, synchronous)) == NUM_STEPS
 
 
+@pytest.mark.slow
 def test_callbacks_see_every_step_in_order_and_the_state_matches_a_synchronous_run():
     seen = []
     in_flight = make_controller(**SETTINGS, callback=seen.append)
@@ -81,6 +84,7 @@ def assert_trained_the_sampler_stream(controller, infos) -> None:
     np.testing.assert_array_equal(seen, served[: len(seen)])
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_error_at_dispatch_in_flight_matches_a_synchronous_run():
     controller = make_controller(FaultyController, **SETTINGS, faults=FAULTS)
     infos = controller.run(NUM_STEPS)
@@ -97,6 +101,7 @@ def test_an_out_of_memory_error_at_dispatch_in_flight_matches_a_synchronous_run(
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_error_at_read_reruns_the_queued_steps_on_their_samples():
     """Async dispatch: the failure surfaces a step late, after the next step was dispatched."""
     events = []

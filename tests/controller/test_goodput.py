@@ -297,6 +297,7 @@ def test_goodput_grows_with_the_noise_scale_within_the_critical_batch_and_under_
     assert max(i.micro_batch for i in capped_infos) == capped.batch_size == 64
 
 
+@pytest.mark.slow
 def test_with_a_fixed_global_batch_the_default_rule_moves_only_the_micro_batch_by_memory():
     config = triaccel_jax.controller.ControllerConfig(
         keep_global_batch=True, min_batch=8, max_batch=64
@@ -322,6 +323,7 @@ def test_with_a_fixed_global_batch_the_default_rule_moves_only_the_micro_batch_b
 
 
 # Samples per second fall with the batch, by a wide margin.
+@pytest.mark.slow
 def test_by_default_a_batch_measured_slower_is_tried_once_and_left(monkeypatch):
     assert triaccel_jax.controller.ControllerConfig().batch_rule == "goodput"
     clock = VirtualClock().install(monkeypatch)

@@ -10,6 +10,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from controller_harness import VirtualClock
 from controller_harness import slower_per_sample
 
@@ -45,6 +46,7 @@ def test_a_fixed_buckets_throughput_is_the_samples_per_second_of_its_own_steps(m
     assert 0.7 * truth <= figure <= 1.3 * truth, (figure, truth)
 
 
+@pytest.mark.slow
 def test_the_goodput_batch_never_goes_below_the_reference_batch(make_controller):
     # A step's time grows as the square of its batch, so smaller batches train more samples a
     # second; against the reference batch 32 the efficiency model would promise a batch of 8
@@ -77,6 +79,7 @@ def _always_shrink(original):
     return decide
 
 
+@pytest.mark.slow
 def test_a_goodput_shrink_is_taken_and_is_not_memory_pressure(make_controller, monkeypatch):
     monkeypatch.setattr(
         _goodput_tracker.GoodputTracker,

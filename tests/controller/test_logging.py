@@ -55,6 +55,7 @@ RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", RUNS)
 def test_every_event_is_logged_once_in_order(caplog, run):
     caplog.set_level(logging.DEBUG, logger="triaccel_jax")
@@ -81,6 +82,7 @@ def test_every_event_is_logged_once_in_order(caplog, run):
             assert event.reason in record.getMessage()
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_retry_is_a_warning_with_its_figures(caplog):
     caplog.set_level(logging.INFO, logger="triaccel_jax")
     # Grown by memory before step 3, whose out-of-memory error then shrinks the bucket.

@@ -54,6 +54,7 @@ class RecordingWriter:
         self.closed = True
 
 
+@pytest.mark.slow
 def test_every_step_and_every_decision_is_written(make_controller):
     writer = RecordingWriter()
     callback = MetricWriterCallback(writer)

@@ -12,6 +12,7 @@ from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
 from triaccel_jax.controller._noise_scale import observe_noise
 
 
+@pytest.mark.slow
 def test_the_hessian_estimator_smooths_the_curvature_weighted_norms(make_controller):
     settings = dict(min_batch=16, max_batch=16, probe=linear_probe(limit=BIG))
     weighted = make_controller(noise_estimator="hessian", **settings)

@@ -60,6 +60,7 @@ def _settings(**overrides):
     return settings
 
 
+@pytest.mark.slow
 def test_the_default_rule_is_speed_and_a_cpu_makes_no_speed_trials(make_controller):
     assert ControllerConfig().precision_rule == "speed"
     controller = make_controller(loss_fn=_slow_when(lowered=False), **_settings(speed_trials=None))
@@ -70,6 +71,7 @@ def test_the_default_rule_is_speed_and_a_cpu_makes_no_speed_trials(make_controll
         ControllerConfig(precision_rule="fastest")
 
 
+@pytest.mark.slow
 def test_a_lower_precision_measured_slower_goes_back_to_fp32_and_is_not_tried_again(
     make_controller,
 ):
@@ -87,6 +89,7 @@ def test_a_lower_precision_measured_slower_goes_back_to_fp32_and_is_not_tried_ag
     assert back.step == trial.step
 
 
+@pytest.mark.slow
 def test_a_lower_precision_measured_faster_is_kept(make_controller):
     controller = make_controller(loss_fn=_slow_when(lowered=False), **_settings())
     controller.run(40)
@@ -96,6 +99,7 @@ def test_a_lower_precision_measured_faster_is_kept(make_controller):
     assert _lowered(controller.policy)
 
 
+@pytest.mark.slow
 def test_the_memory_rule_lowers_wherever_the_budget_allows(make_controller):
     controller = make_controller(
         loss_fn=_slow_when(lowered=True), precision_rule="memory", **_settings()
@@ -105,6 +109,7 @@ def test_the_memory_rule_lowers_wherever_the_budget_allows(make_controller):
     assert not [e for e in controller.events if e.kind == "precision_trial"]
 
 
+@pytest.mark.slow
 def test_a_memory_cap_is_met_by_lowering_precision_before_the_batch_shrinks(make_controller):
     holder = {}
 
@@ -131,6 +136,7 @@ def test_a_memory_cap_is_met_by_lowering_precision_before_the_batch_shrinks(make
     assert {info.batch_size for info in infos} == {64}
 
 
+@pytest.mark.slow
 def test_a_scheduled_replan_lowers_only_what_memory_needs_and_says_so(make_controller):
     holder = {}
 
@@ -152,6 +158,7 @@ def test_a_scheduled_replan_lowers_only_what_memory_needs_and_says_so(make_contr
     assert _lowered(controller.policy)
 
 
+@pytest.mark.slow
 def test_without_a_way_to_lower_precision_the_batch_shrinks(make_controller):
     probe = FakeMemoryProbe(10_000, peak_bytes=lambda batch: 2_000 + 130 * batch)
     controller = make_controller(

@@ -167,6 +167,7 @@ def test_arguments_and_missing_packages(tmp_path, monkeypatch):
         load_cifar("cifar10", "train", data_dir=tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion(
     "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
 )

@@ -34,6 +34,7 @@ def setup(tx, policy=None):
     return state, x, y
 
 
+@pytest.mark.slow
 def test_apply_gradients_forwards_the_loss_to_hutchinson():
     tx = triaccel_jax.triaccel(
         0.05, config=triaccel_jax.TriAccelConfig(estimator="hutchinson"), curvature_every=1
@@ -72,6 +73,7 @@ def test_grads_of_another_structure_are_rejected():
         state.apply_gradients(grads={"Dense_0": state.params["Dense_0"]})
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion("Flax's avg_pool, normalisation and Dense promote internally")
 def test_policy_keeps_a_compute_copy_and_updates_in_master_precision():
     def policy(params):
@@ -117,6 +119,7 @@ def test_with_policy_converts_the_state_and_rebuilds_the_copy():
         TrainState.create(apply_fn=None, params=state.params, tx=optax.sgd(1.0), policy="bf16")
 
 
+@pytest.mark.slow
 def test_batch_stats_train_with_resnet20():
     model = ResNet20(num_classes=10)
     images = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
@@ -159,6 +162,7 @@ class NNXModel(nnx.Module):
         return self.out(jnp.tanh(self.hidden(x)))
 
 
+@pytest.mark.slow
 def test_nnx_optimizer_with_extra_arguments_and_signals():
     model = NNXModel(nnx.Rngs(0))
     tx = triaccel_jax.triaccel(
@@ -205,6 +209,7 @@ class TinyBN(nn.Module):
         return nn.Dense(1)(nn.relu(x))
 
 
+@pytest.mark.slow
 def test_controller_trains_a_train_state_with_batch_stats():
     model = TinyBN()
     x = np.random.default_rng(0).normal(size=(256, 8)).astype(np.float32)
@@ -252,6 +257,7 @@ def test_controller_trains_a_train_state_with_batch_stats():
         triaccel_jax.flax.to_train_state(controller, other)
 
 
+@pytest.mark.slow
 def test_a_keyword_that_is_neither_a_field_nor_an_extra_argument_is_a_type_error():
     state, x, y = setup(triaccel_jax.triaccel(0.05))
     zeros = jax.tree.map(jnp.zeros_like, state.params)

@@ -60,6 +60,7 @@ class MLP(nn.Module):
         return nn.Dense(10)(nn.relu(nn.Dense(64)(x)))
 
 
+@pytest.mark.slow
 def test_a_linen_train_state_loop_trains_under_the_batch_and_rate_decisions():
     (x, y), (x_test, y_test) = digits()
     model = MLP()
@@ -109,6 +110,7 @@ class NnxMLP(nnx.Module):
         return self.out(nnx.relu(self.hidden(x)))
 
 
+@pytest.mark.slow
 def test_an_nnx_optimizer_loop_trains_under_the_batch_and_rate_decisions():
     (x, y), (x_test, y_test) = digits()
     model = NnxMLP(nnx.Rngs(0))

@@ -93,6 +93,7 @@ def test_unknown_impl_is_a_value_error():
         fused_lib.fused_update(*_leaf(), count=1, learning_rate=0.1, impl="pallas")
 
 
+@pytest.mark.slow
 def test_fused_update_reference_impl_equals_the_reference():
     kwargs = dict(count=3, learning_rate=1e-2, weight_decay=1e-4, key=jax.random.key(2))
     grad, mu, nu, master = _leaf()

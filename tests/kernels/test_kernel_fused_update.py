@@ -92,6 +92,7 @@ def test_float32_equals_triaccel(learning_rate):
         np.testing.assert_array_equal(out.compute, out.master.astype(jnp.bfloat16))
 
 
+@pytest.mark.slow
 def test_bfloat16_moments_round_stochastically_around_triaccel():
     records = _triaccel_steps(1e-2, 1e-2, state_dtype=jnp.bfloat16)
     for params, state, g, new_params, new_state in records:

@@ -199,6 +199,7 @@ def test_resnet20_train_mode_needs_mutable_batch_stats(resnet20_variables):
         )
 
 
+@pytest.mark.slow
 def test_resnet20_jitted_train_step(resnet20_variables):
     model = ResNet20()
     tx = optax.sgd(0.1)
@@ -477,6 +478,7 @@ def test_efficientnet_b0_dropout_needs_an_rng_in_train_mode_only():
         run(EfficientNetB0(num_classes=10, dropout_rate=0.0, drop_path_rate=0.2), train=True)
 
 
+@pytest.mark.slow
 def test_cifar_model_train_step(cifar_step):
     num_classes, variables, out = cifar_step
     params = variables["params"]
@@ -491,6 +493,7 @@ def test_cifar_model_train_step(cifar_step):
     assert all(jax.tree.leaves(moved))
 
 
+@pytest.mark.slow  # its module fixture compiles each model's step (test_cifar_model_train_step's)
 def test_cifar_model_batch_stats_update_in_train_mode_only(cifar_step):
     _, variables, out = cifar_step
     old_stats = variables["batch_stats"]

@@ -67,22 +67,26 @@ _FLAX_PROMOTES = {"triaccel_jax.models._small_cnn"}
 _OPTAX_PROMOTES = {"triaccel_jax.transforms._state_precision"}
 
 
+# Modules whose examples train for a while (tens of seconds on 2 cores): slow, the full suite's.
+_SLOW_EXAMPLES = {
+    "triaccel_jax.transforms._alias",
+    "triaccel_jax.models._resnet",
+    "triaccel_jax.models._efficientnet",
+    "triaccel_jax.kernels.quantize",
+}
+
+
+def _example_marks(name: str) -> list[pytest.MarkDecorator]:
+    marks = [pytest.mark.slow] if name in _SLOW_EXAMPLES else []
+    if name in _FLAX_PROMOTES:
+        marks.append(pytest.mark.standard_promotion("Flax's avg_pool promotes internally"))
+    elif name in _OPTAX_PROMOTES:
+        marks.append(pytest.mark.standard_promotion("optax's Adam promotes its count inside"))
+    return marks
+
+
 @pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.standard_promotion("Flax's avg_pool promotes internally"),
-        )
-        if name in _FLAX_PROMOTES
-        else pytest.param(
-            name,
-            marks=pytest.mark.standard_promotion("optax's Adam promotes its count inside"),
-        )
-        if name in _OPTAX_PROMOTES
-        else name
-        for name in MODULES
-    ],
+    "name", [pytest.param(name, marks=_example_marks(name)) for name in MODULES]
 )
 def test_docstring_examples(name):
     module = _import_or_skip(name)
@@ -105,6 +109,7 @@ def test_every_public_name_has_a_docstring_with_an_example():
     "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
 )
 @pytest.mark.standard_promotion("optax's adamw and muon in the README promote inside")
+@pytest.mark.slow
 def test_readme_python_blocks_run():
     # In order, in one namespace, as a reader pasting them into a notebook runs them.
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)

@@ -203,6 +203,7 @@ def test_100_nonfinite_gradients_are_skipped_counted_and_leave_the_clean_steps_u
     assert min(totals[poison] for poison in POISONS) > 0 and 0 < totals["whole_leaf"] < 100
 
 
+@pytest.mark.slow
 def test_a_controller_skips_the_steps_of_poisoned_samples_and_finishes():
     poisoned = np.random.default_rng(3).choice(512, 3, replace=False)
 
@@ -246,6 +247,7 @@ def test_a_controller_skips_the_steps_of_poisoned_samples_and_finishes():
 OOMS_PER_RUN, OOM_STEPS = 10, 40
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("seed", "keep_global_batch"), [(0, False), (1, True), (2, False)])
 def test_random_out_of_memory_errors_lose_and_repeat_no_sample(seed, keep_global_batch):
     rng = np.random.default_rng(seed)

@@ -67,6 +67,7 @@ def test_a_feature_without_its_extra_names_the_extra(statement, feature, extra):
     assert f"pip install -e '.[{extra}]' (in a clone of triaccel_jax)" in message
 
 
+@pytest.mark.slow
 def test_optax_only_use_works_without_flax_and_orbax():
     out = _run(
         """

@@ -99,6 +99,7 @@ def test_policy_masters_train_with_stochastic_updates():
     assert stochastic["w"].dtype == jnp.bfloat16 and stochastic["n"] is None
 
 
+@pytest.mark.slow
 def test_triaccel_state_dtypes_follow_the_policy():
     tx = triaccel_jax.triaccel(1e-2, config=triaccel_jax.TriAccelConfig(state_dtype=POLICY))
     state = tx.init(PARAMS)
@@ -116,6 +117,7 @@ def test_triaccel_state_dtypes_follow_the_policy():
         )
 
 
+@pytest.mark.slow
 def test_convert_state_recasts_moments_and_keeps_everything_else():
     tx = optax.chain(optax.clip(1.0), triaccel_jax.triaccel(1e-2))
     state = tx.init(PARAMS)

@@ -97,6 +97,7 @@ def test_without_scaling_fp16_gradients_of_this_loss_lose_their_digits():
     assert unscaled_error > 0.03 and scaled_error < 0.005
 
 
+@pytest.mark.slow
 def test_fp16_under_the_controller_skips_exactly_the_overflows_and_matches_fp32_curvature():
     controller = make(fp16)
     infos = controller.run(STEPS)
@@ -131,6 +132,7 @@ def test_fp16_under_the_controller_skips_exactly_the_overflows_and_matches_fp32_
     assert gap < 2e-3
 
 
+@pytest.mark.slow
 def test_the_scale_survives_state_dict_policy_switches_and_micro_batches():
     controller = make(
         fp16,
@@ -167,6 +169,7 @@ def test_the_scale_survives_state_dict_policy_switches_and_micro_batches():
     assert controller.step().metrics["loss_scale"] == scale
 
 
+@pytest.mark.slow
 def test_the_flax_train_state_scales_the_loss_under_an_fp16_policy():
     import flax.linen as nn
 

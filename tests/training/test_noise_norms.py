@@ -82,6 +82,7 @@ def small_cnn_loss():
     return cnn_loss, params, (images, labels)
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion("Flax's avg_pool divides by an int window size")
 def test_the_halves_are_not_a_loop_in_the_compiled_step():
     # XLA:CPU runs a convolution's gradient inside a while loop's body an order of magnitude
@@ -100,6 +101,7 @@ def test_the_halves_are_not_a_loop_in_the_compiled_step():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion("Flax's avg_pool divides by an int window size")
 def test_the_compiled_peak_is_at_most_jax_value_and_grads_and_the_halves_gradients():
     cnn_loss, params, batch = small_cnn_loss()

@@ -108,6 +108,7 @@ def test_later_steps_use_the_bias_corrected_ema_of_each_block():
             np.testing.assert_allclose(updates[k], scale * direction, rtol=2e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_uniform_curvature_within_each_leaf_is_the_leaf_scale():
     # |g| constant over each leaf: every block mean equals its leaf mean, so both options agree.
     key = jax.random.key(1)

@@ -60,6 +60,7 @@ def run(tx, steps=6, integer=True, **extra):
     return outputs, state
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion(_OPTAX_PROMOTES)
 def test_updates_pass_through_bit_for_bit():
     observed, state = run(
@@ -70,6 +71,7 @@ def test_updates_pass_through_bit_for_bit():
     assert set(triaccel_jax.signals(state)) == {"a", "b", "c"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["fisher", "hutchinson"])
 def test_figures_are_scale_by_triaccels_for_the_same_gradients(estimator):
     config = triaccel_jax.TriAccelConfig(estimator=estimator, block_size=8, rho=0.05)
@@ -91,6 +93,7 @@ def test_figures_are_scale_by_triaccels_for_the_same_gradients(estimator):
     assert ours["a"]["noise_to_signal"] > 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion(_OPTAX_PROMOTES)
 def test_composes_with_sgd_and_optax_wrappers():
     sgd = optax.sgd(0.1, momentum=0.9)
@@ -154,6 +157,7 @@ def test_convert_state_recasts_the_observers_ema_and_leaves_adams_moments():
     assert triaccel_jax.signals(converted)["a"]["state_dtype"] == "bfloat16"
 
 
+@pytest.mark.slow
 def test_mean_curvatures_and_the_planner_read_the_observer():
     params = make_params()
     _, state = run(triaccel_jax.curvature_signals())
@@ -167,6 +171,7 @@ def test_mean_curvatures_and_the_planner_read_the_observer():
     assert plan.policy.compute("a") == plan.policy.compute("c") == "bf16"
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion(_OPTAX_PROMOTES)
 def test_the_controller_plans_precision_over_adamw_from_the_observer():
     tx = optax.chain(triaccel_jax.curvature_signals(curvature_every=2), optax.adamw(1e-2))

@@ -74,6 +74,7 @@ def accuracies():
     return float(np.mean(adamw)), float(np.mean(ours))
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion(
     "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
 )

@@ -103,6 +103,7 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_float32_state_agrees_with_the_optax_update_bit_for_bit(name):
     form = OPTIMIZERS[name]()
@@ -129,6 +130,7 @@ def test_float32_state_agrees_with_the_optax_update_bit_for_bit(name):
     assert float(triaccel_jax.signals(state)["dense/kernel"]["mean_curvature"]) > 0
 
 
+@pytest.mark.slow
 def test_bfloat16_moments_stay_within_their_stochastic_rounding_of_the_optax_path():
     tx = fused_triaccel(
         0.05, config=triaccel_jax.TriAccelConfig(state_dtype=jnp.bfloat16), curvature_every=3
@@ -164,6 +166,7 @@ def test_the_compute_copy_is_the_cast_of_the_new_params_in_every_format():
     assert params["dense"]["kernel"].dtype == jnp.float32  # the masters stay float32
 
 
+@pytest.mark.slow
 def test_the_learning_rate_factor_scales_the_step_as_it_scales_the_update():
     tx = fused_triaccel(0.05, curvature_every=3)
     expected, _, _ = _train(tx, 10, fused=False, factor=1.7)
@@ -260,6 +263,7 @@ def _controller(tx, **settings):
     )
 
 
+@pytest.mark.slow
 def test_the_controller_trains_the_same_through_the_fused_step():
     form = fused_triaccel(0.02, curvature_every=3)
     plain, fused = _controller(form.tx), _controller(form.tx, fused_update=form)
@@ -285,6 +289,7 @@ def test_the_controller_refuses_a_fused_form_it_cannot_fuse():
 # --- the Flax train state ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion("Flax's Dense mixes a bfloat16 kernel with float32 inputs")
 def test_the_flax_train_state_takes_the_fused_path_it_is_given(monkeypatch):
     import flax.linen as flax_linen  # the test extra installs Flax

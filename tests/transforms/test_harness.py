@@ -217,6 +217,9 @@ def _merge_masked(masked, full):
     )
 
 
+# 60 tests of a second or two each: the full suite's (the fast tier runs the checks above on
+# harness.FAST_VARIANTS).
+@pytest.mark.slow
 class TestOneUpdateWithAndWithoutJit(chex.TestCase):
     """One update of every variant, run by ``self.variant``: jitted, then eagerly."""
 

@@ -38,6 +38,7 @@ def _run(config):
     return outs, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state_dtype", [None, "bfloat16"])
 def test_impl_reference_equals_the_pure_jax_rounding_bit_for_bit(monkeypatch, state_dtype):
     ref_updates, _ = _run(triaccel_jax.TriAccelConfig(state_dtype=state_dtype))
@@ -58,6 +59,7 @@ def test_impl_reference_equals_the_pure_jax_rounding_bit_for_bit(monkeypatch, st
     chex.assert_trees_all_equal(*moments)
 
 
+@pytest.mark.slow
 def test_the_moment_writes_go_through_the_cast_dispatch_with_the_configs_impl(monkeypatch):
     seen = []
     original = cast_lib.cast

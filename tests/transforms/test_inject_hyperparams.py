@@ -53,6 +53,7 @@ def test_scale_by_triaccel_under_inject_hyperparams_with_jitted_init():
     chex.assert_shape(updates["w"], (4, 4))
 
 
+@pytest.mark.slow
 def test_config_sets_layout_estimator_and_state_dtype_under_jit():
     config = triaccel_jax.TriAccelConfig(
         estimator="hutchinson", block_size=8, rho=0.25, num_samples=2, state_dtype=jnp.bfloat16

@@ -47,6 +47,7 @@ def test_hutchinson_diagonal_takes_the_other_names(name):
     np.testing.assert_allclose(diagonal["w"], 2 * CURVATURE, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_one_value_fn_feeds_triaccel_and_a_line_search():
     tx = optax.chain(
         triaccel_jax.scale_by_triaccel(

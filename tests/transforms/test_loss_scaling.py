@@ -30,6 +30,7 @@ def make_problem():
     return params, loss
 
 
+@pytest.mark.slow
 def test_injected_nonfinite_steps_are_skipped_and_state_stays_finite():
     params, loss = make_problem()
     tx = triaccel_jax.transforms.dynamic_loss_scale(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 from simulated_devices import run_script
 
 SCRIPT = textwrap.dedent(
@@ -51,6 +52,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_curvature_is_averaged_across_devices_like_gradients():
     run_script(SCRIPT, devices=8, timeout=300)
 
@@ -157,5 +159,6 @@ DATA_PARALLEL = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_axis_name_keeps_data_parallel_replicas_identical():
     run_script(DATA_PARALLEL, devices=8, timeout=600)

@@ -50,6 +50,7 @@ def run(tx, steps=5):
     return history, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["fisher", "hutchinson"])
 def test_over_adams_direction_it_is_scale_by_triaccel(estimator):
     config = triaccel_jax.TriAccelConfig(estimator=estimator, block_size=4)
@@ -65,6 +66,7 @@ def test_over_adams_direction_it_is_scale_by_triaccel(estimator):
         assert a["noise_to_signal"] == pytest.approx(b["noise_to_signal"], rel=1e-5, abs=1e-12)
 
 
+@pytest.mark.slow
 def test_over_sgd_flat_leaves_step_longer_and_alpha_0_is_sgd():
     sgd = optax.sgd(0.01)
     (first,), state = run(triaccel_jax.scale_by_curvature(sgd, curvature_every=1), steps=1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 from simulated_devices import run_script
 
 SCRIPT = textwrap.dedent(
@@ -129,6 +130,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_state_follows_sharded_params_and_training_matches_one_device():
     print(run_script(SCRIPT, devices=8))
 
@@ -161,5 +163,6 @@ EXPLICIT_MESH_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_params_on_an_explicit_axis_mesh_train_and_match_the_unsharded_update():
     run_script(EXPLICIT_MESH_SCRIPT, devices=8)

@@ -58,6 +58,7 @@ def relative_error(a, b):
     return float(optax.tree.norm(jax.tree.map(jnp.subtract, a, b)) / optax.tree.norm(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "bf16", "fp32"])
 def test_converting_the_inners_initial_state_is_init(fmt):
     params = make_params()
@@ -90,6 +91,7 @@ def test_a_float32_run_switches_to_a_quantized_state_and_trains_on_alike(fmt):
     assert relative_error(quantized, reference) < (0.05 if fmt == "int8" else 0.02)
 
 
+@pytest.mark.slow
 def test_a_float32_checkpoint_restores_into_a_quantized_state(tmp_path):
     # Saved by the project's checkpointer from a float32 run and restored into the quantized
     # wrapper's state; a state read back as plain containers (dicts where optax has

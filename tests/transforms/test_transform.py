@@ -88,6 +88,7 @@ def test_step_scale_is_clipped():
     assert scales == pytest.approx({"a": 2.0, "b": 1.0, "c": 0.5})
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion(
     "optax promotes inside its own transforms (integer leaves, MultiSteps, injected hyperparameters)"
 )
@@ -103,6 +104,7 @@ def test_alpha_zero_is_adamw():
         chex.assert_trees_all_close(u1, u2, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_bf16_state_keeps_small_increments_with_stochastic_rounding():
     # nu grows by (1 - b2) * g**2 = 1e-3 per step from 1.0: below half a bf16 ulp at 1.0
     # (2**-8), so round-to-nearest would keep nu at exactly 1.0 forever.
@@ -139,6 +141,7 @@ def test_update_is_deterministic_for_a_seed():
     np.testing.assert_array_equal(results[0], results[1])
 
 
+@pytest.mark.slow
 def test_learning_rate_schedule():
     schedule = optax.linear_schedule(1.0, 0.0, 10)
     tx = triaccel_jax.triaccel(schedule, weight_decay=0.0)
