@@ -1,5 +1,11 @@
 #!/usr/bin/env bash
-# Runs the test suite: bash tools/test.sh [PYTEST ARGS...]   (e.g. -m "not slow", -k adam, -n 0)
+# Runs the test suite: bash tools/test.sh [--fast] [PYTEST ARGS...]   (e.g. -k adam, -n 0)
+#
+# --fast: the fast tier, the one to run all the time (about 7 minutes on 2 busy cores, where the whole
+#    suite takes about 27): step 1 only, without the tests marked `slow` (-m "not slow": end-to-end
+#    runs, benchmark and notebook runs, the optimizer harness beyond harness.FAST_VARIANTS) and
+#    under the "fast" Hypothesis profile (at most 10 examples a property; tests/conftest.py). The
+#    kernel step runs only with TRIACCEL_KERNEL_TESTS=1. CI (.ci/run) runs everything.
 #
 # 1. .venv (project editable with the `test` extra): pytest on 2 workers over tests/, with ARGS.
 #    The Triton interpreter and sm_90 compile tests in tests/kernels/ skip there (no torch/triton).
@@ -20,15 +26,26 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$REPO_ROOT"
 
+fast=()
+if [[ "${1:-}" == "--fast" ]]; then
+    shift
+    fast=(-m "not slow")
+    export TRIACCEL_HYPOTHESIS_PROFILE="${TRIACCEL_HYPOTHESIS_PROFILE:-fast}"
+fi
+
 run_kernel_tests="${TRIACCEL_KERNEL_TESTS:-}"
 if [[ -z "$run_kernel_tests" ]]; then
-    run_kernel_tests=$(( $# == 0 ))
+    run_kernel_tests=$(( $# == 0 && ${#fast[@]} == 0 ))
 fi
 
 ensure_venv test
 ensure_fashion_mnist
 status=0
-"$VENV_PY" -m pytest -n 2 "$@" || status=$?
+start=$SECONDS
+"$VENV_PY" -m pytest -n 2 "${fast[@]}" "$@" || status=$?
+if (( ${#fast[@]} )); then
+    _log "fast tier: $((SECONDS - start)) s (the whole suite and the kernel tests: bash tools/test.sh)"
+fi
 
 if [[ "$run_kernel_tests" == "1" || "$run_kernel_tests" == "require" ]]; then
     _log "kernel tests: tests/kernels under the Triton interpreter in .venv-kernels"
