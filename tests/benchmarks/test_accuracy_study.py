@@ -163,6 +163,7 @@ def _grads(params, step):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion("optax's adamw and muon mix their int32 counts with floats")
 def test_the_adapt_rows_update_as_their_base_rows():
     # The observer the adapt rows of AdamW and Muon put first leaves the updates untouched, and
@@ -214,6 +215,7 @@ def test_muon_trains_conv_kernels_by_muon_or_by_adam_as_tuned():
             np.testing.assert_allclose(kernel, expected, rtol=1e-4, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_quick_mode_writes_the_table_and_the_raw_numbers(tmp_path):
     command = [sys.executable, "benchmarks/accuracy.py", "--quick", "--out", str(tmp_path)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -1,8 +1,17 @@
 """benchmarks/compile_time.py --quick: every model's table prints each row's ratio to its baseline.
 
-One run of the script (about a minute and a half on 2 CPU cores) serves every test here; the
-figures themselves are not checked (they mean little at --quick's sizes), only that each row was
-measured and judged against its target.
+One run of the script (about a minute and a half on 2 CPU cores) serves every test here (all
+slow). Beyond each row being measured and judged against its target, the figures that hold on a
+loaded machine are bounded, so that a regression fails here:
+
+* the compiled step's fusion count against its baseline's, per model (XLA's own count, the same
+  on every run of one jax version): with about 1.5x headroom over 2026-12-06's figures (the
+  transformer's ratios 1.24-1.68x, the MLP's 1.9-5.2x, the CNN's 1.3-3.1x); before the per-leaf
+  work of issue 39 the curvature transforms added about 20 fusions a leaf, which the
+  transformer's 33 leaves would have taken past its bound;
+* the compile seconds' ratio on the transformer and the CNN (baselines of half a second or more):
+  at most 8x (2.9x at most on 2026-12-06, 47x for ``quantize_state`` before issue 39). The MLP's
+  baseline compiles in a tenth of a second, too short to bound on a shared machine.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here reads the one --quick run of the module fixture
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 COMPILE_ROWS = {
@@ -24,6 +35,13 @@ COMPILE_ROWS = {
     "curvature_signals + muon (recommended)": "muon",
 }
 STEADY_ROWS = {"curvature_signals + adamw": 1.02, "quantize_state(adamw, int8)": 1.10}
+# The most fusions a row's compiled step may have, as a multiple of its baseline's, per model.
+FUSION_BOUNDS = {"mlp": 8.0, "transformer": 2.5, "cnn": 4.5}
+# The most a row's compile seconds may be, as a multiple of its baseline's (models whose baseline
+# takes long enough to time on a shared machine).
+SECONDS_BOUND = 8.0
+SECONDS_BOUNDED = ("transformer", "cnn")
+COLUMNS = re.compile(r"([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +(\d+) +([\d.]+)x")
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +84,27 @@ def test_each_model_prints_each_transform_against_its_optax_optimizer(output, mo
         assert match, table[name]
         assert float(match.group(6)) > 0 and int(match.group(4)) > 0, table[name]
     assert "target: each ratio <= 1.5x" in output
+
+
+@pytest.mark.parametrize("model", ["mlp", "transformer", "cnn"])
+def test_fusions_and_compile_seconds_stay_within_their_bounds(output, model):
+    table = section(output, f"model {model}:")
+    figures = {}
+    for name in (*COMPILE_ROWS, "adamw", "muon"):
+        # lower s, compile s, total s, HLO instructions, fusions, ratio.
+        *_, fusions, ratio = COLUMNS.search(table[name]).groups()
+        figures[name] = (int(fusions), float(ratio))
+    over = []
+    for name, baseline in COMPILE_ROWS.items():
+        fusions, ratio = figures[name]
+        fusion_ratio = fusions / figures[baseline][0]
+        if fusion_ratio > FUSION_BOUNDS[model]:
+            over.append(f"{name}: {fusions} fusions, {fusion_ratio:.2f}x {baseline}'s")
+        if model in SECONDS_BOUNDED and ratio > SECONDS_BOUND:
+            over.append(f"{name}: compile {ratio:.2f}x {baseline}'s seconds")
+    assert not over, (
+        f"model {model} over its bounds " + "; ".join(over) + "\n" + "\n".join(table.values())
+    )
 
 
 def test_the_transformer_has_sixteen_leaves_a_block_and_a_readout(output):

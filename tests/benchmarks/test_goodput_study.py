@@ -174,6 +174,7 @@ def test_the_rows_are_the_static_batches_then_the_elastic_ones():
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     find_fashion_mnist() is None,
     reason=fashion_mnist_not_found_message().splitlines()[0]

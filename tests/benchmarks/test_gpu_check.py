@@ -37,6 +37,7 @@ def _assert_every_op_measured_by_xla(path):
     assert _dispatch.load_auto_table(path) == dict.fromkeys(_dispatch.OPS, "xla")
 
 
+@pytest.mark.slow
 def test_quick_mode_runs_end_to_end_on_cpu(tmp_path):
     # The bandwidth and memory sections' --dry-run is the same code with tiny sizes, checked by
     # hand; the parity and end-to-end sections are what a first use on the GPU machine exercises.
@@ -68,6 +69,7 @@ def test_quick_mode_runs_end_to_end_on_cpu(tmp_path):
     assert all((tmp_path / run / "results.json").exists() for run in e2e.RUNS)
 
 
+@pytest.mark.slow
 def test_the_dry_run_bandwidth_section_measures_every_dispatched_op(tmp_path):
     # What a GPU session regenerates kernels/auto_table.json with, in its reduced mode: a row
     # measured for each op that impl="auto" dispatches (the quantize and dequantize ones too),

@@ -1,8 +1,13 @@
-"""benchmarks/noise_cost.py --quick: each row is measured and judged against its target.
+"""benchmarks/noise_cost.py --quick: each row is measured and judged against its target, within bounds.
 
-The figures themselves are not checked (at --quick's batch of 16 they mean little), only that
-each row was measured, printed with its ratio, target and verdict, and that the verdict agrees
-with them.
+At --quick's batch of 16 the figures are not the full run's, but two of them would show a
+regression on a loaded machine too:
+
+* the peak of the step with ``value_and_grad_with_noise`` over the plain one's (XLA's predicted
+  bytes, the same on every run of one jax version): 1.043x on 2026-12-06, bounded at 1.10x;
+* its step time over ``jax.value_and_grad``'s: 0.94x on 2026-12-06, bounded at 3x, where the
+  halves differentiated in a ``lax.scan`` (as before issue 39, the ``--loop`` reference row) take
+  about 15x.
 """
 
 from __future__ import annotations
@@ -13,14 +18,18 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROW = re.compile(
     r"^(step|peak) (\S.*?) +(\d+\.\d{3})x  target <= (\d\.\d\d)x  (met|MISSED)  "
     r"(\d+\.\d\d) (ms|MiB) vs (\d+\.\d\d) (ms|MiB)( a step)? \(SmallCNN, batch 16, adamw\)$"
 )
 TARGETS = {"step": 1.05, "peak": 1.0}
+BOUNDS = {("peak", "value_and_grad_with_noise"): 1.10, ("step", "value_and_grad_with_noise"): 3.0}
 
 
+@pytest.mark.slow
 def test_quick_run_prints_each_row_with_its_ratio_target_and_verdict():
     done = subprocess.run(
         [sys.executable, "benchmarks/noise_cost.py", "--quick", "--loop"],
@@ -52,3 +61,5 @@ def test_quick_run_prints_each_row_with_its_ratio_target_and_verdict():
         ("step", "lax.scan over the halves"),
         ("peak", "value_and_grad_with_noise"),
     }
+    over = {row: rows[row] for row, bound in BOUNDS.items() if rows[row] > bound}
+    assert not over, f"over their bounds {BOUNDS}: {over}\n{done.stdout}"

@@ -41,6 +41,7 @@ def test_the_summary_reads_the_estimates_their_steadiness_and_interval_width():
     assert summary["preconditioned"]["interval_width"] == pytest.approx(0.4)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     find_fashion_mnist() is None, reason=fashion_mnist_not_found_message().splitlines()[0]
 )

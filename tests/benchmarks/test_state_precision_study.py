@@ -17,6 +17,7 @@ from triaccel_jax.data import find_fashion_mnist
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     find_fashion_mnist() is None,
     reason=fashion_mnist_not_found_message().splitlines()[0]
@@ -54,8 +55,13 @@ def test_quick_run_reports_every_optimizer_and_state_row(tmp_path):
             assert row["verdict"] == "reference"
         else:
             assert row["interval"] is not None and "bytes" in row["verdict"]
-    # The state really is narrower: fp32 AdamW's 12 bytes per parameter, 8-bit blocks far fewer.
+    # The state really is narrower: fp32 AdamW's 12 bytes per parameter, 8-bit blocks far fewer
+    # (bytes counted, not timed: 8.056 for bf16 and 6.115 for int8 and the plan on 2026-12-06;
+    # the README's headline is AdamW 12 -> 6.12).
     assert rows[("adamw", "fp32")]["bytes_per_parameter"] == pytest.approx(12.0, abs=0.01)
+    assert rows[("adamw", "bf16")]["bytes_per_parameter"] <= 8.1
+    assert rows[("adamw", "int8")]["bytes_per_parameter"] <= 6.2
+    assert rows[("adamw", "planned")]["bytes_per_parameter"] <= 6.2
     assert (
         rows[("adamw", "int8")]["bytes_per_parameter"]
         < rows[("adamw", "bf16")]["bytes_per_parameter"]
