@@ -77,7 +77,8 @@ myst_heading_anchors = 3
 # The notebooks carry no outputs in the repository; the build executes them and the pages with
 # code cells on the CPU (about three minutes on two cores). TRIACCEL_DOCS_EXECUTE picks myst-nb's
 # mode: "cache" (tools/docs.sh's default: re-run a page only when its code changed), "force" (CI),
-# or "off" (a quick check of the text and the API reference).
+# or "off" (a quick check of the text and the API reference). In CI the notebooks are not executed
+# here but by the tests, whose outputs are rendered (TRIACCEL_EXECUTED_NOTEBOOKS, below).
 nb_execution_mode = os.environ.get("TRIACCEL_DOCS_EXECUTE", "cache")
 nb_execution_cache_path = os.path.join(os.path.dirname(__file__), "_build", ".jupyter_cache")
 nb_execution_timeout = 600
@@ -390,6 +391,47 @@ def _public_signature(app, what, name, obj, options, signature, return_annotatio
     return signature, return_annotation and _public(return_annotation)
 
 
+# --- The notebooks, executed once -----------------------------------------------------------------
+# CI (.ci/run) runs the tests with TRIACCEL_EXECUTED_NOTEBOOKS=FOLDER: tests/package/test_notebooks.py
+# executes every notebook, checks it (no cell raises, every plot draws a figure) and writes it there
+# with its outputs. A build with the same variable renders those outputs instead of executing the
+# notebooks a second time: each stored notebook takes the executed copy's outputs, once every cell
+# is checked to be the stored one (a copy from other sources is a warning, so an error in the
+# build), and its page's execution is off. A notebook without an executed copy there is executed as
+# usual; the pages with code cells always are.
+_EXECUTED_NOTEBOOKS = os.environ.get("TRIACCEL_EXECUTED_NOTEBOOKS", "")
+
+
+def _reuse_executed_notebook(app, docname, source):
+    if not _EXECUTED_NOTEBOOKS or not str(app.env.doc2path(docname)).endswith(".ipynb"):
+        return
+    import nbformat
+
+    executed_path = os.path.join(_EXECUTED_NOTEBOOKS, os.path.basename(docname) + ".ipynb")
+    if not os.path.isfile(executed_path):
+        _logger.info("%s: no executed copy in TRIACCEL_EXECUTED_NOTEBOOKS, executing it", docname)
+        return
+    stored = nbformat.reads(source[0], as_version=4)
+    executed = nbformat.read(executed_path, as_version=4)
+    cells = lambda nb: [(cell.cell_type, cell.source) for cell in nb.cells]
+    if cells(stored) != cells(executed):
+        _logger.warning(
+            "%s: the executed copy %s has other cells than the notebook (run its test again)",
+            docname,
+            executed_path,
+            type="triaccel",
+            subtype="notebooks",
+        )
+        return
+    for cell, done in zip(stored.cells, executed.cells, strict=True):
+        if cell.cell_type == "code":
+            cell.outputs = done.outputs
+            cell.execution_count = done.execution_count
+    stored.metadata["mystnb"] = {**stored.metadata.get("mystnb", {}), "execution_mode": "off"}
+    source[0] = nbformat.writes(stored)
+    _logger.info("%s: outputs from the tests' run (%s), not executed again", docname, executed_path)
+
+
 def setup(app):
     # After napoleon (500) has turned "Attributes:" into fields, before the types are merged.
     app.connect("autodoc-process-docstring", _public_docstring, priority=600)
@@ -397,5 +439,6 @@ def setup(app):
     app.connect("autodoc-process-signature", _public_signature)
     app.connect("missing-reference", _resolve_reexports)
     app.connect("source-read", _expand_markers)
+    app.connect("source-read", _reuse_executed_notebook)
     app.connect("builder-inited", _report_layout)
     app.connect("autodoc-process-docstring", _join_split_literals, priority=400)

@@ -14,8 +14,10 @@
 # logging, the GPU and multi-device guide on 8 simulated CPU devices) on the CPU, offline; a cell
 # that raises fails the build. Executed results are cached in docs/_build/.jupyter_cache keyed by
 # the cells' code, so a second local build re-runs only what changed; with CI=true (or
-# TRIACCEL_DOCS_EXECUTE=force) every page is executed again. Extra arguments go to sphinx-build
-# (e.g. -q).
+# TRIACCEL_DOCS_EXECUTE=force) every page is executed again. With TRIACCEL_EXECUTED_NOTEBOOKS=FOLDER
+# (as .ci/run sets it, after the tests wrote the notebooks they executed and checked there) the
+# notebooks are rendered with those outputs instead of being executed a second time; the pages with
+# code cells still are. Extra arguments go to sphinx-build (e.g. -q).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$REPO_ROOT"

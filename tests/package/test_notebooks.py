@@ -4,11 +4,17 @@ Each notebook is executed with nbclient in a kernel started from this interprete
 written for the test, so a ``python3`` kernel installed elsewhere on the Jupyter path is never
 picked up), with ``notebooks/`` as the working directory and matplotlib's non-interactive inline
 backend. A cell that raises fails the test with the cell's traceback.
+
+With ``TRIACCEL_EXECUTED_NOTEBOOKS=FOLDER`` each executed notebook is also written there, as
+stored plus its outputs, for the documentation build to render instead of executing the notebooks
+a second time (``.ci/run`` sets it for the tests and for ``tools/docs.sh``; docs/conf.py reads
+it and checks that every cell's source is still the stored one).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 import time
@@ -24,6 +30,8 @@ NOTEBOOKS = sorted(path.name for path in NOTEBOOK_DIR.glob("*.ipynb"))
 EXPECTED = ("01_quickstart.ipynb", "02_diagnostics.ipynb", "03_elastic_batch.ipynb")
 CELL_TIMEOUT_S = 300
 KERNEL_NAME = "python3"  # the name nbclient and jupyter_client treat as IPython's kernel
+# Where the executed notebooks are written for the documentation build (unset: nowhere).
+EXECUTED_DIR = os.environ.get("TRIACCEL_EXECUTED_NOTEBOOKS")
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +67,7 @@ def test_notebook_is_stored_without_outputs(name):
             assert cell.execution_count is None, f"{name}: cell {index} has an execution count"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, kernel_specs):
     nb = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
@@ -82,6 +91,13 @@ def test_notebook_runs(name, kernel_specs):
         if cell.cell_type == "code" and "plt.show()" in cell.source:
             kinds = {key for output in cell.outputs for key in output.get("data", {})}
             assert "image/png" in kinds, f"{name}: cell {index} drew no figure"
+
+    if EXECUTED_DIR:
+        # Without the interpreter cell (its output is this machine's path), only once it passed.
+        nb.cells.pop(0)
+        folder = pathlib.Path(EXECUTED_DIR)
+        folder.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, folder / name)
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
