@@ -10,8 +10,10 @@ loaded machine are bounded, so that a regression fails here:
   work of issue 39 the curvature transforms added about 20 fusions a leaf, which the
   transformer's 33 leaves would have taken past its bound;
 * the compile seconds' ratio on the transformer and the CNN (baselines of half a second or more):
-  at most 8x (2.9x at most on 2026-12-06, 47x for ``quantize_state`` before issue 39). The MLP's
-  baseline compiles in a tenth of a second, too short to bound on a shared machine.
+  at most 12x (2.9x at most on 2026-12-06; room for a row compiled while other jobs take two
+  thirds of the machine), against 47x for ``quantize_state``'s update before issue 39. The MLP's
+  baseline compiles in a tenth of a second, too short to bound on a shared machine. The steady
+  steps (a fraction of a millisecond, three rounds) are not bounded either.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # every test here reads the one --quick run of the module fixture
+# Every test here reads the one --quick run of the module fixture: slow, and kept on one xdist
+# worker (tools/test.sh runs --dist loadgroup), or each worker would run the script again.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile_time_benchmark")]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -39,7 +43,7 @@ STEADY_ROWS = {"curvature_signals + adamw": 1.02, "quantize_state(adamw, int8)":
 FUSION_BOUNDS = {"mlp": 8.0, "transformer": 2.5, "cnn": 4.5}
 # The most a row's compile seconds may be, as a multiple of its baseline's (models whose baseline
 # takes long enough to time on a shared machine).
-SECONDS_BOUND = 8.0
+SECONDS_BOUND = 12.0
 SECONDS_BOUNDED = ("transformer", "cnn")
 COLUMNS = re.compile(r"([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +(\d+) +([\d.]+)x")
 

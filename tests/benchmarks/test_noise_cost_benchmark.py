@@ -5,9 +5,9 @@ regression on a loaded machine too:
 
 * the peak of the step with ``value_and_grad_with_noise`` over the plain one's (XLA's predicted
   bytes, the same on every run of one jax version): 1.043x on 2026-12-06, bounded at 1.10x;
-* its step time over ``jax.value_and_grad``'s: 0.94x on 2026-12-06, bounded at 3x, where the
-  halves differentiated in a ``lax.scan`` (as before issue 39, the ``--loop`` reference row) take
-  about 15x.
+* its step time over ``jax.value_and_grad``'s: 0.94x on 2026-12-06, bounded at 8x (room for a
+  scheduler's pause in one of the two rounds of a 5 ms step), where the halves differentiated in
+  a ``lax.scan`` (as before issue 39, the ``--loop`` reference row) take about 15x.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ROW = re.compile(
     r"(\d+\.\d\d) (ms|MiB) vs (\d+\.\d\d) (ms|MiB)( a step)? \(SmallCNN, batch 16, adamw\)$"
 )
 TARGETS = {"step": 1.05, "peak": 1.0}
-BOUNDS = {("peak", "value_and_grad_with_noise"): 1.10, ("step", "value_and_grad_with_noise"): 3.0}
+BOUNDS = {("peak", "value_and_grad_with_noise"): 1.10, ("step", "value_and_grad_with_noise"): 8.0}
 
 
 @pytest.mark.slow

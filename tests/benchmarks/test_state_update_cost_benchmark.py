@@ -4,9 +4,12 @@ and the figures that hold on a loaded machine stay within bounds.
 * **peak** (XLA's predicted bytes of the compiled update, the same on every run of one jax
   version): int8 state 0.729x fp32 AdamW's and bf16 0.818x on 2026-12-06, bounded at 0.80x and
   0.90x;
-* **compile update** (seconds, best of one compile each): 1.2-3.4x on 2026-12-06, bounded at 10x
-  (47x before issue 39's work on the 8-bit state);
-* **update** (time of the jitted update at 4 x 128^2, mostly dispatch): 0.8-2.3x, bounded at 8x.
+* **compile update** (seconds, one compile each, of a 0.2 s baseline): 1.2-3.4x on 2026-12-06,
+  bounded at 15x, room for a row compiled while other jobs take two thirds of the machine (47x
+  before issue 39's work on the 8-bit state).
+
+The update and CNN step times (a fraction of a millisecond to a few milliseconds, two rounds of
+one step) move by more than any useful bound on a shared machine, and are not bounded.
 """
 
 from __future__ import annotations
@@ -26,10 +29,8 @@ TARGETS = {"update": 1.3, "peak": 1.0, "compile": 1.5, "cnn step": 1.05}
 BOUNDS = {
     ("peak", "int8"): 0.80,
     ("peak", "bf16"): 0.90,
-    ("compile update", "int8"): 10.0,
-    ("compile update", "bf16"): 10.0,
-    ("update", "int8"): 8.0,
-    ("update", "bf16"): 8.0,
+    ("compile update", "int8"): 15.0,
+    ("compile update", "bf16"): 15.0,
 }
 ROW = re.compile(
     r"^(update|peak|compile update|compile train step|cnn step) (\S+) +(\d+\.\d{3})x  "
