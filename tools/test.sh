@@ -42,9 +42,7 @@ ensure_venv test
 ensure_fashion_mnist
 status=0
 start=$SECONDS
-# --dist loadgroup: as --dist load, except that the tests of one xdist_group share a worker (the
-# tests that read one module fixture's expensive run, e.g. tests/benchmarks/test_compile_time_benchmark.py).
-"$VENV_PY" -m pytest -n 2 --dist loadgroup "${fast[@]}" "$@" || status=$?
+"$VENV_PY" -m pytest -n 2 "${fast[@]}" "$@" || status=$?
 if (( ${#fast[@]} )); then
     _log "fast tier: $((SECONDS - start)) s (the whole suite and the kernel tests: bash tools/test.sh)"
 fi
@@ -53,7 +51,7 @@ if [[ "$run_kernel_tests" == "1" || "$run_kernel_tests" == "require" ]]; then
     _log "kernel tests: tests/kernels under the Triton interpreter in .venv-kernels"
     kernel_status=0
     if ensure_kernels_venv; then
-        TRITON_INTERPRET=1 "$VENV_PY" -m pytest -n 2 --dist loadgroup tests/kernels || kernel_status=$?
+        TRITON_INTERPRET=1 "$VENV_PY" -m pytest -n 2 tests/kernels || kernel_status=$?
     else
         _log "kernel tests NOT RUN: no Python here could install the kernels-dev extra (torch and"
         _log "  triton; tried:$KERNEL_VENV_TRIED). Install Python 3.11, or a Python whose pip can"

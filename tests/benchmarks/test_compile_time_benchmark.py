@@ -25,9 +25,12 @@ import sys
 
 import pytest
 
-# Every test here reads the one --quick run of the module fixture: slow, and kept on one xdist
-# worker (tools/test.sh runs --dist loadgroup), or each worker would run the script again.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile_time_benchmark")]
+try:
+    import fcntl
+except ImportError:  # not on Windows
+    fcntl = None  # type: ignore[assignment]
+
+pytestmark = pytest.mark.slow  # every test here reads the one --quick run (the output fixture)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -48,8 +51,7 @@ SECONDS_BOUNDED = ("transformer", "cnn")
 COLUMNS = re.compile(r"([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +(\d+) +([\d.]+)x")
 
 
-@pytest.fixture(scope="module")
-def output() -> str:
+def _run_quick() -> str:
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "compile_time.py"), "--quick"],
         capture_output=True,
@@ -59,6 +61,25 @@ def output() -> str:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> str:
+    """The --quick run's output, run once per session.
+
+    pytest-xdist spreads this module's tests over its workers (its loadgroup mode, which would
+    keep them together, does not group under pytest 9), and a module fixture runs once per
+    worker: the first worker here runs the script and leaves its output in the session's shared
+    temporary folder, under a lock, where the others read it.
+    """
+    if worker_id == "master" or fcntl is None:  # one process (no xdist), or no flock here
+        return _run_quick()
+    shared = tmp_path_factory.getbasetemp().parent / "compile_time_quick.txt"
+    with open(shared.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not shared.exists():
+            shared.write_text(_run_quick())
+        return shared.read_text()
 
 
 def section(output: str, heading: str) -> dict[str, str]:
