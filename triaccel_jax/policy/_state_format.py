@@ -42,6 +42,9 @@ class StateFormat(NamedTuple):
       block_size: elements per block sharing one float32 scale (None for a float format).
       error_variance: the relative error variance of one stochastically rounded store of a block
         of Gaussian values (see the module's docstring).
+      factored: whether a non-negative leaf of rank >= 2 is stored factored (Adafactor's row and
+        column means of the last two axes, float32, in place of codes: Shazeer & Stern, 2018;
+        the "4-bit Factor" state of Li et al., 2023) rather than in ``unsigned_map``'s codes.
     """
 
     name: str
@@ -50,6 +53,7 @@ class StateFormat(NamedTuple):
     unsigned_map: str | None
     block_size: int | None
     error_variance: float
+    factored: bool = False
 
     @property
     def is_float(self) -> bool:
@@ -88,7 +92,7 @@ STATE_FORMATS: dict[str, StateFormat] = {
         StateFormat("bf16", 16, None, None, None, 5.5e-6),
         StateFormat("int8", 8, "linear", "sqrt", 256, 9.7e-5),
         StateFormat("int8_dynamic", 8, "dynamic", "dynamic_unsigned", 256, 2.3e-4),
-        StateFormat("int4", 4, "dynamic4", "linear4_unsigned", 128, 4.4e-2),
+        StateFormat("int4", 4, "dynamic4", "linear4_unsigned", 128, 4.4e-2, factored=True),
     )
 }
 """Every state format by name, from the most to the least precise."""
