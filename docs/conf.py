@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.abspath(".."))
 from sphinx.util import logging as sphinx_logging
 
 import triaccel_jax
+from triaccel_jax._src import packages
 
 project = "triaccel_jax"
 author = "The triaccel_jax authors"
@@ -122,17 +123,7 @@ _MARKER = re.compile(r"<!-- (api-contents|api-summary|api-rest|api)(?::\s*(.*?))
 _MANUAL = re.compile(r"^\s*\.\. py:data:: (\w+)\n\s+:module: ([\w.]+)", re.M)
 # The packages the reference documents with markers (no two export the same name); the kernels
 # page documents triaccel_jax.kernels with automodule.
-_HOMES = (
-    "triaccel_jax.transforms",
-    "triaccel_jax.policy",
-    "triaccel_jax.precision",
-    "triaccel_jax.training",
-    "triaccel_jax.controller",
-    "triaccel_jax.flax",
-    "triaccel_jax.checkpoint",
-    "triaccel_jax.data",
-    "triaccel_jax.models",
-)
+_HOMES = tuple(f"triaccel_jax.{name}" for name in packages.DOCUMENTED)
 
 
 def _public(module: str) -> list[str]:

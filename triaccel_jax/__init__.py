@@ -23,6 +23,7 @@ extra raises an ``ImportError`` naming it (``pip install -e '.[flax]'`` in a clo
 import importlib as _importlib
 import typing as _typing
 
+from triaccel_jax._src import packages as _packages
 from triaccel_jax.controller import BudgetMemoryProbe
 from triaccel_jax.controller import Controller
 from triaccel_jax.controller import DeviceMemoryProbe
@@ -79,10 +80,6 @@ __all__ = (
     "triaccel",
 )
 
-# Subpackages that pull in optional or heavy dependencies (Flax, orbax, matplotlib, tfds) are
-# imported on first use, so `import triaccel_jax` stays an optax-only import that works without
-# the flax and checkpoint extras.
-_LAZY_SUBPACKAGES = frozenset({"checkpoint", "cli", "data", "flax", "kernels", "models"})
 # Top-level names (in __all__) that live in a lazy subpackage: the checkpoint package needs orbax.
 _LAZY_NAMES = {
     "CheckpointError": "triaccel_jax.checkpoint",
@@ -91,7 +88,7 @@ _LAZY_NAMES = {
 
 
 def __getattr__(name: str):
-    if name in _LAZY_SUBPACKAGES:
+    if name in _packages.LAZY:
         return _importlib.import_module(f"triaccel_jax.{name}")
     if name in _LAZY_NAMES:
         return getattr(_importlib.import_module(_LAZY_NAMES[name]), name)
@@ -103,10 +100,6 @@ def __dir__() -> list[str]:
         {
             *__all__,
             "__version__",
-            "controller",
-            "policy",
-            "precision",
-            "transforms",
-            *_LAZY_SUBPACKAGES,
+            *_packages.PUBLIC,
         }
     )

@@ -10,6 +10,7 @@ import re
 import pytest
 
 import triaccel_jax
+from triaccel_jax._src import packages
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Where the importable tree lies in the repository.
@@ -47,15 +48,7 @@ def _import_or_skip(name: str):
 
 def test_the_collection_finds_modules_of_every_stage():
     # A collection that finds nothing (a moved folder, a broken glob) must not pass quietly.
-    for stage in (
-        "kernels",
-        "policy",
-        "transforms",
-        "precision",
-        "controller",
-        "flax",
-        "checkpoint",
-    ):
+    for stage in packages.PUBLIC:
         assert any(name.startswith(f"triaccel_jax.{stage}.") for name in MODULES), stage
 
 
@@ -218,17 +211,7 @@ def test_site_check_finds_remote_resources_broken_links_and_paths(tmp_path, body
 # `:module: MODULE` (constants), and `<!-- api-rest: MODULE -->` (every name of MODULE no marker
 # places). The kernels page documents triaccel_jax.kernels with automodule.
 
-_API_PACKAGES = (
-    "triaccel_jax.transforms",
-    "triaccel_jax.policy",
-    "triaccel_jax.precision",
-    "triaccel_jax.training",
-    "triaccel_jax.controller",
-    "triaccel_jax.flax",
-    "triaccel_jax.checkpoint",
-    "triaccel_jax.data",
-    "triaccel_jax.models",
-)
+_API_PACKAGES = tuple(f"triaccel_jax.{name}" for name in packages.DOCUMENTED)
 _API_MARKER = re.compile(r"<!-- (api-contents|api-summary|api-rest|api)(?::\s*(.*?))?\s*-->", re.S)
 _API_MANUAL = re.compile(r"^\s*\.\. py:data:: (\w+)\n\s+:module: ([\w.]+)", re.M)
 _API_PAGES = sorted((ROOT / "docs" / "api").glob("*.md"))

@@ -20,11 +20,11 @@ import pathlib
 
 import pytest
 
+from triaccel_jax._src import packages
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "triaccel_jax"
-# Subpackages whose folder is not under triaccel_jax/: kernels/ installs as triaccel_jax.kernels
-# (pyproject.toml's [tool.setuptools.package-dir]).
-MAPPED = {"kernels": ROOT / "kernels"}
+MAPPED = {package: ROOT / folder for package, folder in packages.FOLDERS.items()}
 
 
 def _folder(package: str) -> pathlib.Path:
@@ -32,20 +32,9 @@ def _folder(package: str) -> pathlib.Path:
     return MAPPED.get(package, PACKAGE / package)
 
 
-# Bottom-up. "" is the top level itself: triaccel_jax/__init__.py and __main__.py.
-LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_src",),
-    ("kernels",),
-    ("policy",),  # dtypes, PrecisionPolicy, PrecisionPlan, the casts
-    ("transforms",),
-    ("precision",),  # the planner, the memory report
-    ("training",),  # the pure train step
-    ("controller",),
-    ("flax",),  # the train state, and a train state through the controller
-    ("checkpoint", "data", "models"),
-    ("cli",),
-    ("",),
-)
+# Bottom-up (triaccel_jax._src.packages, the one list of the subpackages); "" is the top level
+# itself: triaccel_jax/__init__.py and __main__.py.
+LAYERS: tuple[tuple[str, ...], ...] = (*packages.LAYERS, ("",))
 LAYER = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 SHARED_PRIVATE = "_src"
 

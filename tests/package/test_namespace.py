@@ -10,30 +10,11 @@ import warnings
 import pytest
 
 import triaccel_jax
+from triaccel_jax._src import packages
 
-PACKAGES = (
-    "kernels",
-    "policy",
-    "transforms",
-    "precision",
-    "controller",
-    "flax",
-    "checkpoint",
-    "cli",
-)
-# Subpackages reachable as attributes of the top level (the lazy ones import on first use).
-PACKAGES_AT_TOP = (
-    "checkpoint",
-    "cli",
-    "controller",
-    "data",
-    "flax",
-    "kernels",
-    "models",
-    "policy",
-    "precision",
-    "transforms",
-)
+# Every public subpackage, each reachable as an attribute of the top level (the lazy ones import
+# on first use): triaccel_jax._src.packages, the one list.
+PACKAGES = packages.PUBLIC
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -67,7 +48,7 @@ def test_dir_lists_only_public_names_that_resolve():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             getattr(triaccel_jax, name)
-    assert len(listed) == len(triaccel_jax.__all__) + 1 + len(PACKAGES_AT_TOP)
+    assert len(listed) == len(triaccel_jax.__all__) + 1 + len(PACKAGES)
 
 
 def test_the_version_marks_unreleased_work():
