@@ -4,8 +4,10 @@
 (:func:`triaccel_jax.precision.plan_state_formats`) prices them, and the precision policy takes
 its state dtypes from the float ones. Each format says how many bits an element takes, which
 map of :mod:`triaccel_jax.kernels.quantize` stores a signed moment (a momentum, Adam's ``mu``)
-and which a non-negative one (Adam's ``nu``), its block size, its bytes per element, and its
-error model: the relative error variance of one store.
+and which a non-negative one (Adam's ``nu``), its block size, its bytes (per element, and per
+leaf: :meth:`StateFormat.leaf_bytes`, codes and scales with blocks along the last axis, or a
+factored second moment's row and column means), and its error model: the relative error
+variance of one store.
 
 The error model is what the planner's loss model reads (docs/design.md §3.9): a store of ``x``
 returns ``x + e`` with ``E[e**2] = v * E[x**2]`` over a block of standard Gaussian values, for
@@ -20,6 +22,8 @@ linear map rounds them to zero (blocks that span decades: benchmarks/quantize_ma
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -83,6 +87,58 @@ class StateFormat(NamedTuple):
         block = self.block_size if block_size is None else block_size
         assert block is not None
         return self.bits / 8 + 4.0 / block
+
+    def leaf_bytes(
+        self,
+        shape: Sequence[int],
+        itemsize: int,
+        *,
+        second_moment: bool = False,
+        block_size: int | None = None,
+    ) -> int:
+        """The bytes one state leaf of ``shape`` takes stored in this format.
+
+        A float format stores ``size * itemsize`` (``"fp32"``: the leaf as the inner optimizer
+        keeps it) or ``size * min(2, itemsize)`` (``"bf16"``). A coded format stores its codes
+        and its float32 scales with blocks cut along the last axis (the ``"rows"`` layout of
+        :func:`triaccel_jax.kernels.quantize.stored_bytes`, which shards like the leaf; a scalar,
+        which has no last axis, is one flat block), in ``unsigned_map`` for a second moment and
+        ``signed_map`` otherwise. A second moment of rank >= 2 in a ``factored`` format is its
+        float32 row and column means of the last two axes: ``4 * (rows + cols)`` bytes for each
+        index of the leading axes.
+
+        Args:
+          shape: the leaf's shape.
+          itemsize: the bytes of one element as the inner optimizer keeps it.
+          second_moment: whether the leaf is a non-negative second moment (Adam's ``nu``).
+          block_size: the block size, if not the format's own.
+
+        Returns:
+          The stored bytes (an int).
+
+        Example:
+          >>> from triaccel_jax.policy import state_format
+          >>> int4 = state_format("int4")
+          >>> int4.leaf_bytes((1024, 256), 4)  # 4-bit codes and one scale per 128: 0.53 B each
+          139264
+          >>> int4.leaf_bytes((1024, 256), 4, second_moment=True)  # factored: 4 * (1024 + 256)
+          5120
+          >>> state_format("bf16").leaf_bytes((1024, 256), 4)
+          524288
+        """
+        shape = tuple(int(d) for d in shape)
+        size = math.prod(shape)
+        if self.name == "fp32":
+            return size * int(itemsize)
+        if self.is_float:
+            return size * min(self.bits // 8, int(itemsize))
+        if second_moment and self.factored and len(shape) >= 2:
+            return 4 * (shape[-2] + shape[-1]) * math.prod(shape[:-2])
+        block = self.block_size if block_size is None else block_size
+        mapping = self.unsigned_map if second_moment else self.signed_map
+        assert block is not None and mapping is not None
+        layout = "rows" if shape else "flat"
+        return quantize_lib.stored_bytes(shape, block_size=block, mapping=mapping, layout=layout)
 
 
 STATE_FORMATS: dict[str, StateFormat] = {
