@@ -12,8 +12,8 @@ factory as the ``make_controller`` fixture. It offers:
   params and optimizer included. The batch
   rule is the library's default (goodput, which times the buckets): a test of memory-driven
   growth or shrinking passes ``batch_rule="memory"`` itself;
-* ``VirtualClock``, ``take_time`` and ``slower_per_sample``: a clock that stands in for
-  ``time.perf_counter`` and moves only when a step takes its seconds, the call a traced step
+* ``VirtualClock``, ``take_time`` and ``slower_per_sample``: a clock to pass as the
+  controller's ``clock=`` that moves only when a step takes its seconds, the call a traced step
   takes them with (a real sleep without a clock), and a loss whose step takes ``seconds x
   batch^2``: the goodput rule's timing, without the machine's noise;
 * ``FaultyController``: a controller with out-of-memory errors injected through ``faults=``,
@@ -63,12 +63,12 @@ def loss_fn(params, batch, *, policy, rng):
 class VirtualClock:
     """A clock for the controller's step times that moves only by the seconds steps take on it.
 
-    ``install(monkeypatch)`` puts it in place of ``time.perf_counter`` for the test, where every
-    module of the controller reads it. A step of a loss from ``slower_per_sample(s, clock)``
-    advances it by its seconds from the device's callback, so each step's measured time is
-    exactly its own (with ``steps_in_flight=0`` no step's time can run into the next one's),
-    whatever else the machine is doing: on a busy CI machine real sleeps were timed too noisily
-    for the 1.5% the goodput rule waits for.
+    Passed as ``Controller(clock=...)`` (or ``make_controller(clock=...)``), it is what every
+    part of that controller reads time from; nothing else in the process sees it. A step of a
+    loss from ``slower_per_sample(s, clock)`` advances it by its seconds from the device's
+    callback, so each step's measured time is exactly its own (with ``steps_in_flight=0`` no
+    step's time can run into the next one's), whatever else the machine is doing: on a busy CI
+    machine real sleeps were timed too noisily for the 1.5% the goodput rule waits for.
     """
 
     def __init__(self) -> None:
@@ -79,10 +79,6 @@ class VirtualClock:
 
     def take(self, seconds: float) -> None:
         self.now += seconds
-
-    def install(self, monkeypatch) -> VirtualClock:
-        monkeypatch.setattr(time, "perf_counter", self)
-        return self
 
 
 def take_time(seconds: float, clock: VirtualClock | None = None) -> None:

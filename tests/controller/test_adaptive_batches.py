@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from controller_harness import VirtualClock
 
 from triaccel_jax.controller import AdaptiveBatches
 from triaccel_jax.controller import BudgetMemoryProbe
@@ -181,6 +182,26 @@ def test_out_of_memory_moves_below_and_the_same_samples_come_again():
     assert sorted(np.concatenate(trained).tolist()) == list(range(256))
     oom = [e for e in batches.events if e.kind == "oom"]
     assert len(oom) == 1 and (oom[0].old, oom[0].new) == (64, 32)
+
+
+def test_a_steps_seconds_are_read_from_the_given_clock():
+    # Each step takes 0.5 s on a virtual clock (between the yield and the report): the step
+    # times goodput keeps are exactly those, whatever the machine's own clock says.
+    data, loss = regression(num=256)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05)
+    w = jnp.zeros(8)
+    clock = VirtualClock()
+    batches = AdaptiveBatches(
+        data, tx.init(w), min_batch=16, max_batch=16, probe=PROBE, check_every=4, clock=clock
+    )
+    step, opt_state = make_step(loss, tx), tx.init(w)
+    for batch, settings in batches:
+        w, opt_state, metrics = step(w, settings.apply(opt_state), batch)
+        clock.take(0.5)
+        batches.report(metrics)
+    ((*key, steps, seconds, squares, _),) = batches.state_dict()["goodput"]["step_times"]
+    assert key == [16, 1, "your step"] and steps > 0
+    assert (seconds, squares) == (0.5 * steps, 0.25 * steps)
 
 
 def test_out_of_memory_at_the_smallest_batch_raises_and_other_errors_pass_through():

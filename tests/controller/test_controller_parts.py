@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from controller_harness import VirtualClock
+from controller_harness import take_time
 
 import triaccel_jax
 from triaccel_jax.controller import ControllerConfig
@@ -381,3 +383,38 @@ def test_a_replans_seconds_are_no_steps_seconds(monkeypatch):
     infos = controller.run(12)
     assert controller.timings["control"] >= 2.0  # two re-plans ran
     assert max(info.seconds for info in infos[1:]) < 0.5
+
+
+def test_every_time_the_controller_measures_is_read_from_its_clock():
+    # Each step takes 0.25 s on a virtual clock, and nothing else moves it: every figure the
+    # controller times is then exact. A part still reading time.perf_counter would show here
+    # (a compile's or the controller's own seconds above 0, a step's seconds off 0.25).
+    clock = VirtualClock()
+
+    def loss(params, batch, *, policy, rng):
+        take_time(0.25, clock)
+        return jnp.mean((batch @ params["w"]) ** 2)
+
+    controller = triaccel_jax.Controller(
+        loss,
+        {"w": jnp.zeros(4)},
+        optax.sgd(0.1),
+        np.ones((64, 4), np.float32),
+        probe=triaccel_jax.BudgetMemoryProbe(2**30),
+        min_batch=8,
+        max_batch=8,
+        steps_in_flight=0,
+        batch_rule="memory",  # a step whole, not in halves: the loss (and its 0.25 s) runs once
+        lr_scaling="none",
+        clock=clock,
+    )
+    infos = controller.run(24)
+    assert [info.seconds for info in infos] == [0.25] * 24 and clock.now == 24 * 0.25
+    timings = controller.timings
+    assert (timings["compile"], timings["data"], timings["control"]) == (0.0, 0.0, 0.0)
+    assert 0.0 < timings["step"] <= clock.now  # a callback may run between dispatch and read
+    assert set(controller.throughput.values()) == {8 / 0.25}
+    with pytest.raises(TypeError, match="clock"):
+        triaccel_jax.Controller(
+            loss, {"w": jnp.zeros(4)}, optax.sgd(0.1), np.ones((64, 4), np.float32), clock=1.0
+        )

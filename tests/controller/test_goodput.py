@@ -324,13 +324,13 @@ def test_with_a_fixed_global_batch_the_default_rule_moves_only_the_micro_batch_b
 
 # Samples per second fall with the batch, by a wide margin.
 @pytest.mark.slow
-def test_by_default_a_batch_measured_slower_is_tried_once_and_left(monkeypatch):
+def test_by_default_a_batch_measured_slower_is_tried_once_and_left():
     assert triaccel_jax.controller.ControllerConfig().batch_rule == "goodput"
-    clock = VirtualClock().install(monkeypatch)
+    clock = VirtualClock()
     slower_per_sample_as_the_batch_grows = slower_per_sample(3e-4, clock)
     # Buckets 8, 16, 32, all within memory (1000 + 100 b under 85% of 20000).
     default = make_controller(
-        loss_fn=slower_per_sample_as_the_batch_grows, max_batch=32, steps_in_flight=0
+        loss_fn=slower_per_sample_as_the_batch_grows, max_batch=32, steps_in_flight=0, clock=clock
     )
     assert default.config.batch_rule == "goodput"
     infos = default.run(200)
@@ -469,15 +469,13 @@ def test_goodput_scales_the_rate_and_the_schedule_by_the_gain_its_model_assumes(
     assert controller.schedule_progress < 40 * 32 / 8
 
 
-def test_with_samples_per_second_flat_in_the_batch_the_measured_batch_stays_at_the_reference(
-    monkeypatch,
-):
+def test_with_samples_per_second_flat_in_the_batch_the_measured_batch_stays_at_the_reference():
     # Each step takes time in proportion to its samples (on a virtual clock: exactly, whatever
     # the machine is doing): samples per second are the same at every batch, so goodput is the
     # efficiency alone, highest at the reference batch 8. Measured throughput may try 16 once,
     # but must come back and not wander (a rule extrapolating from biased and stale per-step
     # rates went 8 -> 16 -> 32 -> 16 and stayed at 16).
-    clock = VirtualClock().install(monkeypatch)
+    clock = VirtualClock()
     data, loss = noisy_regression(3.0, seed=0, seconds_per_sample=2e-4, clock=clock)
     controller = triaccel_jax.Controller(
         loss,
@@ -490,6 +488,7 @@ def test_with_samples_per_second_flat_in_the_batch_the_measured_batch_stays_at_t
         batch_size=8,
         check_every=5,
         steps_in_flight=0,
+        clock=clock,
     )
     infos = controller.run(200)
     batches = [i.batch_size for i in infos]

@@ -138,13 +138,11 @@ def test_on_steady_noise_the_noise_scale_estimate_is_steady():
     assert low > 0.8 and high < 1.25, (low, high)
 
 
-def test_a_trial_left_by_goodput_keeps_the_users_policy_and_replans_nothing(
-    make_controller, monkeypatch
-):
+def test_a_trial_left_by_goodput_keeps_the_users_policy_and_replans_nothing(make_controller):
     # Steps slower per sample the larger they are: goodput tries 16 and goes back to 8. That
     # return is goodput's, not memory's: the bf16 policy the user set stays and precision is not
     # re-planned "for memory" (before: "memory needs 0 B saved" and the user's policy was lost).
-    clock = VirtualClock().install(monkeypatch)
+    clock = VirtualClock()
     slower_per_sample_as_the_batch_grows = slower_per_sample(3e-4, clock)
     controller = make_controller(
         loss_fn=slower_per_sample_as_the_batch_grows,
@@ -152,6 +150,7 @@ def test_a_trial_left_by_goodput_keeps_the_users_policy_and_replans_nothing(
         replan_every=1000,
         steps_in_flight=0,
         probe=triaccel_jax.BudgetMemoryProbe(2**34),
+        clock=clock,
     )
     policy = PrecisionPolicy.uniform(controller.params, "bf16")
     controller.set_policy(policy)

@@ -232,6 +232,12 @@ class AdaptiveBatches:
         predicted from the known ones, so without any (and a probe that measures none, as on a
         CPU) memory allows no growth.
       callback: called with each :class:`Event` as it is logged (a decision, a rate change).
+      clock: a monotonic clock in seconds, read when a batch is yielded and when its step is
+        reported: the step's seconds (goodput's throughput) are the difference; default
+        ``time.perf_counter``. Tests pass a virtual clock; a user may pass a monotonic clock of
+        their own. An argument like ``probe``, not a
+        :class:`~triaccel_jax.controller.ControllerConfig` setting (the config is a value,
+        compared with the defaults here), and not saved state.
       config: the settings as one :class:`triaccel_jax.controller.ControllerConfig`; or
       **settings: the same settings as keywords (not both): ``min_batch``, ``max_batch``,
         ``batch_size`` (the start), ``reference_batch`` (the batch the rate was tuned at,
@@ -292,10 +298,13 @@ class AdaptiveBatches:
         probe: memory_probe.MemoryProbe | None = None,
         peak_bytes: Callable[[int], int | None] | None = None,
         callback: Callable[[events_lib.Event], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
         config: config_lib.ControllerConfig | None = None,
         **settings: Any,
     ) -> None:
         self._config = config = config_lib.resolve_config(config, settings, "AdaptiveBatches")
+        validation.check_callable("clock", clock)
+        self._clock = clock
         refused = [
             f"{name} ({why})"
             for name, why in _LOOP_ONLY.items()
@@ -423,7 +432,7 @@ class AdaptiveBatches:
             self._check_reported()
             if self._step_count > 0 and self._step_count % self._config.check_every == 0:
                 self._check()
-            started = time.perf_counter()
+            started = self._clock()
             taken = self._take(self._bucket.micro, start_epoch)
             if taken is None:
                 break
@@ -533,7 +542,7 @@ class AdaptiveBatches:
             )
             return
         values = {k: float(v) for k, v in jax.device_get(dict(metrics or {})).items()}
-        seconds = time.perf_counter() - pending.started
+        seconds = self._clock() - pending.started
         norms = None
         if "grad_sq_norm" in values or "micro_grad_sq_norm" in values:
             norms = (

@@ -83,6 +83,8 @@ class StepCompiler:
         one in force.
       builder: compiles ``(step, abstract_args)``; default :func:`build` (looked up when
         called, so a test may replace it to decide when a background compile finishes).
+      clock: the clock a compile's seconds are read from (the controller's ``clock=``, read on
+        the worker thread too); default ``time.perf_counter``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -98,8 +100,11 @@ class StepCompiler:
         self,
         make_step: Callable[[StepKey, Any], tuple[Callable[..., Any], tuple]],
         builder: Callable[[Callable[..., Any], tuple], Any] | None = None,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._make_step = make_step
+        self._clock = clock
         self._given_builder = builder
         self._steps: dict[StepKey, Any] = {}
         self._peaks: dict[str, dict[int, int]] = {}
@@ -128,8 +133,8 @@ class StepCompiler:
         if executable is not None:
             return executable, None
         step, args = self._make_step(key, None)
-        start = time.perf_counter()
-        new = self._store(key, self._builder(step, args), time.perf_counter() - start)
+        start = self._clock()
+        new = self._store(key, self._builder(step, args), self._clock() - start)
         return new.executable, new
 
     def _store(self, key: StepKey, executable: Any, seconds: float) -> CompiledStep:
@@ -183,8 +188,8 @@ class StepCompiler:
             )
 
         def timed_build() -> tuple[Any, float]:
-            start = time.perf_counter()
-            return self._builder(step, args), time.perf_counter() - start
+            start = self._clock()
+            return self._builder(step, args), self._clock() - start
 
         self.job = CompileJob(key, self._executor.submit(timed_build), reason, figures, plan)
 

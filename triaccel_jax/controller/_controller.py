@@ -139,6 +139,15 @@ class Controller:
       faults: a fault injector, called with a :class:`triaccel_jax.controller.FaultSite` before
         every dispatch and every read of a step; it may raise an out-of-memory error to
         chaos-test a run (:class:`triaccel_jax.controller.OutOfMemoryFaults`).
+      clock: a monotonic clock in seconds that every time the controller measures is read
+        from: the steps' seconds (goodput's throughput, a precision trial's speed), the compile
+        seconds and :attr:`timings`; default ``time.perf_counter``. Tests pass a virtual clock
+        that moves only by the seconds their steps say they take, so that timed decisions are
+        exact on a busy machine; a user may pass a monotonic clock of their own. It is an
+        argument, not a :class:`~triaccel_jax.controller.ControllerConfig` setting: the config
+        is a value, compared and validated as settings, and a clock is an object the controller
+        works with, like ``probe``. It is not saved state either: a restored controller times
+        its steps on its own clock (throughput is not saved).
       config: the settings as one :class:`triaccel_jax.controller.ControllerConfig`; or
       **settings: the same settings as keywords (not both); each is described in
         :class:`triaccel_jax.controller.ControllerConfig` (``min_batch``, ``max_batch``,
@@ -193,10 +202,13 @@ class Controller:
         mesh: jax.sharding.Mesh | None = None,
         callback: Callable[[StepInfo], None] | None = None,
         faults: Callable[[out_of_memory.FaultSite], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
         config: config_lib.ControllerConfig | None = None,
         **settings: Any,
     ) -> None:
         validation.check_callable("loss_fn", loss_fn)
+        validation.check_callable("clock", clock)
+        self._clock = clock
         if not isinstance(tx, optax.GradientTransformation):
             raise TypeError(
                 f"`tx` must be an optax.GradientTransformation, got {type(tx).__name__}"
@@ -244,8 +256,8 @@ class Controller:
         self._loss = training.normalize_loss_fn(
             loss_fn, has_aux=config.has_aux, has_model_state=model_state is not None
         )
-        self._in_flight = records.InFlight()
-        self._compiler = compiling.StepCompiler(self._make_step)
+        self._in_flight = records.InFlight(clock)
+        self._compiler = compiling.StepCompiler(self._make_step, clock=clock)
         # XLA:CPU converts bf16 through float32 (the small CNN's bf16 step ran 2x slower, and
         # compiled 3-4x longer): no speed trial there unless asked for.
         speed_trials = (
@@ -553,7 +565,7 @@ class Controller:
         self._flush()
         self._in_flight.take_finished()
         # A step's seconds run from the previous read: not from before this call.
-        self._in_flight.last_finish = time.perf_counter()
+        self._in_flight.last_finish = self._clock()
         window = self._config.steps_in_flight
         done = 0
 
@@ -580,7 +592,7 @@ class Controller:
     def _evaluate(self, evaluate: Callable[[Any, Any], Mapping[str, Any]]) -> None:
         """Reads every queued step, then logs ``evaluate``'s metrics of the state after them."""
         self._flush()
-        start = time.perf_counter()
+        start = self._clock()
         metrics = evaluate(self._params, self._model_state)
         if not isinstance(metrics, Mapping):
             raise TypeError(
@@ -595,11 +607,11 @@ class Controller:
             f"evaluated after {seen} samples ({seen / self._sampler.num_examples:.3g} epochs)",
             epoch=seen // self._sampler.num_examples,
             samples=seen,
-            seconds=time.perf_counter() - start,
+            seconds=self._clock() - start,
             **figures,
         )
         # The evaluation's time is no step's: the next step's seconds start after it.
-        self._in_flight.last_finish = time.perf_counter()
+        self._in_flight.last_finish = self._clock()
 
     def set_policy(self, policy: PrecisionPolicy | None) -> None:
         """Switches the precision policy from the next step (the optimizer state's moments are
@@ -791,7 +803,7 @@ class Controller:
         if check_due or replan_due:
             self._flush()  # the checks read what the queued steps produce
         # The controller's own work: what follows, less any compile a check runs.
-        start = time.perf_counter()
+        start = self._clock()
         spent = self._device_seconds()
         if check_due:
             self._check_memory()
@@ -799,11 +811,11 @@ class Controller:
             self._replan()
             # Every queued step was read before the re-plan: the next step's time starts after
             # it, so that a re-plan's seconds (signals read, a plan made) are no step's.
-            self._in_flight.last_finish = time.perf_counter()
+            self._in_flight.last_finish = self._clock()
         indices = self._sampler.take(self.batch_size)
         micro = self._bucket.micro
         pending = self._pending(count, indices, micro, first_event)
-        self._timings["control"] += time.perf_counter() - start - (self._device_seconds() - spent)
+        self._timings["control"] += self._clock() - start - (self._device_seconds() - spent)
         out, error = self._on_device(lambda: self._dispatch_step(pending))
         if error is not None:
             self._flush()
@@ -920,10 +932,10 @@ class Controller:
             memory), or the fault injector's.
         """
         executable = self._executable(step.micro, step.num_micro)
-        start = time.perf_counter()
+        start = self._clock()
         batch = self._feeder.device_batch(step.indices, step.num_micro, step.micro)
-        self._timings["data"] += time.perf_counter() - start
-        start = time.perf_counter()
+        self._timings["data"] += self._clock() - start
+        start = self._clock()
         try:
             if self._faults is not None:
                 self._faults(
@@ -939,22 +951,22 @@ class Controller:
                 self._loss_scale,
             )
         finally:
-            self._timings["step"] += time.perf_counter() - start
+            self._timings["step"] += self._clock() - start
 
     def _read(self, step: records.PendingStep) -> dict[str, float]:
         """``step``'s metrics as floats: a transfer that waits for the step to finish."""
-        start = time.perf_counter()
+        start = self._clock()
         try:
             if self._faults is not None:
                 self._faults(out_of_memory.FaultSite("read", step.step, step.micro, step.num_micro))
             return {k: float(v) for k, v in jax.device_get(step.metrics).items()}
         finally:
-            self._timings["step"] += time.perf_counter() - start
+            self._timings["step"] += self._clock() - start
 
     def _deliver(self, step: records.PendingStep, metrics: dict[str, float]) -> None:
         """The bookkeeping of a step whose metrics are read: loss, measurements, :class:`StepInfo`,
         callback."""
-        start = time.perf_counter()
+        start = self._clock()
         flight = self._in_flight
         # A non-finite loss is a step the loss scaling skipped: it changed nothing, and the
         # planner's relative budget needs a finite loss, so the last finite one is kept.
@@ -995,7 +1007,7 @@ class Controller:
         )
         flight.last_finish = start
         flight.finished.append(info)
-        self._timings["control"] += time.perf_counter() - start
+        self._timings["control"] += self._clock() - start
         if self._callback is not None:
             self._callback(info)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
@@ -76,6 +77,10 @@ class PendingStep(NamedTuple):
 class InFlight:
     """The queued steps, and the :class:`StepInfo` of the steps read since last taken.
 
+    Args:
+      clock: the controller's clock (``Controller(clock=)``), read for the time the first
+        step's seconds start from; default ``time.perf_counter``.
+
     Example:
       >>> from triaccel_jax.controller._step_records import InFlight
       >>> flight = InFlight()
@@ -83,10 +88,10 @@ class InFlight:
       (0, [])
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.pending: collections.deque[PendingStep] = collections.deque()
         self.finished: list[events_lib.StepInfo] = []
-        self.last_finish = time.perf_counter()
+        self.last_finish = clock()
         self.delivered_events = 0  # events up to here went out with a StepInfo
 
     def take_finished(self) -> list[events_lib.StepInfo]:
