@@ -21,6 +21,12 @@ WORKLOADS = {
     "digits": dict(epochs=40, batch_size=32, max_batch=128, replan_every=100, eval_every=100),
     "default": dict(epochs=2, batch_size=128, max_batch=256, replan_every=100, eval_every=200),
 }
+# Tri-Accel's optimizer-state cap, bytes per parameter of parameters plus Adam's two moments: below
+# float32's 12 and above uniform int8's (about 6.1 on the small CNN), so that the plan stores the
+# leaves where rounding costs least in 8 bits (on the small CNN, Dense_0/kernel: 95% of the
+# parameters) and keeps the others above (docs/results.md: int8 state is within seed noise of
+# float32; 4-bit state gains a few hundred KiB more there for a larger error).
+STATE_CAP = 6.5
 DESCRIPTION = "The main job: FP32 AdamW, static bf16 AdamW and Tri-Accel side by side on real data."
 
 
@@ -120,6 +126,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--check-every", type=int, default=10, help="steps between memory checks")
     parser.add_argument(
+        "--state-cap",
+        type=float,
+        default=STATE_CAP,
+        metavar="BYTES",
+        help="Tri-Accel's optimizer-state cap: parameters plus Adam's two moments, in bytes per "
+        "parameter (plan_state_formats' max_bytes_per_parameter). The plan stores each leaf's "
+        "moments in fp32, bf16, int8 or int4, lowering first the leaves whose signals say "
+        "rounding costs the least loss per byte saved. FP32 AdamW takes 12; uniform int8 about "
+        "6.1 and int4 about 4.6 (the small CNN); the default keeps the largest leaves in 8 bits "
+        "and the rest above; 12 or more keeps the state float32",
+    )
+    parser.add_argument(
+        "--state-probe-steps",
+        type=int,
+        default=20,
+        help="steps of the probe whose curvature and noise signals Tri-Accel's state plan reads "
+        "(trained with float32 state, then thrown away: the run starts from the same "
+        "initialisation; its seconds count in Tri-Accel's wall time)",
+    )
+    parser.add_argument(
         "--compile-in-background",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -203,6 +229,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--lr must be a positive number")
     if args.budget_mib is not None and not args.budget_mib > 0:
         parser.error("--budget-mib must be positive")
+    if not (args.state_cap > 0 and math.isfinite(args.state_cap)):
+        parser.error("--state-cap must be a positive number of bytes per parameter")
+    if args.state_probe_steps < 1:
+        parser.error("--state-probe-steps must be >= 1")
     if args.compilation_cache is not None and args.no_compilation_cache:
         parser.error("--compilation-cache and --no-compilation-cache contradict each other")
     return args

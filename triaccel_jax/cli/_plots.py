@@ -13,6 +13,9 @@ saves them. What each figure does so that every run and every leaf stays visible
 * precision: each run's compute dtype per leaf over the training steps (FP32 all fp32, static
   bf16 all bf16, Tri-Accel's plans where they start), with each segment's dtype written in it
   and, under the panels, why Tri-Accel's precision stayed or moved;
+* optimizer state: each run's state bytes stacked by the format its leaves are stored in (fp32,
+  bf16, int8, int4, other), each segment's MiB written in it, XLA's compiled figure of the whole
+  state marked beside each bar;
 * step scales: each leaf in its own colour, line style and marker, a line that another one
   covers drawn wider beneath it (scales clipped to the same bound coincide), and beside the lines
   each leaf's range over training on a row of its own.
@@ -53,6 +56,17 @@ RUN_STYLES: dict[str, dict[str, Any]] = {
 _MARKER_SIZES = {"o": 9.0, "s": 5.0, "^": 6.0}
 # The compute dtypes' colours in the precision map.
 DTYPE_COLORS = {"fp32": "#9ecae1", "bf16": "#fdae6b", "fp16": "#a1d99b", "fp8_e4m3": "#fc9272"}
+# The state formats' colours in the optimizer-state plot (the compute dtypes' where they share a
+# name), stacked in the registry's order.
+FORMAT_COLORS = {
+    "fp32": DTYPE_COLORS["fp32"],
+    "bf16": DTYPE_COLORS["bf16"],
+    "fp16": DTYPE_COLORS["fp16"],
+    "int8": "#31a354",
+    "int8_dynamic": "#74c476",
+    "int4": "#756bb1",
+    "other": "#d9d9d9",
+}
 # The memory limit is drawn when it is at most this many times the largest step peak.
 LIMIT_DRAWN_WITHIN = 10.0
 # Step-scale lines: leaf i gets colour i % 10, line style i % 4, marker i % 8 (unique up to 40).
@@ -255,6 +269,81 @@ def precision_figure(
     return figure
 
 
+def state_memory_figure(results: Sequence[Any], labels: Mapping[str, str]) -> Any:
+    """Each run's optimizer-state bytes, stacked by the format its leaves are stored in.
+
+    One horizontal bar per run (those with ``state_bytes``), its segments in
+    :data:`FORMAT_COLORS`, in the registry's order (most precise first), each labelled with its
+    format and MiB where it is wide enough; a black tick marks XLA's compiled figure of the
+    whole state (``state_compiled_bytes``), with the bytes per parameter written after the bar.
+
+    Args:
+      results: the runs (``name``, ``state_bytes``, ``state_compiled_bytes``, ``parameters``).
+      labels: the row label of each run name.
+
+    Returns:
+      The figure.
+    """
+    from triaccel_jax.cli._results import ordered_formats
+
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
+    runs = [r for r in results if r.state_bytes]
+    figure, ax = plt.subplots(figsize=(10, 1.0 + 0.8 * max(len(runs), 1)))
+    totals = [sum(r.state_bytes.values()) / 2**20 for r in runs]
+    compiled = [
+        None if r.state_compiled_bytes is None else r.state_compiled_bytes / 2**20 for r in runs
+    ]
+    widest = max([*totals, *(c for c in compiled if c is not None), 1e-9])
+    used: list[str] = []
+    for row, run in enumerate(runs):
+        left = 0.0
+        for name in ordered_formats(run.state_bytes):
+            width = run.state_bytes[name] / 2**20
+            if name not in used:
+                used.append(name)
+            ax.barh(
+                row,
+                width,
+                left=left,
+                height=0.6,
+                color=FORMAT_COLORS.get(name, "lightgrey"),
+                edgecolor="white",
+                label=name,
+            )
+            if width >= 0.12 * widest:
+                ax.text(
+                    left + width / 2,
+                    row,
+                    f"{name}\n{width:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                )
+            left += width
+        mark = compiled[row]
+        if mark is not None:
+            ax.plot([mark, mark], [row - 0.4, row + 0.4], color="black", lw=2)
+        per = getattr(run, "state_bytes_per_parameter", None)
+        text = f"{totals[row]:.2f} MiB" + (f", {per:.2f} B/param" if per is not None else "")
+        ax.text(max(totals[row], mark or 0.0) + 0.02 * widest, row, text, va="center", fontsize=8)
+    ax.set_yticks(range(len(runs)), [labels.get(r.name, r.name) for r in runs])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.35 * widest)
+    ax.set(
+        title="Optimizer state by storage format",
+        xlabel="MiB (stored leaves; black tick: XLA's compiled figure of the whole state)",
+    )
+    ax.grid(axis="x", alpha=0.3)
+    handles = [
+        Patch(color=FORMAT_COLORS.get(n, "lightgrey"), label=n) for n in ordered_formats(used)
+    ]
+    ax.legend(handles=handles, title="format", loc="lower right", fontsize=8)
+    figure.tight_layout()
+    return figure
+
+
 def _covering_counts(values: list[np.ndarray], tolerance: float = 1e-6) -> list[int]:
     """For each line, how many lines drawn after it (on top) cover part of it: equal at two
     consecutive records (a segment), or at the one record there is."""
@@ -353,12 +442,12 @@ def write_plots(
     labels: Mapping[str, str],
     precision_note: str | None = None,
 ) -> list[pathlib.Path]:
-    """Writes ``curves.png``, ``batch_memory.png``, ``precision_map.png`` and ``step_scales.png``;
-    returns the paths.
+    """Writes ``curves.png``, ``batch_memory.png``, ``precision_map.png``, ``step_scales.png`` and
+    ``state_memory.png``; returns the paths.
 
     Args:
       results: the runs' results (``name``, ``history``, ``epoch_accuracy``, ``policies``,
-        ``step_scales``, ``steps``).
+        ``step_scales``, ``steps``, ``state_bytes``, ``state_compiled_bytes``).
       output: the folder to write to.
       labels: the legend label of each run name.
       precision_note: why Tri-Accel's precision stayed or moved, written under the precision map.
@@ -375,6 +464,8 @@ def write_plots(
         figures.append(("precision_map.png", precision_figure(results, labels, precision_note)))
     if elastic is not None and elastic.step_scales:
         figures.append(("step_scales.png", step_scales_figure(elastic)))
+    if any(getattr(r, "state_bytes", None) for r in results):
+        figures.append(("state_memory.png", state_memory_figure(results, labels)))
     written = []
     for name, figure in figures:
         written.append(output / name)

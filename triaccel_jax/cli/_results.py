@@ -10,8 +10,10 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
-# Memory leads with XLA's compiled figure of one step; memory_report's analytic estimate (of the
-# parts it counts) follows, labelled as such.
+# Memory leads with XLA's compiled figure of one whole training step (forward, backward and the
+# optimizer's update); memory_report's analytic estimate (of the parts it counts) follows,
+# labelled as such; then the optimizer state alone: XLA's compiled figure, per parameter, and the
+# stored leaves' bytes by format.
 RESULT_COLUMNS = (
     "run",
     "wall s",
@@ -21,13 +23,18 @@ RESULT_COLUMNS = (
     "steps",
     "final batch",
     "trained at batch",
-    "compiled MiB at trained batch",
+    "compiled step MiB at trained batch",
     "memory_report estimate MiB at trained batch",
     "common batch",
-    "compiled MiB at common batch",
+    "compiled step MiB at common batch",
     "compiled vs FP32 at common batch",
     "memory_report estimate MiB at common batch",
     "estimate vs FP32 at common batch",
+    "optimizer state MiB (XLA compiled)",
+    "state vs FP32",
+    "state B/param (XLA compiled)",
+    "state MiB by format (stored leaves)",
+    "state plan probe s (steps)",
     "test accuracy",
     "s to FP32's accuracy (less compiles)",
 )
@@ -50,6 +57,43 @@ def time_to_accuracy(run: dict[str, Any], target: float) -> tuple[float, float] 
     return None
 
 
+# The order formats are listed and stacked in: the registry's, most precise first.
+FORMAT_ORDER = ("fp32", "bf16", "fp16", "int8", "int8_dynamic", "int4", "other")
+
+
+def ordered_formats(formats: Any) -> list[str]:
+    """``formats`` in :data:`FORMAT_ORDER` (any other name after them, sorted).
+
+    Example::
+
+      >>> ordered_formats({"other": 1, "int8": 2, "fp32": 3})
+      ['fp32', 'int8', 'other']
+    """
+    known = [f for f in FORMAT_ORDER if f in formats]
+    return known + sorted(f for f in formats if f not in FORMAT_ORDER)
+
+
+def state_by_format(state_bytes: dict[str, int]) -> str:
+    """A run's state bytes by format as a table cell, in MiB to three significant digits (a
+    format's few counts and keys stay visible), or "-" with none.
+
+    Example::
+
+      >>> state_by_format({"int8": 2**20, "fp32": 2**19, "other": 20})
+      'fp32 0.5 + int8 1 + other 1.91e-05'
+    """
+    if not state_bytes:
+        return "-"
+    return " + ".join(f"{f} {state_bytes[f] / 2**20:.3g}" for f in ordered_formats(state_bytes))
+
+
+def _state_total(run: Any) -> float | None:
+    """The state's bytes: XLA's compiled figure, else the stored leaves' sum (None without)."""
+    if run.state_compiled_bytes is not None:
+        return run.state_compiled_bytes
+    return sum(run.state_bytes.values()) or None
+
+
 def _time_to_fp32(run: Any, base: Any) -> str:
     """``"wall (less compiles)"`` seconds at ``run``'s first evaluation reaching FP32's final
     accuracy; "not reached", or "-" without an FP32 run."""
@@ -67,8 +111,13 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
     is given at two batches, each in its own labelled columns: the largest batch the run
     trained at, and the common batch of all runs, where the "vs FP32" ratio is taken (the FP32
     run's figure at the same batch), so that a run that grew its batch is not credited with the
-    memory of a smaller one. The last column is the time to FP32's final test accuracy, at the
-    first evaluation that reaches it (``--eval-every`` sets how often; every epoch's end counts).
+    memory of a smaller one. The compiled figure is XLA's of one whole training step (forward,
+    backward and the optimizer's update), so that the optimizer state's format shows in it. The
+    optimizer state follows alone: XLA's compiled bytes of it (in the update), its ratio to
+    FP32's, per trainable parameter, and the stored leaves' bytes by format; then Tri-Accel's
+    state plan's probe (its seconds are in the wall time). The last column is the time to FP32's
+    final test accuracy, at the first evaluation that reaches it (``--eval-every`` sets how
+    often; every epoch's end counts; Tri-Accel's probe counted).
 
     Args:
       results: the runs' :class:`triaccel_jax.cli._runs.RunResult`, in table order.
@@ -93,6 +142,10 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
             return "-"
         return f"{value / base_value:.3f}x"
 
+    def state_ratio(run: Any) -> str:
+        mine, theirs = _state_total(run), None if base is None else _state_total(base)
+        return "-" if mine is None or not theirs else f"{mine / theirs:.3f}x"
+
     for r in results:
         cells = (
             labels[r.name],
@@ -110,6 +163,11 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
             ratio(r, r.common_batch_compiled_mib, base and base.common_batch_compiled_mib),
             mib(r.common_batch_memory_mib, 2),
             ratio(r, r.common_batch_memory_mib, base and base.common_batch_memory_mib),
+            mib(None if _state_total(r) is None else _state_total(r) / 2**20, 3),
+            state_ratio(r),
+            "-" if r.state_bytes_per_parameter is None else f"{r.state_bytes_per_parameter:.3f}",
+            state_by_format(r.state_bytes),
+            f"{r.state_probe_seconds:.2f} ({r.state_probe_steps})" if r.state_probe_steps else "-",
             f"{100 * r.accuracy:.2f}%",
             _time_to_fp32(r, base),
         )
@@ -154,6 +212,35 @@ def precision_summary(elastic: Any, platform: str) -> str:
             "precision stayed float32: memory never needed a lower one and no plan lowered a leaf"
         )
     return precision
+
+
+def state_plan_summary(elastic: Any) -> str:
+    """What Tri-Accel's state plan chose and what it cost, as a sentence (for the notes and the
+    state plot).
+
+    Args:
+      elastic: the Tri-Accel run's result (``state_plan``, ``state_bytes``).
+
+    Returns:
+      E.g. ``"Adam's moments planned under a cap of 6.5 B/param (parameters plus moments) from a
+      20-step probe (2.61 s): Dense_0/kernel int8, 7 leaves fp32; 6.35 B/param planned"``.
+    """
+    plan = elastic.state_plan
+    by_format: dict[str, list[str]] = {}
+    for path, name in sorted(plan["formats"].items()):
+        by_format.setdefault(name, []).append(path)
+    parts = []
+    for name in ordered_formats(by_format):
+        paths = by_format[name]
+        what = ", ".join(paths) if len(paths) <= 2 else f"{len(paths)} leaves"
+        parts.append(f"{what} {name}")
+    met = "" if plan["meets_cap"] else ", over the cap: no plan of these formats meets it"
+    return (
+        f"Adam's moments planned under a cap of {plan['cap']:g} B/param (parameters plus "
+        f"moments) from a {plan['probe_steps']}-step probe ({plan['probe_seconds']:.2f} s, "
+        f"counted in the wall time): {'; '.join(parts)}; {plan['bytes_per_parameter']:.2f} "
+        f"B/param planned{met}"
+    )
 
 
 def reading_notes(
@@ -222,13 +309,20 @@ def reading_notes(
         )
         notes.append(f"**Tri-Accel's adaptations.** {batch}; {precision}; {spread}{measured}.")
     notes.append(
-        "**Memory.** *compiled MiB* is XLA's compiled memory analysis of one training step (on a "
-        "CPU, XLA computes bf16 convolutions in float32, so it understates bf16's saving); "
-        "*memory_report estimate* is an analytic count of the parts it covers (parameters, "
-        "gradients, optimizer state, activations saved for backward) at their dtypes. Each is "
-        f"given at the batch the run trained at and at the common batch {args.batch_size}, where "
-        "the ratios to FP32 are taken."
+        "**Memory.** *compiled step MiB* is XLA's compiled memory analysis of one whole training "
+        "step: forward, backward and the optimizer's update, parameters and optimizer state "
+        "donated as the controller's step donates them (on a CPU, XLA computes bf16 "
+        "convolutions in float32, so it understates bf16's saving); *memory_report estimate* "
+        "is an analytic count of the parts it covers (parameters, gradients, optimizer state as "
+        "stored, activations saved for backward) at their dtypes. Each is given at the batch "
+        f"the run trained at and at the common batch {args.batch_size}, where the ratios to FP32 "
+        "are taken. *optimizer state MiB (XLA compiled)* is the state's bytes in the compiled "
+        "update (transforms.compiled_state_bytes), *state B/param* the same per trainable "
+        "parameter, and *state MiB by format* the stored leaves' bytes by the format each is "
+        "kept in (other: counts, the curvature store's indices, keys)."
     )
+    if elastic is not None and elastic.state_plan is not None:
+        notes.append("**Tri-Accel's state.** " + state_plan_summary(elastic) + ".")
     if platform == "cpu":
         notes.append(
             "**Time.** On a CPU bfloat16 is emulated, so lower precision costs time here; read "

@@ -3,10 +3,17 @@
 * ``fp32``: ``optax.adamw`` in float32 at a fixed batch;
 * ``bf16``: ``optax.adamw`` with every layer computing in bfloat16 (fp32 masters and state) at
   the same fixed batch: static mixed precision;
-* ``triaccel``: ``triaccel_jax.triaccel`` (curvature step sizes), the planner re-planning each
-  leaf's precision every ``--replan-every`` steps, and the batch moved by goodput within the
-  memory budget (buckets up to ``--max-batch``; the learning rate follows the square root of
+* ``triaccel``: Tri-Accel's update (curvature step sizes over Adam's direction,
+  :func:`triaccel_jax.cli._state.triaccel_optimizer`) with Adam's moments stored in the formats
+  planned per leaf under ``--state-cap`` from a probe of ``--state-probe-steps`` steps
+  (:func:`triaccel_jax.cli._state.plan_state`), the planner re-planning each leaf's compute
+  precision every ``--replan-every`` steps, and the batch moved by goodput within the memory
+  budget (buckets up to ``--max-batch``; the learning rate follows the square root of
   AdaScale's gain, the controller's default under goodput).
+
+Every run records its optimizer state's bytes by format (counted from the stored leaves) and
+XLA's compiled figure of it, and the compiled memory of one whole training step (forward,
+backward and the optimizer's update) at the batch it trained at and at the common batch.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from triaccel_jax import controller as controller_lib
 from triaccel_jax import policy as policy_lib
 from triaccel_jax import precision as precision_lib
 from triaccel_jax import transforms
+from triaccel_jax._src import arrays as arrays_lib
+from triaccel_jax.cli import _state as state_lib
 from triaccel_jax.cli import _task as task
 
 RUNS = ("fp32", "bf16", "triaccel")
@@ -38,13 +47,23 @@ class RunResult:
     """One run's figures.
 
     ``run_batch`` is the largest batch the run trained at; ``common_batch`` the batch every run's
-    memory is also measured at (``--batch-size``). The ``*_mib`` figures are ``memory_report``'s
-    total and XLA's compiled figure of one step under the run's final policy at that batch.
-    ``seconds`` is the run's wall time without its evaluations; of it, ``compile_seconds`` went
-    to compiling (or loading from the persistent cache) and ``step_seconds`` to running steps
-    (the controller's ``timings``). ``samples_per_second`` is training samples over the wall
-    time less compiles. Each of ``evals`` holds ``seconds`` and ``compile_seconds`` so far, from
-    which the time to an accuracy is read with or without compiles.
+    memory is also measured at (``--batch-size``). The ``*_memory_mib`` figures are
+    ``memory_report``'s analytic total, the ``*_compiled_mib`` ones XLA's compiled memory of one
+    whole training step (forward, backward and the optimizer's update, parameters and state
+    donated as the controller's step donates them) under the run's final policy at that batch.
+    ``seconds`` is the run's wall time without its evaluations, Tri-Accel's state plan's probe
+    included (``state_probe_seconds``); of it, ``compile_seconds`` went to compiling the
+    controller's steps (or loading them from the persistent cache) and ``step_seconds`` to
+    running them (the controller's ``timings``). ``samples_per_second`` is training samples over
+    the wall time less compiles and the probe. Each of ``evals`` holds ``seconds`` (the probe's
+    included) and ``compile_seconds`` so far, from which the time to an accuracy is read with or
+    without compiles.
+
+    ``state_bytes`` is the optimizer state's bytes by the format each leaf is stored in
+    (:func:`triaccel_jax.cli._state.state_bytes_by_format`); ``state_compiled_bytes`` XLA's
+    figure of the whole state in the compiled update (None without a memory analysis), and
+    ``parameters`` the trainable elements, for bytes per parameter. ``state_plan`` is
+    Tri-Accel's :class:`triaccel_jax.cli._state.StatePlan` as a dict (None for the other runs).
     """
 
     name: str
@@ -74,11 +93,27 @@ class RunResult:
     policies: list[dict[str, Any]]
     # Tri-Accel's per-leaf step-size scales over training: {"step", "scales": {path: scale}}.
     step_scales: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    parameters: int = 0
+    state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    state_compiled_bytes: int | None = None
+    state_plan: dict[str, Any] | None = None
+    state_probe_steps: int = 0
+    state_probe_seconds: float = 0.0
 
     @property
     def memory_mib(self) -> float:
         """``memory_report``'s total at the common batch, the figure runs are compared by."""
         return self.common_batch_memory_mib
+
+    @property
+    def state_bytes_per_parameter(self) -> float | None:
+        """XLA's compiled state bytes per trainable parameter (else the stored leaves' count)."""
+        if not self.parameters:
+            return None
+        total = self.state_compiled_bytes
+        if total is None:
+            total = sum(self.state_bytes.values())
+        return total / self.parameters
 
 
 @dataclasses.dataclass
@@ -94,14 +129,31 @@ class _RunLog:
     common_batch_peak_bytes: int | None = None
 
 
-def build_controller(
-    run: str, model: Any, has_state: bool, loss_fn: Callable[..., Any], data: task.Data, args: Any
-) -> controller_lib.Controller:
-    """The controller of ``run``: its optimizer, policy, batch range and memory probe."""
+def init_variables(model: Any, has_state: bool, data: task.Data, seed: int) -> tuple[Any, Any]:
+    """The model's initial ``(params, model_state)`` (``model_state`` None without BatchNorm),
+    the same for every run of one seed."""
     sample = data.train["image"][:2]
     init_kwargs = {"train": False} if has_state else {}
-    variables = model.init(jax.random.key(args.seed), sample, **init_kwargs)
-    params, model_state = variables["params"], variables.get("batch_stats")
+    variables = model.init(jax.random.key(seed), sample, **init_kwargs)
+    return variables["params"], variables.get("batch_stats")
+
+
+def build_controller(
+    run: str,
+    model: Any,
+    has_state: bool,
+    loss_fn: Callable[..., Any],
+    data: task.Data,
+    args: Any,
+    *,
+    state_formats: str | dict[str, str] = "fp32",
+) -> controller_lib.Controller:
+    """The controller of ``run``: its optimizer, policy, batch range and memory probe.
+
+    ``state_formats`` is the format of Tri-Accel's moments (a plan's ``formats``, or one name);
+    the fixed runs' AdamW keeps float32 state.
+    """
+    params, model_state = init_variables(model, has_state, data, args.seed)
     common: dict[str, Any] = {
         "model_state": model_state,
         "has_aux": True,
@@ -110,7 +162,7 @@ def build_controller(
         "check_every": args.check_every,
     }
     if run == "triaccel":
-        tx = optax.inject_hyperparams(transforms.triaccel)(learning_rate=args.lr, weight_decay=1e-4)
+        tx = state_lib.injected_triaccel(args.lr, state_formats)
         budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
         probe = (
             controller_lib.default_memory_probe()
@@ -133,7 +185,7 @@ def build_controller(
             ),
         )
     else:
-        tx = optax.adamw(args.lr, weight_decay=1e-4)
+        tx = optax.adamw(args.lr, weight_decay=state_lib.WEIGHT_DECAY)
         policy = policy_lib.PrecisionPolicy.uniform(params, "bf16") if run == "bf16" else None
         kwargs = dict(
             min_batch=args.batch_size,
@@ -201,13 +253,17 @@ def _train_epochs(
     data: task.Data,
     args: Any,
     progress: Any,
+    spent: float = 0.0,
 ) -> _RunLog:
-    """Steps ``controller`` through ``args.epochs`` epochs (or ``--max-steps``), recording."""
+    """Steps ``controller`` through ``args.epochs`` epochs (or ``--max-steps``), recording.
+
+    ``spent`` is the run's seconds before its first step (Tri-Accel's state plan's probe),
+    counted in every evaluation's ``seconds``."""
     log = _RunLog()
     start = time.perf_counter()
 
     def record_eval() -> float:
-        seconds = time.perf_counter() - start - log.eval_seconds
+        seconds = spent + time.perf_counter() - start - log.eval_seconds
         eval_start = time.perf_counter()
         accuracy = task.evaluate(
             loss_fn, controller.params, controller.model_state, controller.policy, data.test
@@ -282,6 +338,10 @@ def _train_epochs(
 def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any) -> RunResult:
     """Trains ``run`` (one of :data:`RUNS`) on ``data`` and measures it.
 
+    Tri-Accel's run first plans its state's formats from a probe
+    (:func:`triaccel_jax.cli._state.plan_state`, ``--state-probe-steps`` steps under
+    ``--state-cap``), whose seconds count in its wall time.
+
     Args:
       run: ``"fp32"``, ``"bf16"`` or ``"triaccel"``.
       data: the data set.
@@ -293,10 +353,27 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
     """
     model, has_state = task.build_model(args.model, data.num_classes)
     loss_fn = task.make_loss(model, has_state, data.channel_stats)
-    controller = build_controller(run, model, has_state, loss_fn, data, args)
+    plan = None
+    formats: str | dict[str, str] = "fp32"
+    if run == "triaccel":
+        params, model_state = init_variables(model, has_state, data, args.seed)
+        plan = state_lib.plan_state(
+            loss_fn,
+            params,
+            model_state,
+            data.train,
+            learning_rate=args.lr,
+            batch_size=args.batch_size,
+            steps=args.state_probe_steps,
+            cap=args.state_cap,
+            seed=args.seed,
+        )
+        formats = plan.formats
+    probe_seconds = 0.0 if plan is None else plan.probe_seconds
+    controller = build_controller(run, model, has_state, loss_fn, data, args, state_formats=formats)
     start = time.perf_counter()
-    log = _train_epochs(run, controller, loss_fn, data, args, progress)
-    seconds = time.perf_counter() - start - log.eval_seconds
+    log = _train_epochs(run, controller, loss_fn, data, args, progress, spent=probe_seconds)
+    seconds = probe_seconds + time.perf_counter() - start - log.eval_seconds
     compile_seconds = controller.timings["compile"]
 
     # Memory of one step under the run's final policy, at the largest batch the run trained at
@@ -307,6 +384,7 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
         common = run_report
     else:
         common = step_memory(loss_fn, controller, data, args.batch_size)
+    training_seconds = seconds - compile_seconds - probe_seconds
     return RunResult(
         name=run,
         seconds=seconds,
@@ -314,7 +392,7 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
         common_batch_peak_bytes_in_use_mib=_mib(log.common_batch_peak_bytes),
         compile_seconds=compile_seconds,
         step_seconds=controller.timings["step"],
-        samples_per_second=controller.sampler.samples_seen / max(seconds - compile_seconds, 1e-9),
+        samples_per_second=controller.sampler.samples_seen / max(training_seconds, 1e-9),
         steps=controller.step_count,
         final_batch=controller.batch_size,
         run_batch=run_batch,
@@ -330,6 +408,16 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
         events=[_jsonable(r) for r in controller.event_records()],
         policies=log.policies,
         step_scales=log.step_scales,
+        parameters=sum(
+            math.prod(leaf.shape)
+            for leaf in jax.tree.leaves(controller.params)
+            if jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating)
+        ),
+        state_bytes=state_lib.state_bytes_by_format(controller.opt_state),
+        state_compiled_bytes=state_lib.compiled_state_bytes(controller.tx, controller.params),
+        state_plan=None if plan is None else dataclasses.asdict(plan),
+        state_probe_steps=0 if plan is None else plan.probe_steps,
+        state_probe_seconds=probe_seconds,
     )
 
 
@@ -339,24 +427,46 @@ def step_memory(
     data: task.Data,
     batch_size: int,
 ) -> precision_lib.MemoryReport:
-    """``memory_report`` of one training step at ``batch_size`` under the controller's policy.
+    """The memory of one training step at ``batch_size`` under the controller's policy.
 
-    The batch is the first ``batch_size`` training samples (repeated if the set is smaller:
-    only shapes and dtypes matter).
+    ``memory_report``'s analytic count (parameters, compute copies, gradients, the optimizer
+    state as stored, the residuals saved for backward), with XLA's compiled figure of the whole
+    step in its ``compiled``: the loss's forward and backward, the optimizer's update and its
+    application, the parameters and the optimizer state donated as the controller's step donates
+    them (so that a state stored in fewer bytes shows there, and its update's temporaries too).
+    The batch is the first ``batch_size`` training samples (repeated if the set is smaller: only
+    shapes and dtypes matter); nothing is run.
     """
     size = len(data.train["label"])
     index = np.arange(batch_size) % size
     batch = {k: v[index] for k, v in data.train.items()}
     policy = controller.policy
+    model_state = controller.model_state
+    tx = controller.tx
 
-    def step_fn(p, b):
-        return loss_fn(
-            p, b, policy=policy, rng=jax.random.key(0), model_state=controller.model_state
-        )[0]
+    def loss_of(p, b, s=model_state):
+        return loss_fn(p, b, policy=policy, rng=jax.random.key(0), model_state=s)
 
-    return precision_lib.memory_report(
-        controller.params, controller.opt_state, policy, step_fn, batch
+    def train_step(params, opt_state, model_state, batch):
+        (_, aux), grads = jax.value_and_grad(
+            lambda p: loss_of(p, batch, model_state), has_aux=True
+        )(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, aux.get("model_state")
+
+    report = precision_lib.memory_report(
+        controller.params,
+        controller.opt_state,
+        policy,
+        lambda p, b: loss_of(p, b)[0],
+        batch,
+        compiled=False,
     )
+    abstract = arrays_lib.abstract_tree(
+        (controller.params, controller.opt_state, model_state, batch)
+    )
+    compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(*abstract).compile()
+    return dataclasses.replace(report, compiled=precision_lib.compiled_peak_bytes(compiled))
 
 
 def device_peak_bytes() -> int | None:
