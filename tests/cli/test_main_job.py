@@ -17,6 +17,7 @@ from triaccel_jax.cli import _main_job as main_job
 
 TINY = ["--dataset", "digits", "--epochs", "2", "--max-steps", "6", "--batch-size", "32"]
 TINY += ["--max-batch", "64", "--check-every", "2", "--replan-every", "3", "--no-progress"]
+TINY += ["--state-probe-steps", "3"]  # Tri-Accel's state plan from a short probe
 # The grow compiles synchronously here so that it happens within the six steps.
 TINY += ["--no-compile-in-background"]
 
@@ -78,7 +79,7 @@ def test_main_job_writes_the_table_and_plots(tiny_job):
         assert float(row["step s"]) > 0 and float(row["samples/s"]) > 0
         assert float(row["wall s"]) >= float(row["compile s"])
         assert float(row["memory_report estimate MiB at common batch"]) > 0
-        assert float(row["compiled MiB at common batch"]) > 0
+        assert float(row["compiled step MiB at common batch"]) > 0
         assert 0 <= float(row["test accuracy"].rstrip("%")) <= 100
     # bf16 compute copies and bf16 residuals: less memory than FP32 (memory_report, exact).
     ratios = {
@@ -93,6 +94,7 @@ def test_main_job_writes_the_table_and_plots(tiny_job):
         "batch_memory.png",
         "precision_map.png",
         "step_scales.png",
+        "state_memory.png",
     ):
         path = tmp_path / name
         assert path.exists() and path.stat().st_size > 0, name
@@ -117,6 +119,45 @@ def test_main_job_writes_the_table_and_plots(tiny_job):
     # Every epoch's end is among the evaluations, so steps-to-accuracy can be read from them.
     assert [e["step"] for e in elastic["evals"]][-1] == 6
     assert elastic["evals"][-1]["accuracy"] == elastic["epoch_accuracy"][-1]
+
+
+@pytest.mark.slow
+def test_the_triaccel_row_holds_its_state_in_planned_low_bit_formats(tiny_job):
+    out, tmp_path = tiny_job
+    table = _table(out)
+    record = {r["name"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    fp32, elastic = record["fp32"], record["triaccel"]
+    # The record carries every run's state bytes by format; the fixed runs' AdamW is float32.
+    for run in (fp32, record["bf16"]):
+        assert set(run["state_bytes"]) == {"fp32", "other"} and run["state_plan"] is None
+        assert run["state_compiled_bytes"] == pytest.approx(8 * run["parameters"], rel=1e-3)
+    # Tri-Accel's moments are stored in the plan's low-bit formats, read back from its leaves.
+    plan = elastic["state_plan"]
+    low = {f for f in plan["formats"].values() if f not in ("fp32", "bf16")}
+    assert low and low <= set(elastic["state_bytes"])
+    assert plan["probe_steps"] == 3 and plan["meets_cap"] and plan["cap"] == 6.5
+    # Its compiled state, and its compiled step at the common batch, are below FP32 AdamW's.
+    assert elastic["state_compiled_bytes"] < 0.9 * fp32["state_compiled_bytes"]
+    assert elastic["common_batch_compiled_mib"] < fp32["common_batch_compiled_mib"]
+    row = table["Tri-Accel"]
+    assert float(row["state vs FP32"].rstrip("x")) == pytest.approx(
+        elastic["state_compiled_bytes"] / fp32["state_compiled_bytes"], abs=1e-3
+    )
+    assert float(row["state B/param (XLA compiled)"]) == pytest.approx(
+        elastic["state_compiled_bytes"] / elastic["parameters"], abs=1e-3
+    )
+    cells = dict(
+        part.rsplit(" ", 1) for part in row["state MiB by format (stored leaves)"].split(" + ")
+    )
+    assert set(cells) == set(elastic["state_bytes"])
+    for name, mib in cells.items():
+        assert float(mib) == pytest.approx(elastic["state_bytes"][name] / 2**20, rel=5e-3)
+    seconds, steps = row["state plan probe s (steps)"].split()
+    assert steps == "(3)" and float(seconds) == pytest.approx(plan["probe_seconds"], abs=0.01)
+    # The probe's seconds are in the wall time, the evaluations' seconds too.
+    assert elastic["seconds"] >= plan["probe_seconds"] + elastic["compile_seconds"]
+    assert elastic["evals"][0]["seconds"] >= plan["probe_seconds"]
+    assert "**Tri-Accel's state.** Adam's moments planned under a cap of 6.5 B/param" in out
 
 
 @pytest.mark.slow
@@ -148,7 +189,7 @@ def test_every_run_reports_memory_at_the_batch_it_trained_at_and_at_a_common_bat
     assert ratio == pytest.approx(expected, abs=1e-3)
     # XLA's compiled figure leads, with its own ratio at the same batch.
     header = re.search(r"^\| run \|(.*)\|$", out, re.M).group(1)
-    assert header.index("compiled MiB at common batch") < header.index(
+    assert header.index("compiled step MiB at common batch") < header.index(
         "memory_report estimate MiB at common batch"
     )
     compiled = float(table["Tri-Accel"]["compiled vs FP32 at common batch"].rstrip("x"))
@@ -182,7 +223,16 @@ def test_an_unwritable_output_dir_is_reported_before_training(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "bad", [["--epochs", "0"], ["--lr", "-1"], ["--budget-mib", "0"], ["--max-steps", "0"]]
+    "bad",
+    [
+        ["--epochs", "0"],
+        ["--lr", "-1"],
+        ["--budget-mib", "0"],
+        ["--max-steps", "0"],
+        ["--state-cap", "0"],
+        ["--state-cap", "inf"],
+        ["--state-probe-steps", "0"],
+    ],
 )
 def test_bad_numbers_are_rejected(bad):
     with pytest.raises(SystemExit):
@@ -323,7 +373,8 @@ def test_the_default_main_job_without_fashion_mnist_shows_every_adaptation(
         assert all(b > a for a, b in itertools.pairwise(samples)), run["name"]
         planned = 1437 * record["args"]["epochs"]
         assert planned <= samples[-1] < planned + max(batches), run["name"]
-    for name in ("curves.png", "batch_memory.png", "precision_map.png", "step_scales.png"):
+    names = ("curves.png", "batch_memory.png", "precision_map.png", "step_scales.png")
+    for name in (*names, "state_memory.png"):
         assert (tmp_path / name).stat().st_size > 0
 
 

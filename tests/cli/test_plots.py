@@ -34,7 +34,17 @@ def _history(steps, *, loss_shift=0.0, peak=2.0, limit=math.nan, batch=32):
     ]
 
 
-def _run(name, *, steps=40, policies=None, step_scales=(), history=None, accuracy=(0.6, 0.8)):
+def _run(
+    name,
+    *,
+    steps=40,
+    policies=None,
+    step_scales=(),
+    history=None,
+    accuracy=(0.6, 0.8),
+    state_bytes=None,
+    state_compiled_bytes=None,
+):
     return types.SimpleNamespace(
         name=name,
         steps=steps,
@@ -43,6 +53,9 @@ def _run(name, *, steps=40, policies=None, step_scales=(), history=None, accurac
         events=[],
         policies=policies if policies is not None else [],
         step_scales=list(step_scales),
+        state_bytes=dict(state_bytes or {}),
+        state_compiled_bytes=state_compiled_bytes,
+        state_bytes_per_parameter=None,
     )
 
 
@@ -195,17 +208,71 @@ def test_step_scales_held_at_the_same_bound_stay_visible():
     assert lasts == [(0.0, 2.0), (1.0, 0.5), (2.0, 0.5)]
 
 
-def test_write_plots_writes_the_four_pictures_and_closes_them(tmp_path):
+MIB = 2**20
+STATES = {
+    "fp32": {"fp32": 8 * MIB, "other": 16},
+    "bf16": {"fp32": 8 * MIB, "other": 16},
+    # Moments in int8 and int4 beside the signals' float32 and bf16 leaves, listed out of order.
+    "triaccel": {"int4": MIB // 2, "other": 40_000, "int8": 2 * MIB, "fp32": 4 * MIB, "bf16": MIB},
+}
+
+
+def test_the_state_plot_stacks_each_runs_bytes_by_format():
+    results = [
+        _run(name, state_bytes=states, state_compiled_bytes=sum(states.values()) + 1000)
+        for name, states in STATES.items()
+    ]
+    figure = plots.state_memory_figure(results, runs.RUN_LABELS)
+    (ax,) = figure.axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "FP32 AdamW",
+        "static bf16 AdamW",
+        "Tri-Accel",
+    ]
+    bars = _bars(ax)
+    colours = {name: matplotlib.colors.to_hex(c) for name, c in plots.FORMAT_COLORS.items()}
+    # Each run a stack, most precise format first, each segment as wide as its MiB.
+    for row, (name, states) in enumerate(STATES.items()):
+        order = [f for f in ("fp32", "bf16", "int8", "int4", "other") if f in states]
+        expected, left = [], 0.0
+        for fmt in order:
+            expected.append((left, left + states[fmt] / MIB, colours[fmt]))
+            left += states[fmt] / MIB
+        assert len(bars[row]) == len(expected), name
+        for got, want in zip(bars[row], expected, strict=True):
+            np.testing.assert_allclose(got[:2], want[:2], rtol=1e-9, atol=1e-12)
+            assert got[2] == want[2]
+    # Wide segments say their format and MiB; XLA's compiled figure is a tick at its bytes.
+    texts = {t.get_text() for t in ax.texts}
+    assert {"fp32\n8.00", "fp32\n4.00", "int8\n2.00"} <= texts
+    ticks = [line.get_xdata()[0] for line in ax.get_lines()]
+    np.testing.assert_allclose(ticks, [(sum(v.values()) + 1000) / MIB for v in STATES.values()])
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["fp32", "bf16", "int8", "int4", "other"]
+
+
+def test_write_plots_writes_the_five_pictures_and_closes_them(tmp_path):
     scales = _scales([10, 20], {leaf: [1.0, 1.5] for leaf in LEAVES})
     results = [
-        _run("fp32", policies=[_uniform("fp32")]),
-        _run("bf16", policies=[_uniform("bf16")]),
-        _run("triaccel", policies=[_uniform("fp32")], step_scales=scales),
+        _run("fp32", policies=[_uniform("fp32")], state_bytes=STATES["fp32"]),
+        _run("bf16", policies=[_uniform("bf16")], state_bytes=STATES["bf16"]),
+        _run(
+            "triaccel",
+            policies=[_uniform("fp32")],
+            step_scales=scales,
+            state_bytes=STATES["triaccel"],
+        ),
     ]
     written = plots.write_plots(
         results, tmp_path, labels=runs.RUN_LABELS, precision_note="Tri-Accel: stayed fp32."
     )
-    names = ["curves.png", "batch_memory.png", "precision_map.png", "step_scales.png"]
+    names = [
+        "curves.png",
+        "batch_memory.png",
+        "precision_map.png",
+        "step_scales.png",
+        "state_memory.png",
+    ]
     assert [p.name for p in written] == names
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
