@@ -94,6 +94,11 @@ def _state_total(run: Any) -> float | None:
     return sum(run.state_bytes.values()) or None
 
 
+def _state_mib(run: Any) -> float | None:
+    total = _state_total(run)
+    return None if total is None else total / 2**20
+
+
 def _time_to_fp32(run: Any, base: Any) -> str:
     """``"wall (less compiles)"`` seconds at ``run``'s first evaluation reaching FP32's final
     accuracy; "not reached", or "-" without an FP32 run."""
@@ -163,7 +168,7 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
             ratio(r, r.common_batch_compiled_mib, base and base.common_batch_compiled_mib),
             mib(r.common_batch_memory_mib, 2),
             ratio(r, r.common_batch_memory_mib, base and base.common_batch_memory_mib),
-            mib(None if _state_total(r) is None else _state_total(r) / 2**20, 3),
+            mib(_state_mib(r), 3),
             state_ratio(r),
             "-" if r.state_bytes_per_parameter is None else f"{r.state_bytes_per_parameter:.3f}",
             state_by_format(r.state_bytes),
