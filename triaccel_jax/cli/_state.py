@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -57,8 +58,10 @@ def triaccel_optimizer(
     (:func:`triaccel_jax.scale_by_curvature`), then decoupled weight decay and the rate, as
     :func:`triaccel_jax.triaccel` steps: ``-lr * (s_l * m_hat / (sqrt(v_hat) + eps) + wd * p)``.
     Adam's direction is wrapped in :func:`triaccel_jax.quantize_state` so that its moments, the
-    state that grows with the parameters, are stored in the given formats; the observer keeps
-    its gradient EMA and curvature store as the precision policy says.
+    state that grows with the parameters, are stored in the given formats. With any format
+    below fp32, the observer's gradient EMA (a third copy of the parameters' size, read only by
+    the noise-to-signal signal) is kept in bfloat16 too (``TriAccelConfig(state_dtype=
+    jnp.bfloat16)``, stochastically rounded); its compressed curvature store is small either way.
 
     Args:
       learning_rate: the rate (a number, or injected by ``optax.inject_hyperparams``).
@@ -76,13 +79,17 @@ def triaccel_optimizer(
       >>> params = {"w": jnp.ones((128, 128))}
       >>> tx = triaccel_optimizer(1e-3, state_formats={"w": "int8"})
       >>> sorted(state_bytes_by_format(tx.init(params)))
-      ['fp32', 'int8', 'other']
+      ['bf16', 'fp32', 'int8', 'other']
     """
     direction: optax.GradientTransformation = optax.scale_by_adam()
+    config = None
     if not (isinstance(state_formats, str) and state_formats == "fp32"):
         direction = transforms.quantize_state(direction, format=state_formats)
+        # The observer's gradient EMA, a float32 copy of the parameters, feeds only the
+        # noise-to-signal signal (not the step): bfloat16 with stochastic rounding keeps it.
+        config = transforms.TriAccelConfig(state_dtype=jnp.bfloat16)
     return optax.chain(
-        transforms.scale_by_curvature(direction),
+        transforms.scale_by_curvature(direction, config=config),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -200,7 +207,11 @@ def plan_state(
 
 
 def _is_stored(node: Any) -> bool:
-    return isinstance(node, (transforms.QuantizedLeaf, transforms.Bfloat16Leaf))
+    # quantize_state's stored leaves: QuantizedLeaf, Bfloat16Leaf, and any other node of its
+    # that names its map (a factored second moment), counted whole under that map's format.
+    return isinstance(node, (transforms.QuantizedLeaf, transforms.Bfloat16Leaf)) or (
+        dataclasses.is_dataclass(node) and isinstance(getattr(node, "mapping", None), str)
+    )
 
 
 def state_bytes_by_format(opt_state: Any) -> dict[str, int]:
@@ -228,11 +239,11 @@ def state_bytes_by_format(opt_state: Any) -> dict[str, int]:
     """
     totals: dict[str, int] = {}
     for node in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_stored):
-        if isinstance(node, transforms.QuantizedLeaf):
-            name = _FORMAT_OF_MAP.get(node.mapping, node.mapping)
-            nbytes = arrays.nbytes(node.codes) + arrays.nbytes(node.scales)
-        elif isinstance(node, transforms.Bfloat16Leaf):
+        if isinstance(node, transforms.Bfloat16Leaf):
             name, nbytes = "bf16", arrays.nbytes(node.value)
+        elif _is_stored(node):
+            name = _FORMAT_OF_MAP.get(node.mapping, node.mapping)
+            nbytes = arrays.tree_nbytes(node)
         else:
             dtype = np.dtype(getattr(node, "dtype", np.asarray(node).dtype))
             floating = np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"
