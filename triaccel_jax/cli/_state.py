@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -58,10 +57,9 @@ def triaccel_optimizer(
     (:func:`triaccel_jax.scale_by_curvature`), then decoupled weight decay and the rate, as
     :func:`triaccel_jax.triaccel` steps: ``-lr * (s_l * m_hat / (sqrt(v_hat) + eps) + wd * p)``.
     Adam's direction is wrapped in :func:`triaccel_jax.quantize_state` so that its moments, the
-    state that grows with the parameters, are stored in the given formats. With any format
-    below fp32, the observer's gradient EMA (a third copy of the parameters' size, read only by
-    the noise-to-signal signal) is kept in bfloat16 too (``TriAccelConfig(state_dtype=
-    jnp.bfloat16)``, stochastically rounded); its compressed curvature store is small either way.
+    state that grows with the parameters, are stored in the given formats. The observer's
+    gradient EMA stays in the dtype the controller's precision policy gives it (the controller
+    re-casts it at every policy switch, :func:`triaccel_jax.transforms.convert_state`).
 
     Args:
       learning_rate: the rate (a number, or injected by ``optax.inject_hyperparams``).
@@ -79,17 +77,13 @@ def triaccel_optimizer(
       >>> params = {"w": jnp.ones((128, 128))}
       >>> tx = triaccel_optimizer(1e-3, state_formats={"w": "int8"})
       >>> sorted(state_bytes_by_format(tx.init(params)))
-      ['bf16', 'fp32', 'int8', 'other']
+      ['fp32', 'int8', 'other']
     """
     direction: optax.GradientTransformation = optax.scale_by_adam()
-    config = None
     if not (isinstance(state_formats, str) and state_formats == "fp32"):
         direction = transforms.quantize_state(direction, format=state_formats)
-        # The observer's gradient EMA, a float32 copy of the parameters, feeds only the
-        # noise-to-signal signal (not the step): bfloat16 with stochastic rounding keeps it.
-        config = transforms.TriAccelConfig(state_dtype=jnp.bfloat16)
     return optax.chain(
-        transforms.scale_by_curvature(direction, config=config),
+        transforms.scale_by_curvature(direction),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )
