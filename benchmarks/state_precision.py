@@ -231,15 +231,16 @@ class Workbench:
         plan = triaccel_jax.precision.plan_state_formats(
             signals, probe["params"], max_bytes_per_parameter=CAP[opt], **common
         )
-        chosen = plan
-        if state == "blind":
-            chosen = triaccel_jax.precision.plan_state_formats(
-                signals,
-                probe["params"],
-                max_bytes_per_parameter=plan.bytes_per_parameter,
-                rank_by="size",
-                **common,
-            )
+        # The signal-blind assignment at the plan's bytes: the blind row's formats, and recorded
+        # beside the planned row's (where the two coincide the comparison is void).
+        blind = triaccel_jax.precision.plan_state_formats(
+            signals,
+            probe["params"],
+            max_bytes_per_parameter=plan.bytes_per_parameter,
+            rank_by="size",
+            **common,
+        )
+        chosen = blind if state == "blind" else plan
         seconds = time.perf_counter() - start
         formats = dict(chosen.formats)
         info = {
@@ -253,6 +254,8 @@ class Workbench:
             "predicted_increase": float(chosen.predicted_increase),
             "signal_plan_predicted_increase": float(plan.predicted_increase),
             "reasons": {k: str(v) for k, v in dict(chosen.reasons).items()},
+            "blind_formats": dict(blind.formats),
+            "same_as_blind": dict(blind.formats) == dict(plan.formats),
         }
         return formats, info
 
@@ -524,6 +527,7 @@ def summarize(store: Store, seeds: list[int]) -> list[dict[str, Any]]:
                     row["probe_steps"] = plans[0]["probe_steps"]
                     row["steps"] = next(iter(finals.values()))["steps"]
                     row["plans"] = sorted({json.dumps(p["formats"], sort_keys=True) for p in plans})
+                    row["same_as_blind"] = sum(bool(p.get("same_as_blind")) for p in plans)
                     row["plan_bytes_per_parameter"] = statistics.mean(
                         p["plan_bytes_per_parameter"] for p in plans
                     )
@@ -619,7 +623,8 @@ def report(store: Store, seeds: list[int]) -> str:
                 f"  {r['state']}: {r['probe_steps']} probe steps ({r['probe_seconds']:.1f} s median) "
                 f"before {r['steps']} training steps ({r['train_seconds']:.1f} s median); "
                 f"planner's own B/param {r['plan_bytes_per_parameter']:.3f}; distinct plans "
-                f"over seeds: {len(r['plans'])}: {'; '.join(r['plans'])}"
+                f"over seeds: {len(r['plans'])}: {'; '.join(r['plans'])}; the plan's formats "
+                f"equal the signal-blind assignment's at {r['same_as_blind']} of {r['n']} seeds"
             )
     out += ["", "Targets (issue 40):", *targets(rows)]
     for note in store.data["notes"]:
@@ -645,7 +650,12 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
         mean, low, high = paired_interval(
             [r["accuracies"][s] for s in paired], [b["accuracies"][s] for s in paired]
         )
-        if low > 0:
+        if r.get("same_as_blind") == r["n"]:
+            word = (
+                "the plan does NOT beat blind: at every seed it chose the signal-blind "
+                "assignment's formats (no comparison to make)"
+            )
+        elif low > 0:
             word = "the plan beats blind (interval above 0)"
         elif high < 0:
             word = "the plan does NOT beat blind: blind is better (interval below 0)"
