@@ -116,8 +116,9 @@ def test_state_bytes_by_format_counts_every_stored_leaf():
     params = {"w": jnp.ones((128, 128)), "b": jnp.zeros(128)}
     tx = transforms.quantize_state(optax.adam(1e-3), format={"w": "int8"}, min_size=1024)
     counted = state_lib.state_bytes_by_format(tx.init(params))
-    # mu and nu of w: 16,384 codes and 64 scales each; of b: float32; counts and a key: other.
-    assert counted == {"int8": 2 * (16_384 + 64 * 4), "fp32": 2 * 128 * 4, "other": 16}
+    # mu and nu of w: 16,384 codes and a scale per row of 128 each (blocks along the last axis);
+    # of b: float32; counts and a key: other.
+    assert counted == {"int8": 2 * (16_384 + 128 * 4), "fp32": 2 * 128 * 4, "other": 16}
     bf16 = transforms.quantize_state(optax.adam(1e-3), format="bf16", min_size=1024)
     assert state_lib.state_bytes_by_format(bf16.init(params))["bf16"] == 2 * 16_384 * 2
     int4 = transforms.quantize_state(optax.sgd(0.1, momentum=0.9), format="int4", min_size=1024)

@@ -66,7 +66,8 @@ def test_an_explicit_block_size_overrides_the_formats() -> None:
     tx = quantize_state(optax.adamw(1e-2), format="int4", min_size=1024, block_size=64)
     state = tx.init(_params())
     assert state.inner_state[0].mu["w"].block_size == 64
-    assert state.inner_state[0].mu["w"].scales.size == 64 * 96 // 64
+    # Blocks along the last axis: each row of 96 in two blocks of at most 64.
+    assert state.inner_state[0].mu["w"].scales.shape == (64, 2)
     default = quantize_state(optax.adamw(1e-2), min_size=1024).init(_params())
     assert default.inner_state[0].mu["w"].block_size == 256  # "int8" keeps 256
 

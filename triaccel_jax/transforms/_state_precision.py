@@ -116,14 +116,18 @@ class QuantizedLeaf:
     Attributes:
       codes: one byte per element, shaped like the leaf: int8 for the ``"linear"`` map, uint8
         for ``"sqrt"`` (:mod:`triaccel_jax.kernels.quantize`).
-      scales: float32, one per block of the flattened leaf: the block's absolute maximum.
+      scales: float32, one per block: the block's absolute maximum. Blocks are cut along the
+        last axis (``layout="rows"``: shaped ``shape[:-1] + (blocks per row,)``), so that codes
+        and scales split along the leading axes as a sharded leaf does; the flattened leaf's
+        blocks (``layout="flat"``) only where the Triton kernels store it (``impl="triton"``).
       mapping: ``"linear"`` (signed state) or ``"sqrt"`` (a non-negative second moment); static.
       dtype: the name of the dtype the inner optimizer keeps the leaf in (what the leaf is
         dequantized to); static.
       block_size: elements per block (what the scales are per); static, so that the leaf
         dequantizes on its own (:func:`dequantize_state`).
-      shape: the leaf's shape, for the 4-bit maps, whose codes (two per byte) are flat; None
-        for the 8-bit maps, whose codes are shaped like the leaf. Static.
+      shape: the leaf's shape, for the 4-bit maps, whose codes pack two per byte; None for the
+        8-bit maps, whose codes are shaped like the leaf. Static.
+      layout: ``"rows"`` or ``"flat"`` (:mod:`triaccel_jax.kernels.quantize`), as stored; static.
     """
 
     codes: jax.Array
@@ -132,6 +136,7 @@ class QuantizedLeaf:
     dtype: str = dataclasses.field(metadata={"static": True})
     block_size: int = dataclasses.field(metadata={"static": True})
     shape: tuple[int, ...] | None = dataclasses.field(default=None, metadata={"static": True})
+    layout: str = dataclasses.field(default="rows", metadata={"static": True})
 
 
 @jax.tree_util.register_dataclass
@@ -743,8 +748,22 @@ def quantize_state(
       ``absmax * ((c + 1) / 256) ** 2``), so a small second moment is never stored as zero,
       which would turn ``m / (sqrt(v) + eps)`` into ``m / eps`` (Li et al., 2023). About 1
       byte per element plus ``4 / block_size``.
+    * ``"int8_dynamic"`` and ``"int4"``: the registry's dynamic-exponent 8-bit maps, and its
+      4-bit maps with codes packed two per byte (:data:`triaccel_jax.policy.STATE_FORMATS`).
     * ``"bf16"``: bfloat16, 2 bytes per element (leaves already 16 bits or narrower are kept).
     * ``"fp32"``: the leaf as the inner keeps it.
+
+    **Blocks along the last axis.** A coded leaf's blocks are cut within each row of its last
+    axis (``layout="rows"`` of :mod:`triaccel_jax.kernels.quantize`; a row shorter than the
+    block is one block), so its codes and scales split along the leading axes as the leaf does:
+    a leaf sharded along its leading axes (FSDP) is quantized shard by shard, and a sharded
+    update adds no collective under Auto or Explicit meshes, whatever the shape. A leaf sharded
+    along its last axis (tensor parallel) stays local when ``block_size`` divides each
+    device's columns (``block_size=125`` for 1000 columns on 8 devices); otherwise an Explicit
+    mesh refuses the blocks by name and an Auto mesh moves data. Short rows cost scales: a
+    row of 128 with blocks of 256 carries one scale per 128 elements. ``impl="triton"`` stores
+    the flattened leaf's blocks, which the Triton kernels implement (a kernel call sees the
+    whole array: for unsharded leaves).
 
     **Second moments** are found by role: in a state of one of optax's types, by its type
     (Adam's, RMSProp's, AdaBelief's and Novograd's ``nu``, AMSGrad's ``nu`` and ``nu_max``,
@@ -865,6 +884,10 @@ def quantize_state(
     )
     validation.check_choice("rounding", rounding, ROUNDINGS)
     inner = optax.with_extra_args_support(inner)
+    # Blocks along the last axis, so that a sharded leaf's codes and scales shard as it does and
+    # its update adds no collective; the Triton kernels implement the flattened leaf's blocks,
+    # and a Triton call sees the whole array, so impl="triton" (unsharded leaves) keeps those.
+    layout = "flat" if impl == "triton" else "rows"
 
     def store(leaf: jax.Array, spec: _Spec, dtype: str, key: jax.Array | None) -> Any:
         # key None: round to nearest (always at init); else stochastically with the counter hash.
@@ -885,10 +908,17 @@ def quantize_state(
             rounding="nearest" if key is None else "stochastic",
             key=key,
             impl=impl,
+            layout=layout,
         )
         packed = quantize_lib.MAP_BITS[spec.mapping] < 8
         return QuantizedLeaf(
-            codes, scales, spec.mapping, dtype, size, tuple(leaf.shape) if packed else None
+            codes,
+            scales,
+            spec.mapping,
+            dtype,
+            size,
+            tuple(leaf.shape) if packed else None,
+            layout,
         )
 
     def load(node: Any) -> Any:
@@ -1034,6 +1064,7 @@ def _load(node: Any, impl: str = "auto") -> Any:
             dtype=node.dtype,
             impl=impl,
             shape=node.shape,
+            layout=node.layout,
         )
     return node
 
