@@ -19,7 +19,9 @@ updates are unchanged). State rows per optimizer:
   order) with ``quantize_state(opt, format=plan.formats)``. The probe is reported as overhead;
 * ``blind``: the same probe and call with ``max_bytes_per_parameter=plan.bytes_per_parameter,
   rank_by="size"``: the signal-blind assignment at the plan's bytes, the baseline the plan must
-  beat (paired by seed).
+  beat (paired by seed). Where its formats at a seed are the plan's, the blind run is the
+  planned run (the same compiled step, init, data order and rate), so its figures are copied
+  from it (``copied_from`` in the JSON) instead of trained again.
 
 Each (workload, optimizer, state) row is tuned on the validation split at the tuning seed over
 the 3-point grid {c/2, c, 2c} around the optimizer's tuned rate in docs/accuracy.md (the same
@@ -37,7 +39,13 @@ Targets (printed met/MISSED): int8 (the linear map) within -0.2 points of fp32 a
 paired difference and whether its interval lies above 0.
 
 Results go to ``OUT/state_precision.json`` after every run (a rerun resumes where it stopped).
-Runs made in another process with their own ``--out`` are copied in with ``--merge``.
+Runs made in another process with their own ``--out`` are copied in with ``--merge`` (only the
+``--merge-states`` rows' runs, with it); ``--note`` records what the report must say (a cut).
+
+Seeds run one after another, each its own jitted loop: ``jax.vmap`` over (params, state, data
+order) of 4 seeds, measured on the small CNN on a 2-core CPU (2026-12-05), gave 0.37x the
+throughput of one seed at a time (the vmapped convolutions compile to grouped ones, slower
+on XLA's CPU backend; the step is bound by arithmetic, not dispatch), so it is not used.
 
 ``--rounding nearest|stochastic`` stores the narrow rows with that rounding
 (``quantize_state``'s ``rounding``); without it the rows take the library's default. Rows of
@@ -51,7 +59,8 @@ Usage::
       [--optimizers adamw muon] [--states fp32 bf16 int8 int8_dynamic int4 planned blind]
       [--seeds 0 1 ... 9]
       [--rounding nearest|stochastic] [--fixed-lr | --lr-from-fp32] [--out /tmp/state_precision]
-      [--merge OTHER/state_precision.json ...] [--quick] [--report]
+      [--merge OTHER/state_precision.json ... [--merge-states fp32 ...]] [--note TEXT ...]
+      [--quick] [--report]
 """
 
 from __future__ import annotations
@@ -354,6 +363,22 @@ def one_run(
     if state in ("planned", "blind"):
         fmt, info = bench.plan(opt, lr, seed, state)
         record["plan"] = info
+        twin = store.data["runs"].get(run_key(bench.name, opt, "planned", phase, lr, seed))
+        if state == "blind" and twin is not None and twin["plan"]["formats"] == info["formats"]:
+            # The signal-blind formats are the plan's at this seed: the same formats, init,
+            # data order and rate make the same compiled run, so the planned run's figures are
+            # the blind run's (recorded as copied, not trained again).
+            for field in ("steps", "train_seconds", "final_loss", "accuracy", "bytes"):
+                record[field] = twin[field]
+            record["copied_from"] = run_key(bench.name, opt, "planned", phase, lr, seed)
+            store.data["runs"][key] = record
+            store.save()
+            print(
+                f"{bench.name} {opt:5s} {state:12s} {phase:5s} lr {lr:.4g} seed {seed}: "
+                f"{record['accuracy']:.2f}% (the planned run's: the same formats)",
+                flush=True,
+            )
+            return record
     steps = EPOCHS[bench.name] * bench.steps_per_epoch
     result = bench.train_run(opt, fmt, lr, seed, steps)
     data = bench.validation if phase == "tune" else bench.test
@@ -708,6 +733,18 @@ def main() -> None:
         help="first copy the runs, chosen rates, bytes, timing and notes of these result files "
         "(other folders' runs, e.g. a workload run in its own process) into OUT's",
     )
+    parser.add_argument(
+        "--merge-states",
+        nargs="+",
+        choices=STATES,
+        help="with --merge: copy these rows' runs and chosen rates only",
+    )
+    parser.add_argument(
+        "--note",
+        nargs="+",
+        default=[],
+        help="record these notes in the results (printed under the table), e.g. what was cut",
+    )
     args = parser.parse_args()
     global ROUNDING
     ROUNDING = args.rounding
@@ -720,9 +757,18 @@ def main() -> None:
     store.data.setdefault("machine", f"{platform.machine()}, {jax.default_backend()}")
     for other in args.merge:
         merged = json.loads(pathlib.Path(other).read_text())
-        for field in ("runs", "bytes", "timing", "chosen"):
+        for field in ("bytes", "timing"):
             store.data[field].update(merged.get(field, {}))
+        # Runs and chosen rates of the --merge-states rows only (all rows without it).
+        keep = set(args.merge_states or STATES)
+        store.data["runs"].update(
+            {k: r for k, r in merged.get("runs", {}).items() if r["state"] in keep}
+        )
+        store.data["chosen"].update(
+            {k: c for k, c in merged.get("chosen", {}).items() if k.split("/")[2] in keep}
+        )
         store.data["notes"] += [n for n in merged.get("notes", []) if n not in store.data["notes"]]
+    store.data["notes"] += [n for n in args.note if n not in store.data["notes"]]
     store.save()
     if not args.report:
         print(
