@@ -228,8 +228,8 @@ def state_bytes_by_format(opt_state: Any) -> dict[str, int]:
       >>> import triaccel_jax
       >>> params = {"w": jnp.ones((64, 64))}
       >>> tx = triaccel_jax.quantize_state(optax.adam(1e-3), format="int8", min_size=1024)
-      >>> state_bytes_by_format(tx.init(params))  # counts and a key; 2 x (4096 codes + 16 scales)
-      {'other': 16, 'int8': 8320}
+      >>> state_bytes_by_format(tx.init(params))  # counts, a key; 2 x (4096 codes + a scale a row)
+      {'other': 16, 'int8': 8704}
     """
     totals: dict[str, int] = {}
     for node in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_stored):
