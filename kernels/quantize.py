@@ -450,8 +450,10 @@ def _from_blocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 def _as_row_blocks(x: jax.Array, block_size: int) -> jax.Array:
     """``x`` with its last axis padded with zeros to whole blocks and cut into them:
     ``x.shape[:-1] + (blocks per row, block_size)``. The leading axes are left as they are, so
-    a shard of rows holds its own blocks whole."""
+    a shard of rows holds its own blocks whole. A row shorter than the block is one block of
+    its own length (the same one scale; no padded copy of the array)."""
     length = x.shape[-1]
+    block_size = min(block_size, max(length, 1))
     blocks = num_blocks(length, block_size)
     padding = blocks * block_size - length
     if padding:
