@@ -40,7 +40,8 @@ paired difference and whether its interval lies above 0.
 
 Results go to ``OUT/state_precision.json`` after every run (a rerun resumes where it stopped).
 Runs made in another process with their own ``--out`` are copied in with ``--merge`` (only the
-``--merge-states`` rows' runs, with it); ``--note`` records what the report must say (a cut).
+``--merge-states`` and ``--merge-optimizers`` rows' runs, with them); ``--note`` records what
+the report must say (a cut).
 
 Seeds run one after another, each its own jitted loop: ``jax.vmap`` over (params, state, data
 order) of 4 seeds, measured on the small CNN on a 2-core CPU (2026-12-05), gave 0.37x the
@@ -59,7 +60,8 @@ Usage::
       [--optimizers adamw muon] [--states fp32 bf16 int8 int8_dynamic int4 planned blind]
       [--seeds 0 1 ... 9]
       [--rounding nearest|stochastic] [--fixed-lr | --lr-from-fp32] [--out /tmp/state_precision]
-      [--merge OTHER/state_precision.json ... [--merge-states fp32 ...]] [--note TEXT ...]
+      [--merge OTHER/state_precision.json ... [--merge-states fp32 ...]
+      [--merge-optimizers adamw ...]] [--note TEXT ...]
       [--quick] [--report]
 """
 
@@ -743,6 +745,12 @@ def main() -> None:
         help="with --merge: copy these rows' runs and chosen rates only",
     )
     parser.add_argument(
+        "--merge-optimizers",
+        nargs="+",
+        choices=OPTIMIZERS,
+        help="with --merge: copy these optimizers' runs and chosen rates only",
+    )
+    parser.add_argument(
         "--note",
         nargs="+",
         default=[],
@@ -762,13 +770,23 @@ def main() -> None:
         merged = json.loads(pathlib.Path(other).read_text())
         for field in ("bytes", "timing"):
             store.data[field].update(merged.get(field, {}))
-        # Runs and chosen rates of the --merge-states rows only (all rows without it).
+        # Runs and chosen rates of the --merge-states and --merge-optimizers rows only (all
+        # rows without them).
         keep = set(args.merge_states or STATES)
+        keep_opts = set(args.merge_optimizers or OPTIMIZERS)
         store.data["runs"].update(
-            {k: r for k, r in merged.get("runs", {}).items() if r["state"] in keep}
+            {
+                k: r
+                for k, r in merged.get("runs", {}).items()
+                if r["state"] in keep and r["optimizer"] in keep_opts
+            }
         )
         store.data["chosen"].update(
-            {k: c for k, c in merged.get("chosen", {}).items() if k.split("/")[2] in keep}
+            {
+                k: c
+                for k, c in merged.get("chosen", {}).items()
+                if k.split("/")[2] in keep and k.split("/")[1] in keep_opts
+            }
         )
         store.data["notes"] += [n for n in merged.get("notes", []) if n not in store.data["notes"]]
     store.data["notes"] += [n for n in args.note if n not in store.data["notes"]]
