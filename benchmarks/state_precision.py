@@ -61,8 +61,13 @@ Usage::
       [--seeds 0 1 ... 9]
       [--rounding nearest|stochastic] [--fixed-lr | --lr-from-fp32] [--out /tmp/state_precision]
       [--merge OTHER/state_precision.json ... [--merge-states fp32 ...]
-      [--merge-optimizers adamw ...]] [--note TEXT ...]
-      [--quick] [--report]
+      [--merge-optimizers adamw ...]] [--note TEXT ...] [--tune-seed 100]
+      [--blocks 7] [--block-steps 40] [--skip-timing | --timing-only] [--quick] [--report]
+
+``--skip-timing`` trains and scores the rows without timing them; ``--timing-only`` times the
+rows already trained in ``--out`` (``--blocks`` blocks of ``--block-steps`` jitted steps per
+row, interleaved), so that a study can train in parts and time every row in one process.
+``--tune-seed`` is the seed the learning-rate grid is tuned at (never one of ``--seeds``).
 """
 
 from __future__ import annotations
