@@ -67,7 +67,7 @@ Usage::
 ``--skip-timing`` trains and scores the rows without timing them; ``--timing-only`` times the
 rows already trained in ``--out`` (``--blocks`` blocks of ``--block-steps`` jitted steps per
 row, interleaved), so that a study can train in parts and time every row in one process.
-``--tune-seed`` is the seed the learning-rate grid is tuned at (never one of ``--seeds``).
+``--tune-seed`` is the seed the learning-rate grid is tuned at (keep it out of ``--seeds``).
 """
 
 from __future__ import annotations
