@@ -82,6 +82,9 @@ def test_a_leafs_bytes_are_its_codes_and_row_scales_or_its_float_elements(name, 
                 assert got == size * itemsize
             elif name == "bf16":
                 assert got == size * 2
+            elif second and state.factored and len(shape) >= 2:
+                # Adafactor's row and column means of the last two axes, float32.
+                assert got == 4 * (shape[-2] + shape[-1]) * math.prod(shape[:-2])
             else:
                 # Codes (4-bit ones two a byte, each row's count rounded up) and one float32
                 # scale per block of the last axis, each row's last block shorter.

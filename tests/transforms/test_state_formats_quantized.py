@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from triaccel_jax.policy import state_format
+from triaccel_jax.transforms import FactoredLeaf
 from triaccel_jax.transforms import QuantizedLeaf
 from triaccel_jax.transforms import compiled_state_bytes
 from triaccel_jax.transforms import dequantize_state
@@ -45,7 +46,11 @@ def _train(tx: optax.GradientTransformation, steps: int = 20) -> tuple[dict, obj
     return params, state
 
 
-@pytest.mark.parametrize(("name", "tolerance"), [("int8_dynamic", 0.06), ("int4", 0.3)])
+# int4's second moment of "w" is factored (row and column means): on this full-rank gradient a
+# rank-1 fit of nu, which steers each element's step apart from Adam's (0.42 of the distance
+# moved after 20 steps, where int4 codes gave under 0.3); the loss it reaches is bounded in
+# test_state_precision_factored.py.
+@pytest.mark.parametrize(("name", "tolerance"), [("int8_dynamic", 0.06), ("int4", 0.5)])
 def test_adamw_in_the_new_formats_trains_close_to_float32(name: str, tolerance: float) -> None:
     reference, _ = _train(optax.adamw(1e-2))
     params, state = _train(quantize_state(optax.adamw(1e-2), format=name, min_size=1024))
@@ -54,6 +59,7 @@ def test_adamw_in_the_new_formats_trains_close_to_float32(name: str, tolerance: 
     assert isinstance(stored.mu["w"], QuantizedLeaf)
     assert stored.mu["w"].mapping == fmt.signed_map
     assert stored.nu["w"].mapping == fmt.unsigned_map
+    assert isinstance(stored.nu["w"], FactoredLeaf if fmt.factored else QuantizedLeaf)
     assert stored.mu["w"].block_size == fmt.block_size
     assert not isinstance(stored.mu["b"], QuantizedLeaf)  # below min_size
     moved = np.abs(np.asarray(reference["w"] - _params()["w"])).mean()

@@ -8,7 +8,9 @@ text of a jitted AdamW update: all-gather, all-reduce, collective-permute, all-t
 reduce-scatter. Meshes with Auto axes (XLA propagates the sharding) and Explicit axes (sharding in
 types, ``jax.make_mesh``'s default); leaves of (1000, 1000) and (1000, 968), which no block size of
 256 or 128 divides. Blocks cut from the flattened leaf, as before, straddle the shards: an
-Explicit mesh refuses the reshape and an Auto mesh all-gathers the state on every step.
+Explicit mesh refuses the reshape and an Auto mesh all-gathers the state on every step. int4's
+factored second moments (AdamW's ``nu`` of a matrix) cost one all-reduce a leaf under FSDP:
+test_state_precision_factored.py.
 """
 
 from __future__ import annotations
@@ -48,11 +50,11 @@ SCRIPT = textwrap.dedent(
         updates, state = step(grads, state, params)
         return updates, state, step.lower(grads, state, params).compile()
 
-    def check(layout_name, spec, shapes, fmt, rounding, block_size=None):
+    def check(layout_name, spec, shapes, fmt, rounding, block_size=None, inner=None):
         params = params_of(shapes)
         grads = jax.tree.map(lambda p: 0.01 * jnp.cos(p), params)
         tx = triaccel_jax.quantize_state(
-            optax.adamw(1e-3), format=fmt, rounding=rounding, block_size=block_size,
+            inner or optax.adamw(1e-3), format=fmt, rounding=rounding, block_size=block_size,
             min_size=1024)
         expected, _, _ = two_steps(tx, params, grads)  # one device, unsharded
         for kind in ("auto", "explicit"):
@@ -63,8 +65,13 @@ SCRIPT = textwrap.dedent(
                     tx, jax.tree.map(put, params), jax.tree.map(put, grads))
             what = (layout_name, kind, fmt, rounding)
             assert collectives(compiled) == {}, (what, collectives(compiled))
-            adam = state.inner_state[0]
-            stored = [*adam.mu.values(), *adam.nu.values()]
+            moments = state.inner_state[0]
+            stored = [
+                *getattr(moments, "mu", {}).values(),
+                *getattr(moments, "nu", {}).values(),
+                *getattr(moments, "trace", {}).values(),
+            ]
+            assert stored, what
             assert all(isinstance(node, QuantizedLeaf) for node in stored), what
             for node in stored:
                 for array in (node.codes, node.scales):
@@ -74,8 +81,13 @@ SCRIPT = textwrap.dedent(
                     updates[name], expected[name], rtol=1e-6, atol=1e-9, err_msg=str(what))
 
     # FSDP: rows sharded 8 ways; rows of 1000 and 968 end in a short block.
-    for fmt in ("int8", "int8_dynamic", "int4"):
+    for fmt in ("int8", "int8_dynamic"):
         check("fsdp", P("fsdp", None), [(1000, 1000), (1000, 968)], fmt, "nearest")
+    # int4's 4-bit codes (two a byte along the last axis) on a signed state: SGD's momentum.
+    # AdamW's int4 second moments of rank 2 are factored, whose column means reduce across the
+    # shards (an all-reduce): test_state_precision_factored.py counts them.
+    check("fsdp", P("fsdp", None), [(1000, 1000), (1000, 968)], "int4", "nearest",
+          inner=optax.sgd(1e-3, momentum=0.9))
     check("fsdp", P("fsdp", None), [(1000, 1000)], "int8", "stochastic")
     # Tensor parallel: 1000 columns, 125 a device; blocks of 125 stay within a shard.
     check("tp", P(None, "tp"), [(256, 1000)], "int8", "nearest", block_size=125)

@@ -5,8 +5,8 @@
 its state dtypes from the float ones. Each format says how many bits an element takes, which
 map of :mod:`triaccel_jax.kernels.quantize` stores a signed moment (a momentum, Adam's ``mu``)
 and which a non-negative one (Adam's ``nu``), its block size, its bytes (per element, and per
-leaf: :meth:`StateFormat.leaf_bytes`, codes and scales with blocks along the last axis), and its
-error model: the relative error
+leaf: :meth:`StateFormat.leaf_bytes`, codes and scales with blocks along the last axis, or a
+factored second moment's row and column means), and its error model: the relative error
 variance of one store.
 
 The error model is what the planner's loss model reads (docs/design.md §3.9): a store of ``x``
@@ -46,6 +46,9 @@ class StateFormat(NamedTuple):
       block_size: elements per block sharing one float32 scale (None for a float format).
       error_variance: the relative error variance of one stochastically rounded store of a block
         of Gaussian values (see the module's docstring).
+      factored: whether a non-negative leaf of rank >= 2 is stored factored (Adafactor's row and
+        column means of the last two axes, float32, in place of codes: Shazeer & Stern, 2018;
+        the "4-bit Factor" state of Li et al., 2023) rather than in ``unsigned_map``'s codes.
     """
 
     name: str
@@ -54,6 +57,7 @@ class StateFormat(NamedTuple):
     unsigned_map: str | None
     block_size: int | None
     error_variance: float
+    factored: bool = False
 
     @property
     def is_float(self) -> bool:
@@ -99,7 +103,9 @@ class StateFormat(NamedTuple):
         and its float32 scales with blocks cut along the last axis (the ``"rows"`` layout of
         :func:`triaccel_jax.kernels.quantize.stored_bytes`, which shards like the leaf; a scalar,
         which has no last axis, is one flat block), in ``unsigned_map`` for a second moment and
-        ``signed_map`` otherwise.
+        ``signed_map`` otherwise. A second moment of rank >= 2 in a ``factored`` format is its
+        float32 row and column means of the last two axes: ``4 * (rows + cols)`` bytes for each
+        index of the leading axes.
 
         Args:
           shape: the leaf's shape.
@@ -115,8 +121,8 @@ class StateFormat(NamedTuple):
           >>> int4 = state_format("int4")
           >>> int4.leaf_bytes((1024, 256), 4)  # 4-bit codes and one scale per 128: 0.53 B each
           139264
-          >>> int4.leaf_bytes((1024, 256), 4, second_moment=True)  # the zero-free 4-bit map
-          139264
+          >>> int4.leaf_bytes((1024, 256), 4, second_moment=True)  # factored: 4 * (1024 + 256)
+          5120
           >>> state_format("bf16").leaf_bytes((1024, 256), 4)
           524288
         """
@@ -126,6 +132,8 @@ class StateFormat(NamedTuple):
             return size * int(itemsize)
         if self.is_float:
             return size * min(self.bits // 8, int(itemsize))
+        if second_moment and self.factored and len(shape) >= 2:
+            return 4 * (shape[-2] + shape[-1]) * math.prod(shape[:-2])
         block = self.block_size if block_size is None else block_size
         mapping = self.unsigned_map if second_moment else self.signed_map
         assert block is not None and mapping is not None
@@ -140,7 +148,7 @@ STATE_FORMATS: dict[str, StateFormat] = {
         StateFormat("bf16", 16, None, None, None, 5.5e-6),
         StateFormat("int8", 8, "linear", "sqrt", 256, 9.7e-5),
         StateFormat("int8_dynamic", 8, "dynamic", "dynamic_unsigned", 256, 2.3e-4),
-        StateFormat("int4", 4, "dynamic4", "linear4_unsigned", 128, 4.4e-2),
+        StateFormat("int4", 4, "dynamic4", "linear4_unsigned", 128, 4.4e-2, factored=True),
     )
 }
 """Every state format by name, from the most to the least precise."""

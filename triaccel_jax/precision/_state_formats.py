@@ -23,10 +23,11 @@ Muon's orthogonalised step is of the same order), ``kappa_l`` the leaf's mean cu
 its size and ``nsr_l`` its gradients' noise-to-signal ratio: a leaf whose gradients are noisy
 already steps with a random error of that relative variance, so its rounding counts less. The
 registry's variances (fp32 0, bf16 5.5e-6, int8 9.7e-5, int8_dynamic 2.3e-4, int4 4.4e-2) are
-measured on Gaussian blocks.
+measured on Gaussian blocks; the factored int4 second moment is priced at int4's.
 
 **How the plan is chosen.** Each leaf's candidate formats are ordered by the bytes its state
-takes in them (:meth:`~triaccel_jax.policy.StateFormat.leaf_bytes` per copy: codes and scales), and kept on the lower convex hull of
+takes in them (:meth:`~triaccel_jax.policy.StateFormat.leaf_bytes` per copy: codes and scales,
+the factored second moment's row and column means), and kept on the lower convex hull of
 (bytes, error variance): a format that another stores in no more bytes with no more error
 (``"bf16"`` for bfloat16 parameters, ``"int8_dynamic"`` beside ``"int8"`` on Gaussian blocks) is
 never a step. A move lowers one leaf by one step of its hull; its price is the increase it adds
@@ -90,7 +91,8 @@ class StateFormatPlan(NamedTuple):
         pass it as ``quantize_state(inner, format=plan.formats)``.
       bytes_per_parameter: parameters plus state per parameter (an analytic count from the
         dtypes and the registry's :meth:`~triaccel_jax.policy.StateFormat.leaf_bytes`: the
-        parameters' own bytes, and each state copy in its format, scales included), before: 4 + 4 x ``state_copies`` for float32.
+        parameters' own bytes, and each state copy in its format, scales and factored means
+        included), before: 4 + 4 x ``state_copies`` for float32.
       predicted_increase: the loss a step is predicted to add by the rounding of the state,
         summed over the leaves (in the loss's units).
       allowance: the increase the budget allowed (``inf`` with no budget; 0 under a cap alone).
@@ -208,7 +210,7 @@ def plan_state_formats(
       state_copies: state leaves per parameter that the formats apply to (AdamW 2: ``mu`` and
         ``nu``; Muon or SGD with momentum 1).
       second_moments: how many of the ``state_copies`` are non-negative second moments (Adam's
-        ``nu``: stored in the unsigned maps; their error counts a
+        ``nu``: stored in the unsigned maps, factored under ``"int4"``; their error counts a
         quarter). None: AdamW-like, 1 when ``state_copies`` >= 2, else 0 (Muon, SGD).
       block_size: the block size of every coded format, as ``quantize_state``'s; None: each
         format's own (the registry's: 256 for int8, 128 for int4).
@@ -248,7 +250,7 @@ def plan_state_formats(
       >>> plan.formats
       {'flat': 'int4', 'middle': 'bf16', 'sharp': 'fp32'}
 
-      Under a cap between uniform int4's bytes (5.06 a parameter for AdamW here) and uniform
+      Under a cap between uniform int4's bytes (4.59 a parameter for AdamW here) and uniform
       int8's (6.06), the plan mixes them; the signal-blind baseline at its bytes lowers the
       largest leaf, the sharp one, and is predicted to cost 200 times as much:
 
@@ -256,7 +258,7 @@ def plan_state_formats(
       ...     signals, params, learning_rate=1e-3, max_bytes_per_parameter=5.6
       ... )
       >>> plan.formats, round(plan.bytes_per_parameter, 3), plan.meets_cap
-      ({'flat': 'int4', 'middle': 'int4', 'sharp': 'int8'}, 5.562, True)
+      ({'flat': 'int4', 'middle': 'int4', 'sharp': 'int8'}, 5.328, True)
       >>> blind = plan_state_formats(
       ...     signals,
       ...     params,

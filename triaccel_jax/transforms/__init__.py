@@ -30,9 +30,10 @@ model):
   form) and :func:`fused_apply`, a triaccel step that writes the moments, the master and its
   compute copy in one pass per leaf (the fused kernel on CUDA where it is selected), with
   :func:`unfused_reason` and :func:`uses_triton` to say when it applies;
-* :func:`quantize_state`, any optax optimizer's state kept in bfloat16 or block-wise 8-bit
-  codes between its updates (state :class:`QuantizedState`, leaves :class:`QuantizedLeaf` and
-  :class:`Bfloat16Leaf`, centered moments :class:`CenteredState`), :func:`to_quantized_state`
+* :func:`quantize_state`, any optax optimizer's state kept in bfloat16, block-wise 8- or 4-bit
+  codes or factored second moments between its updates (state :class:`QuantizedState`, leaves
+  :class:`QuantizedLeaf`, :class:`FactoredLeaf` and :class:`Bfloat16Leaf`, centered moments
+  :class:`CenteredState`), :func:`to_quantized_state`
   and :func:`dequantize_state`, which convert a plain optimizer state to a quantized one and
   back, and :func:`compiled_state_bytes` (a :class:`StateBytes`), the bytes
   per parameter of the parameters and a state as XLA's compiled update holds them.
@@ -82,6 +83,7 @@ from triaccel_jax.transforms._signals import signals
 from triaccel_jax.transforms._state_conversion import convert_state
 from triaccel_jax.transforms._state_precision import Bfloat16Leaf
 from triaccel_jax.transforms._state_precision import CenteredState
+from triaccel_jax.transforms._state_precision import FactoredLeaf
 from triaccel_jax.transforms._state_precision import QuantizedLeaf
 from triaccel_jax.transforms._state_precision import QuantizedState
 from triaccel_jax.transforms._state_precision import StateBytes
@@ -97,6 +99,7 @@ __all__ = (
     "CurvatureSignalsState",
     "CurvatureStores",
     "DynamicLossScaleState",
+    "FactoredLeaf",
     "FusedApply",
     "FusedTriAccel",
     "HutchinsonDiagonalState",

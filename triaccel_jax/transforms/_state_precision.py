@@ -1,4 +1,4 @@
-"""``quantize_state``: any optax optimizer's state kept in bfloat16 or 8-bit blocks.
+"""``quantize_state``: any optax optimizer's state kept in bfloat16, 8- or 4-bit blocks.
 
 The wrapper stores the inner optimizer's parameter-sized float state (AdamW's ``mu`` and ``nu``,
 Muon's momentum, any float leaf of at least ``min_size`` elements) in a narrower format, and
@@ -155,6 +155,68 @@ class Bfloat16Leaf:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class FactoredLeaf:
+    """A non-negative second moment of rank >= 2 stored factored (``"int4"``'s second moments).
+
+    In place of the leaf ``v`` (shaped ``(..., rows, cols)``), its float32 means over the last
+    axis and over the second-to-last axis, read back as Adafactor's rank-1 reconstruction
+    ``row[..., :, None] * col[..., None, :] / mean(row)`` (Shazeer & Stern, 2018), each index of
+    the leading axes on its own: ``4 * (rows + cols)`` bytes per leading index in place of
+    ``rows * cols`` codes. A rank-1 non-negative matrix is read back exactly. Since the means
+    are linear, an exponential moving average of squares stored this way is Adafactor's
+    factored average: the means of ``beta * v + (1 - beta) * g**2`` are ``beta`` times the
+    stored means plus ``1 - beta`` times those of ``g**2``.
+
+    Attributes:
+      row: float32, ``shape[:-1]``: the mean over the last axis.
+      col: float32, ``shape[:-2] + shape[-1:]``: the mean over the second-to-last axis.
+      dtype: the name of the dtype the inner optimizer keeps the leaf in; static.
+      shape: the leaf's shape; static.
+      mapping: the map of the format's other second moments (``"linear4_unsigned"`` for
+        ``"int4"``): it names the format this leaf is stored in, for readers that count bytes by
+        format; static.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from triaccel_jax.transforms import dequantize_state, quantize_state
+      >>> params = {"w": jnp.zeros((4, 3))}
+      >>> tx = quantize_state(optax.adam(1.0), format="int4", min_size=1)
+      >>> grads = {"w": jnp.outer(jnp.arange(1.0, 5.0), jnp.array([1.0, 2.0, 3.0]))}  # rank 1
+      >>> _, state = tx.update(grads, tx.init(params), params)
+      >>> nu = state.inner_state[0].nu["w"]
+      >>> nu.row.shape, nu.col.shape  # 4 * (4 + 3) bytes for 12 elements
+      ((4,), (3,))
+      >>> bool(jnp.allclose(dequantize_state(state)[0].nu["w"], 0.001 * grads["w"] ** 2))
+      True
+    """
+
+    row: jax.Array
+    col: jax.Array
+    dtype: str = dataclasses.field(metadata={"static": True})
+    shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    mapping: str = dataclasses.field(default="linear4_unsigned", metadata={"static": True})
+
+
+def _factor(value: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The float32 means of ``value`` over its last and its second-to-last axis."""
+    value = value.astype(jnp.float32)
+    return jnp.mean(value, axis=-1), jnp.mean(value, axis=-2)
+
+
+def _unfactor(row: jax.Array, col: jax.Array) -> jax.Array:
+    """Adafactor's rank-1 reconstruction ``row[..., :, None] * col[..., None, :] / mean(row)``
+    (0 where the whole matrix is 0: the state at init). ``mean(row)`` is taken as ``mean(col)``,
+    the same number: under FSDP the column means are whole on every device (their reduction
+    over the sharded rows is the one all-reduce a factored leaf costs) and the row means are
+    split, so this mean is local."""
+    total = jnp.mean(col, axis=-1, keepdims=True)[..., None]  # (..., 1, 1)
+    safe = jnp.where(total > 0, total, jnp.ones_like(total))
+    outer = row[..., :, None] * col[..., None, :]
+    return jnp.where(total > 0, outer / safe, jnp.zeros_like(outer))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class CenteredState:
     """An optax state of a centered second moment, stored with its variance in place of ``nu``.
 
@@ -180,8 +242,9 @@ class QuantizedState(NamedTuple):
     Attributes:
       count: int32, updates so far; with ``key`` it gives each update its own random bits.
       key: uint32 PRNG key data (``jax.random.key_data``) from the wrapper's ``seed``.
-      inner_state: the inner optimizer's state, its converted leaves as :class:`QuantizedLeaf`
-        or :class:`Bfloat16Leaf` and every other node and leaf as the inner made it.
+      inner_state: the inner optimizer's state, its converted leaves as :class:`QuantizedLeaf`,
+        :class:`FactoredLeaf` or :class:`Bfloat16Leaf` and every other node and leaf as the
+        inner made it.
     """
 
     count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as optax's states do
@@ -190,13 +253,13 @@ class QuantizedState(NamedTuple):
 
 
 class _Spec(NamedTuple):
-    format: str  # a name in FORMATS other than "fp32"
+    format: str  # a name in FORMATS other than "fp32", or "factored" (a FactoredLeaf)
     mapping: str | None  # the coded formats' map
     block_size: int | None = None  # a stored leaf's, kept at every update
 
 
 def _is_stored(node: Any) -> bool:
-    return isinstance(node, QuantizedLeaf | Bfloat16Leaf)
+    return isinstance(node, QuantizedLeaf | FactoredLeaf | Bfloat16Leaf)
 
 
 def _is_opaque(node: Any) -> bool:
@@ -376,6 +439,9 @@ def _spec(
         return _Spec("bf16", None)
     state = policy_lib.state_format(chosen)
     mapping = state.unsigned_map if second_moment else state.signed_map
+    if second_moment and state.factored and len(leaf.shape) >= 2:
+        # The registry's factored second moment (int4's): row and column means, no codes.
+        return _Spec("factored", mapping)
     return _Spec(chosen, mapping)
 
 
@@ -707,20 +773,27 @@ def _grouped_update(
 
 
 def _gate(node: Any) -> jax.Array:
-    """The part of a stored leaf that a barrier holds back: its scales (bf16: its values)."""
-    return node.scales if isinstance(node, QuantizedLeaf) else node.value
+    """The part of a stored leaf that a barrier holds back: its scales (a factored leaf: its
+    row means; bf16: its values)."""
+    if isinstance(node, QuantizedLeaf):
+        return node.scales
+    return node.row if isinstance(node, FactoredLeaf) else node.value
 
 
 def _gated(node: Any, gate: jax.Array) -> Any:
     """``node`` with :func:`_gate`'s part replaced."""
     if isinstance(node, QuantizedLeaf):
         return dataclasses.replace(node, scales=gate)
+    if isinstance(node, FactoredLeaf):
+        return dataclasses.replace(node, row=gate)
     return dataclasses.replace(node, value=gate)
 
 
 def _stored_shape(node: Any) -> tuple[int, ...]:
     if isinstance(node, QuantizedLeaf):
         return node.shape if node.shape is not None else tuple(node.codes.shape)
+    if isinstance(node, FactoredLeaf):
+        return node.shape
     return tuple(node.value.shape)
 
 
@@ -735,7 +808,7 @@ def quantize_state(
     seed: int = 0,
     impl: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
-    """Keeps another optimizer's state in bfloat16 or 8-bit blocks between its updates.
+    """Keeps another optimizer's state in bfloat16, 8- or 4-bit blocks between its updates.
 
     Each update dequantizes the stored leaves to the dtype the inner optimizer made them in
     (float32 for an optimizer over float32 params), runs ``inner.update`` on them (extra
@@ -748,8 +821,19 @@ def quantize_state(
       ``absmax * ((c + 1) / 256) ** 2``), so a small second moment is never stored as zero,
       which would turn ``m / (sqrt(v) + eps)`` into ``m / eps`` (Li et al., 2023). About 1
       byte per element plus ``4 / block_size``.
-    * ``"int8_dynamic"`` and ``"int4"``: the registry's dynamic-exponent 8-bit maps, and its
-      4-bit maps with codes packed two per byte (:data:`triaccel_jax.policy.STATE_FORMATS`).
+    * ``"int8_dynamic"``: the registry's dynamic-exponent 8-bit maps
+      (:data:`triaccel_jax.policy.STATE_FORMATS`).
+    * ``"int4"``: signed leaves in the registry's dynamic-exponent 4-bit map, codes packed two
+      per byte with one scale per 128 (0.53 bytes per element); a non-negative second moment of
+      rank >= 2 stored factored (the registry's ``StateFormat.factored``), as a
+      :class:`FactoredLeaf`: its float32 means over the last axis and over the second-to-last,
+      read back as Adafactor's rank-1 reconstruction (Shazeer & Stern, 2018; the "4-bit
+      Factor" state of Li et al., 2023), ``4 * (rows + cols)`` bytes per leading index, so
+      that an EMA of squares (Adam's ``nu``) is Adafactor's factored EMA; 1-D second moments in
+      the zero-free 4-bit map. AdamW over float32 matrices of 1024 x 1024 and 512 x 2048 then
+      takes 4.54 bytes a parameter with its parameters (12.0 in float32, 8.0 at ``"bf16"``,
+      6.03 at ``"int8"``), Muon 4.53 (8.0, 6.0, 5.02): :func:`compiled_state_bytes`, equal to
+      :meth:`triaccel_jax.policy.StateFormat.leaf_bytes`' count.
     * ``"bf16"``: bfloat16, 2 bytes per element (leaves already 16 bits or narrower are kept).
     * ``"fp32"``: the leaf as the inner keeps it.
 
@@ -760,10 +844,12 @@ def quantize_state(
     update adds no collective under Auto or Explicit meshes, whatever the shape. A leaf sharded
     along its last axis (tensor parallel) stays local when ``block_size`` divides each
     device's columns (``block_size=125`` for 1000 columns on 8 devices); otherwise an Explicit
-    mesh refuses the blocks by name and an Auto mesh moves data. Short rows cost scales: a
-    row of 128 with blocks of 256 carries one scale per 128 elements. ``impl="triton"`` stores
-    the flattened leaf's blocks, which the Triton kernels implement (a kernel call sees the
-    whole array: for unsharded leaves).
+    mesh refuses the blocks by name and an Auto mesh moves data. A factored second moment's
+    column means reduce over a leaf's rows: under FSDP that is one all-reduce per factored leaf
+    and step (of ``cols`` floats; its row means shard like the leaf, its column means are
+    replicated). Short rows cost scales: a row of 128 with blocks of 256 carries one scale per
+    128 elements. ``impl="triton"`` stores the flattened leaf's blocks, which the Triton
+    kernels implement (a kernel call sees the whole array: for unsharded leaves).
 
     **Second moments** are found by role: in a state of one of optax's types, by its type
     (Adam's, RMSProp's, AdaBelief's and Novograd's ``nu``, AMSGrad's ``nu`` and ``nu_max``,
@@ -863,6 +949,13 @@ def quantize_state(
       >>> adam.mu["w"].codes.dtype, adam.nu["w"].codes.dtype, adam.mu["b"].dtype
       (dtype('int8'), dtype('uint8'), dtype('float32'))
 
+      Under ``"int4"``, Adam's second moment of a matrix is kept as its row and column means:
+
+      >>> tx = triaccel_jax.quantize_state(optax.adamw(1e-3), format="int4", min_size=1024)
+      >>> nu = tx.init(params).inner_state[0].nu["w"]
+      >>> type(nu).__name__, nu.row.shape, nu.col.shape
+      ('FactoredLeaf', (64,), (64,))
+
       Any optimizer: SGD's momentum, stored in 8 bits and updated under ``jit``:
 
       >>> tx = triaccel_jax.quantize_state(optax.sgd(0.1, momentum=0.9), min_size=1024)
@@ -876,7 +969,8 @@ def quantize_state(
       Dettmers, Lewis, Shleifer & Zettlemoyer, 2021, "8-bit Optimizers via Block-wise
       Quantization", arXiv 2110.02861. Li, Chen & Zhu, 2023, "Memory Efficient Optimizers with
       4-bit States", arXiv 2309.01507. Gupta et al., 2015, "Deep Learning with Limited
-      Numerical Precision" (stochastic rounding).
+      Numerical Precision" (stochastic rounding). Shazeer & Stern, 2018, "Adafactor: Adaptive
+      Learning Rates with Sublinear Memory Cost", arXiv 1804.04235 (factored second moments).
     """
     _check_inner(inner)
     format, block_size, min_size, second_moments, seed = _check_options(
@@ -898,6 +992,11 @@ def quantize_state(
                 bits = quantize_lib.random_bits(key, leaf.shape)
                 value = cast_lib.round_stochastic(leaf, jnp.bfloat16, bits)
             return Bfloat16Leaf(value, dtype)
+        if spec.format == "factored":
+            # Means, not codes: nothing to round (key unread).
+            row, col = _factor(leaf)
+            assert spec.mapping is not None
+            return FactoredLeaf(row, col, dtype, tuple(leaf.shape), spec.mapping)
         assert spec.mapping is not None
         size = spec.block_size or block_size or policy_lib.state_format(spec.format).block_size
         assert size is not None
@@ -969,7 +1068,11 @@ def quantize_state(
             # (the barriers): fused into the leaf's kernels, its index would be a constant there,
             # and leaves of one shape, each kernel then different, would not share a compiled
             # kernel (XLA compiles identical fused computations once).
-            indices = [i for i, node in enumerate(nodes) if _is_stored(node)]
+            indices = [
+                i
+                for i, node in enumerate(nodes)
+                if _is_stored(node) and not isinstance(node, FactoredLeaf)  # means: not rounded
+            ]
             step_key = quantize_lib.fold_in(state.key, state.count)
             every = jax.lax.optimization_barrier(
                 quantize_lib.fold_in(step_key, jnp.asarray(indices, jnp.uint32))
@@ -979,11 +1082,12 @@ def quantize_state(
         def store_new(index: int, old: Any, new: jax.Array) -> Any:
             # Stored as the old leaf was: the layout fixed at init, so the state's structure (and
             # the compiled step) never changes.
-            spec = (
-                _Spec("coded", old.mapping, old.block_size)
-                if isinstance(old, QuantizedLeaf)
-                else _Spec("bf16", None)
-            )
+            if isinstance(old, QuantizedLeaf):
+                spec = _Spec("coded", old.mapping, old.block_size)
+            elif isinstance(old, FactoredLeaf):
+                spec = _Spec("factored", old.mapping)
+            else:
+                spec = _Spec("bf16", None)
             key = leaf_keys.get(index)
             if spec.format != "bf16":
                 # Computed once into memory, where the block maxima read it anyway: without the
@@ -1055,6 +1159,8 @@ def _load(node: Any, impl: str = "auto") -> Any:
     """A stored leaf's value in the dtype the inner keeps it in (any other node as it is)."""
     if isinstance(node, Bfloat16Leaf):
         return node.value.astype(node.dtype)
+    if isinstance(node, FactoredLeaf):
+        return _unfactor(node.row, node.col).astype(node.dtype)
     if isinstance(node, QuantizedLeaf):
         return quantize_lib.dequantize_blocks(
             node.codes,
@@ -1116,8 +1222,9 @@ def _match_structure(given: Any, expected: Any) -> Any:
 def dequantize_state(state: Any) -> Any:
     """The inner optimizer's plain state from a :func:`quantize_state` state.
 
-    Every stored leaf (:class:`QuantizedLeaf`, :class:`Bfloat16Leaf`) is read back in the dtype
-    the inner keeps it in and every :class:`CenteredState` as the inner's node (``nu`` from the
+    Every stored leaf (:class:`QuantizedLeaf`, :class:`FactoredLeaf`, :class:`Bfloat16Leaf`) is
+    read back in the dtype the inner keeps it in (a factored leaf as its rank-1 reconstruction)
+    and every :class:`CenteredState` as the inner's node (``nu`` from the
     stored variance and mean); counts, hyperparameters and every other leaf are kept as they
     are. The result is what the inner optimizer takes: switch a running job to float32 state,
     or to another format with :func:`to_quantized_state`. The values are the stored ones, so
