@@ -77,11 +77,11 @@ def test_quick_run_reports_every_optimizer_and_state_row(tmp_path):
     # axis, as measured on 2026-12-05 (bounds about +-0.02 around them, so that a change in
     # what a format stores fails here). AdamW (two state copies): fp32 12; bf16 8.06 (the
     # small leaves stay fp32); 8-bit 6.15 (codes and a scale per row's block of the 784x128
-    # kernel, either map); int4 5.16 (two codes a byte and a scale per 128 for both moments;
-    # no factored second moment: above the 5.0). Muon (one copy for the matrix, Adam's
+    # kernel, either map); int4 4.67 (two codes a byte and a scale per 128 for the first
+    # moment, the 784x128 second moment factored into row and column means). Muon (one copy for the matrix, Adam's
     # two for the biases): fp32 8.01, bf16 6.03, 8-bit 5.08, int4 4.59.
     expected = {
-        "adamw": {"fp32": 12.0, "bf16": 8.056, "int8": 6.145, "int8_dynamic": 6.145, "int4": 5.159},
+        "adamw": {"fp32": 12.0, "bf16": 8.056, "int8": 6.145, "int8_dynamic": 6.145, "int4": 4.671},
         "muon": {"fp32": 8.006, "bf16": 6.034, "int8": 5.078, "int8_dynamic": 5.078, "int4": 4.585},
     }
     cap = {"adamw": 5.0, "muon": 4.6}
