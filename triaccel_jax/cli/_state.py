@@ -254,18 +254,4 @@ def compiled_state_bytes(tx: optax.GradientTransformation, params: Any) -> int |
     memory analysis (the figure would be a count from dtypes, which
     :func:`state_bytes_by_format` already is)."""
     measured = transforms.compiled_state_bytes(tx, params)
-    abstract = jax.eval_shape(tx.init, arrays.abstract_tree(params))
-    counted = arrays.tree_nbytes(abstract)
-    # compiled_state_bytes falls back to the dtypes' count without an analysis: not XLA's figure.
-    if measured.state_bytes == counted and not _has_memory_analysis():
-        return None
-    return int(measured.state_bytes)
-
-
-@functools.cache
-def _has_memory_analysis() -> bool:
-    try:
-        compiled = jax.jit(lambda x: x + 1).lower(np.zeros(4, np.float32)).compile()
-        return compiled.memory_analysis() is not None
-    except (NotImplementedError, RuntimeError):
-        return False
+    return int(measured.state_bytes) if measured.compiled else None

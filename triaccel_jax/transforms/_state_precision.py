@@ -1326,11 +1326,14 @@ class StateBytes(NamedTuple):
       params_bytes: bytes of the parameters (from their dtypes).
       state_bytes: bytes of the optimizer state as the compiled update takes it: XLA's argument
         bytes of the jitted ``(grads, state, params)`` step less the gradients' and parameters'.
+      compiled: whether ``state_bytes`` is XLA's figure; False where the backend gives no memory
+        analysis and the state's dtypes were counted instead.
     """
 
     parameters: int
     params_bytes: int
     state_bytes: int
+    compiled: bool = True
 
     @property
     def bytes_per_parameter(self) -> float:
@@ -1398,7 +1401,6 @@ def compiled_state_bytes(
     except (NotImplementedError, RuntimeError):
         analysis = None
     if analysis is None:
-        state_bytes = arrays.tree_nbytes(abstract_state)
-    else:
-        state_bytes = int(analysis.argument_size_in_bytes) - 2 * params_bytes
+        return StateBytes(parameters, params_bytes, arrays.tree_nbytes(abstract_state), False)
+    state_bytes = int(analysis.argument_size_in_bytes) - 2 * params_bytes
     return StateBytes(parameters, params_bytes, state_bytes)
