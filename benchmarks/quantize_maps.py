@@ -1,6 +1,6 @@
 """One-shot error of the block-wise quantizer's maps on blocks that span many magnitudes.
 
-The workload of issue 40: a 1024x256 first moment whose columns' scales spread 100x (log-uniform
+The workload: a 1024x256 first moment whose columns' scales spread 100x (log-uniform
 over two decades, so each block of 256, one row, holds every scale), and its second moment (the
 squares, spanning four decades). Each map quantizes it once (blocks of 256 for 8 bits, of 128
 for 4 bits, as Li et al. 2023 use; rank-1 normalisation for the 4-bit second moment), with

@@ -1,4 +1,4 @@
-"""Optimizer-state precision (issue 40): AdamW and Muon with their state in fp32, bf16, 8-bit and
+"""Optimizer-state precision: AdamW and Muon with their state in fp32, bf16, 8-bit and
 4-bit blocks, and formats planned per leaf against the signal-blind assignment at the same bytes.
 
 Workloads (benchmarks/accuracy/workloads.py): the 784-128-10 sigmoid MLP and the small CNN on
@@ -116,7 +116,7 @@ STATE_COPIES = {"adamw": 2, "muon": 1}
 # 4.5 and 6.1; Muon, one state copy, about 4.5 and 5.1), so the plan mixes formats at the bytes
 # int4 must reach. The blind row is the signal-blind assignment at the plan's bytes.
 CAP = {"adamw": 5.0, "muon": 4.6}
-# Targets (issue 40), points against the same optimizer in fp32 with the paired 95% interval:
+# Targets, points against the same optimizer in fp32 with the paired 95% interval:
 # int8 (the linear map, the default "int8") mean >= -0.2 and lower end >= -0.3; int4
 # params + state <= CAP bytes per parameter and lower end >= -0.4.
 INT8_MEAN, INT8_LOW = -0.2, -0.3
@@ -661,7 +661,7 @@ def report(store: Store, seeds: list[int]) -> str:
                 f"over seeds: {len(r['plans'])}: {'; '.join(r['plans'])}; the plan's formats "
                 f"equal the signal-blind assignment's at {r['same_as_blind']} of {r['n']} seeds"
             )
-    out += ["", "Targets (issue 40):", *targets(rows)]
+    out += ["", "Targets:", *targets(rows)]
     for note in store.data["notes"]:
         out.append(f"- note: {note}")
     return "\n".join(out)

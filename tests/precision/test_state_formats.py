@@ -104,9 +104,9 @@ def test_a_memory_cap_lowers_until_it_holds_and_reports_the_increase():
 
 @pytest.mark.standard_promotion("optax's adamw promotes its step count inside")
 def test_the_plans_bytes_are_xlas_compiled_figures_of_the_state_it_plans():
-    # Rows of whole blocks, where the rows layout's scales are the flat layout's, and the formats
-    # quantize_state stores as the registry counts them today (int4's factored second moment
-    # and the rows layout are being moved into quantize_state: issue 40).
+    # The registry's count of each leaf (blocks along the last axis, int4's factored second
+    # moment) is what quantize_state stores; the last plan below is uniform int4 on leaves of
+    # rows shorter than a block.
     params = {name: jnp.ones((32, 256)) for name in ("a", "b", "c", "d")} | {"bias": jnp.zeros(8)}
     sig = signals({"a": 1e-6, "b": 1e-2, "c": 1.0, "d": 1.0, "bias": 1.0})
     for copies, inner in ((2, optax.adamw(1e-3)), (1, optax.sgd(1e-3, momentum=0.9))):
@@ -124,6 +124,19 @@ def test_the_plans_bytes_are_xlas_compiled_figures_of_the_state_it_plans():
         measured = compiled_state_bytes(tx, params).bytes_per_parameter
         # AdamW's and the wrapper's counts and keys are a few bytes beside the moments.
         assert measured == pytest.approx(plan.bytes_per_parameter, abs=1e-3)
+    short_rows = {name: jnp.ones((64, 96)) for name in ("a", "b")}
+    plan = plan_state_formats(
+        signals({"a": 1.0, "b": 1.0}),
+        short_rows,
+        learning_rate=1e-3,
+        budget=math.inf,
+        min_size=1024,
+    )
+    assert set(plan.formats.values()) == {"int4"}
+    tx = triaccel_jax.quantize_state(optax.adamw(1e-3), format=plan.formats, min_size=1024)
+    measured = compiled_state_bytes(tx, short_rows)
+    # Exactly, beside Adam's and the wrapper's counts and the wrapper's key (4 + 4 + 8 bytes).
+    assert measured.state_bytes == sum(plan.state_bytes.values()) + 16
 
 
 def test_bad_input_is_refused_by_name():

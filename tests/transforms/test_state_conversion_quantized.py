@@ -1,8 +1,8 @@
 """to_quantized_state and dequantize_state: an optimizer state from float32 to quantized and back.
 
-A running job switches its state's format; a float32 checkpoint restores into a quantized state
-(issue 40). The conversion keeps the inner's counts and injected hyperparameters, matches the
-state by leaf path, and names the first leaf that does not match.
+A running job switches its state's format; a float32 checkpoint restores into a quantized state.
+The conversion keeps the inner's counts and injected hyperparameters, matches the state by leaf
+path, and names the first leaf that does not match.
 """
 
 from __future__ import annotations

@@ -700,7 +700,7 @@ def test_a_callable_returning_an_unknown_format_is_an_error():
         tx.init(make_params())
 
 
-# -- states whose fields combine (issue 40) ------------------------------------------------------
+# -- states whose fields combine ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bf16", "fp32"])
