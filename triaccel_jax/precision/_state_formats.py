@@ -180,9 +180,8 @@ def plan_state_formats(
 ) -> StateFormatPlan:
     """Plans each leaf's optimizer-state format from the curvature and noise signals.
 
-    The loss model, the registry's figures it reads and how a cap binds are in the module's
-    docstring (:mod:`triaccel_jax.precision._state_formats`) and docs/design.md §3.9. Two calls
-    a study compares, at the same bytes:
+    The loss model, the registry's figures it reads and how a cap binds are in docs/design.md
+    §3.9 ("The planner's choice per leaf"). Two calls a study compares, at the same bytes:
 
     * the plan at a cap: ``plan_state_formats(signals, params, learning_rate=lr,
       max_bytes_per_parameter=cap)``;
