@@ -42,7 +42,6 @@ _FORMAT_OF_MAP = {
     for mapping in (spec.signed_map, spec.unsigned_map)
     if mapping is not None
 }
-_FLOAT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 
 
 def triaccel_optimizer(
@@ -189,23 +188,30 @@ def plan_state(
         state_copies=STATE_COPIES,
     )
     return StatePlan(
-        formats={str(k): str(v) for k, v in dict(plan.formats).items()},
+        formats=dict(plan.formats),
         cap=float(cap),
         bytes_per_parameter=float(plan.bytes_per_parameter),
-        meets_cap=bool(getattr(plan, "meets_cap", True)),
+        meets_cap=plan.meets_cap,
         predicted_increase=float(plan.predicted_increase),
         probe_steps=steps,
         probe_seconds=time.perf_counter() - start,
-        reasons={str(k): str(v) for k, v in dict(getattr(plan, "reasons", {})).items()},
+        reasons=dict(plan.reasons),
     )
 
 
 def _is_stored(node: Any) -> bool:
-    # quantize_state's stored leaves: QuantizedLeaf, Bfloat16Leaf, and any other node of its
-    # that names its map (a factored second moment), counted whole under that map's format.
-    return isinstance(node, (transforms.QuantizedLeaf, transforms.Bfloat16Leaf)) or (
-        dataclasses.is_dataclass(node) and isinstance(getattr(node, "mapping", None), str)
+    # quantize_state's stored leaves, each counted whole under its format.
+    return isinstance(
+        node, (transforms.QuantizedLeaf, transforms.FactoredLeaf, transforms.Bfloat16Leaf)
     )
+
+
+def _float_name(dtype: np.dtype) -> str:
+    # The policy's short name ("fp32", "bf16", "fp16"); a dtype it has none for keeps its own.
+    try:
+        return policy_lib.format_name(dtype)
+    except ValueError:
+        return dtype.name
 
 
 def state_bytes_by_format(opt_state: Any) -> dict[str, int]:
@@ -241,7 +247,7 @@ def state_bytes_by_format(opt_state: Any) -> dict[str, int]:
         else:
             dtype = np.dtype(getattr(node, "dtype", np.asarray(node).dtype))
             floating = np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"
-            name = _FLOAT_NAMES.get(dtype.name, dtype.name) if floating else "other"
+            name = _float_name(dtype) if floating else "other"
             nbytes = arrays.nbytes(node)
         if nbytes:
             totals[name] = totals.get(name, 0) + int(nbytes)
