@@ -94,6 +94,13 @@ def _state_total(run: Any) -> float | None:
     return sum(run.state_bytes.values()) or None
 
 
+def _probe(plan: dict[str, Any] | None) -> str:
+    """A state plan's probe as "seconds (steps)", "-" for a run without one."""
+    if plan is None:
+        return "-"
+    return f"{plan['probe_seconds']:.2f} ({plan['probe_steps']})"
+
+
 def _state_mib(run: Any) -> float | None:
     total = _state_total(run)
     return None if total is None else total / 2**20
@@ -172,7 +179,7 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
             state_ratio(r),
             "-" if r.state_bytes_per_parameter is None else f"{r.state_bytes_per_parameter:.3f}",
             state_by_format(r.state_bytes),
-            f"{r.state_probe_seconds:.2f} ({r.state_probe_steps})" if r.state_probe_steps else "-",
+            _probe(r.state_plan),
             f"{100 * r.accuracy:.2f}%",
             _time_to_fp32(r, base),
         )

@@ -52,7 +52,7 @@ class RunResult:
     whole training step (forward, backward and the optimizer's update, parameters and state
     donated as the controller's step donates them) under the run's final policy at that batch.
     ``seconds`` is the run's wall time without its evaluations, Tri-Accel's state plan's probe
-    included (``state_probe_seconds``); of it, ``compile_seconds`` went to compiling the
+    included (its ``probe_seconds``); of it, ``compile_seconds`` went to compiling the
     controller's steps (or loading them from the persistent cache) and ``step_seconds`` to
     running them (the controller's ``timings``). ``samples_per_second`` is training samples over
     the wall time less compiles and the probe. Each of ``evals`` holds ``seconds`` (the probe's
@@ -97,8 +97,6 @@ class RunResult:
     state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     state_compiled_bytes: int | None = None
     state_plan: dict[str, Any] | None = None
-    state_probe_steps: int = 0
-    state_probe_seconds: float = 0.0
 
     @property
     def memory_mib(self) -> float:
@@ -416,8 +414,6 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
         state_bytes=state_lib.state_bytes_by_format(controller.opt_state),
         state_compiled_bytes=state_lib.compiled_state_bytes(controller.tx, controller.params),
         state_plan=None if plan is None else dataclasses.asdict(plan),
-        state_probe_steps=0 if plan is None else plan.probe_steps,
-        state_probe_seconds=probe_seconds,
     )
 
 
