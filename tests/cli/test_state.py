@@ -27,8 +27,7 @@ def digits():
     return loss_fn, params, data
 
 
-@pytest.fixture(scope="module")
-def plan(digits):
+def _plan(digits, *, steps: int = 3, cap: float = 6.5):
     loss_fn, params, data = digits
     return state_lib.plan_state(
         loss_fn,
@@ -37,10 +36,15 @@ def plan(digits):
         data.train,
         learning_rate=1e-3,
         batch_size=32,
-        steps=3,
-        cap=6.5,
+        steps=steps,
+        cap=cap,
         seed=0,
     )
+
+
+@pytest.fixture(scope="module")
+def plan(digits):
+    return _plan(digits)
 
 
 def test_the_plan_stores_the_largest_leaf_low_bit_under_the_cap(plan, digits):
@@ -130,19 +134,8 @@ def test_state_bytes_by_format_counts_every_stored_leaf():
     [(0, 6.5, "at least 1 step"), (3, 0.0, "positive number"), (3, float("nan"), "positive")],
 )
 def test_a_bad_probe_or_cap_is_refused_by_name(digits, steps, cap, message):
-    loss_fn, params, data = digits
     with pytest.raises(ValueError, match=message):
-        state_lib.plan_state(
-            loss_fn,
-            params,
-            None,
-            data.train,
-            learning_rate=1e-3,
-            batch_size=32,
-            steps=steps,
-            cap=cap,
-            seed=0,
-        )
+        _plan(digits, steps=steps, cap=cap)
 
 
 def test_the_plan_summary_names_each_format_and_the_probes_cost():
