@@ -18,12 +18,16 @@ from controller_harness import linear_probe
 from controller_harness import loss_fn as plain_loss
 from controller_harness import make_params
 
+import triaccel_jax
 from triaccel_jax import FakeMemoryProbe
 from triaccel_jax import PrecisionPolicy
 from triaccel_jax.controller import ControllerConfig
+from triaccel_jax.controller._precision_schedule import PrecisionSchedule
 from triaccel_jax.controller._precision_speed import PolicyTrial
 from triaccel_jax.controller._precision_speed import judge_trial
 from triaccel_jax.controller._precision_speed import savings_needed
+from triaccel_jax.controller._replan import decide_replan
+from triaccel_jax.policy import PrecisionPlan
 from triaccel_jax.precision import PlannerConfig
 
 EVERYTHING = PlannerConfig(budget=float("inf"), min_size=0)
@@ -196,3 +200,76 @@ def test_savings_needed_counts_what_the_policy_already_saves():
     assert savings_needed(fp32, params, peak_bytes=None, limit_bytes=1_000, target=0.8) == 0
     assert savings_needed(fp32, params, peak_bytes=500, limit_bytes=1_000, target=0.8) == 0
     assert jnp.size(params["w1"]) + jnp.size(params["w2"]) == 288
+
+
+def _decide(**overrides):
+    """The re-plan decision from all-fp32 on the harness's params (the budget lets one leaf
+    go to bf16), at micro-batch 16 against a limit of 1000 B (target 80%)."""
+    params = make_params()
+    start = PrecisionPlan(PrecisionPolicy.uniform(params), {})
+    settings = dict(
+        loss=1.0,
+        planner=EVERYTHING,
+        precision_rule="speed",
+        first=True,
+        for_memory=False,
+        tries_for_speed=True,
+        micro=16,
+        num_micro=1,
+        peak_bytes=500,
+        limit_bytes=1_000,
+        target=0.8,
+        throughput={(16, 1, start.policy.signature): 100.0, (32, 1, "other"): 5.0},
+    )
+    settings.update(overrides)
+    return start, decide_replan(triaccel_jax.triaccel(0.1).init(params), params, start, **settings)
+
+
+def test_a_replan_decision_says_why_and_puts_on_trial_only_what_may_prove_faster():
+    # Memory fits and lower precision may still prove faster: the budget's plan, on trial.
+    start, trial = _decide()
+    assert trial.changed and trial.figures["speed_trial"] is True
+    assert trial.reason.startswith("the accuracy budget allows lower precision")
+    assert trial.figures["samples_per_second"] == {start.policy.signature: 100.0}  # this batch's
+    # A lower precision measured slower this run, and memory fits: nothing to lower.
+    _, kept = _decide(tries_for_speed=False)
+    assert not kept.changed and kept.plan.policy == start.policy and kept.reason == ""
+    # Over the target (1000 B against 800): lowered for memory, no trial, the bytes said.
+    for overrides in ({"tries_for_speed": False}, {"for_memory": True}):
+        _, memory = _decide(peak_bytes=1_000, **overrides)
+        assert memory.changed and "speed_trial" not in memory.figures
+        assert memory.reason == "memory needs 200 B saved at micro-batch 16"
+    # The memory rule lowers what the budget allows, and times nothing.
+    _, lowered = _decide(precision_rule="memory")
+    assert lowered.changed and lowered.reason == "the planner chose another policy"
+    assert set(lowered.figures) == {"precision_rule", "leaves_by_dtype", "loss"}
+
+
+def test_a_replan_for_memory_skips_the_hysteresis_a_scheduled_one_waits_for():
+    over = dict(tries_for_speed=False, peak_bytes=1_000, first=False)
+    _, scheduled = _decide(**over)
+    assert not scheduled.changed and scheduled.plan.pending  # a streak starts
+    _, for_memory = _decide(for_memory=True, **over)
+    assert for_memory.changed and not for_memory.plan.pending
+
+
+def test_the_schedule_defers_a_replan_behind_a_compile_and_holds_it_for_a_trials_verdict():
+    params = make_params()
+    fp32, bf16 = PrecisionPolicy.uniform(params), PrecisionPolicy.uniform(params, "bf16")
+    schedule = PrecisionSchedule(speed_trials=True)
+    schedule.set_policy(fp32)
+    assert schedule.start_replan(20, compiling=True, for_memory=False) is None
+    assert schedule.waiting  # it runs once the compile is taken, as the re-plan due at 20
+    assert schedule.start_replan(25, compiling=True, for_memory=True) is None
+    assert schedule.start_replan(30, compiling=False, for_memory=False) == 20
+    assert not schedule.waiting
+    schedule.switch(PrecisionPlan(bf16, {}), trial_at=(16, 1))
+    assert schedule.policy == bf16
+    assert (schedule.trial.signature, schedule.trial.previous_signature) == (
+        bf16.signature,
+        fp32.signature,
+    )
+    assert schedule.start_replan(40, compiling=False, for_memory=False) is None
+    assert schedule.start_replan(41, compiling=False, for_memory=True) == 41  # memory won't wait
+    schedule.switch(PrecisionPlan(fp32, {}))
+    assert schedule.policy == fp32 and schedule.trial is not None  # judged (and dropped) later

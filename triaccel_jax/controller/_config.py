@@ -392,6 +392,13 @@ class ControllerConfig:
         return self.batch_rule == "goodput" and not self.keep_global_batch
 
     @property
+    def replans_for_memory(self) -> bool:
+        """Whether memory pressure re-plans precision before it shrinks the batch
+        (``precision_rule="speed"`` with precision planned): the speed rule lowers leaves only
+        as far as memory needs, so a step over the high-water mark asks for that first."""
+        return self.precision_rule == "speed" and self.replan_every is not None
+
+    @property
     def splits_steps(self) -> bool:
         """Whether a step of one (even) micro-batch runs as two halves, to measure the noise
         scale (``measure_noise_scale``, goodput batch moves or AdaScale's gain need it)."""

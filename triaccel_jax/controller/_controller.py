@@ -9,9 +9,10 @@ figures), :class:`._goodput_tracker.GoodputTracker` (noise scale, throughput, th
 streak), :class:`._precision_schedule.PrecisionSchedule` (the plan, speed trials, a waiting
 re-plan) and :class:`._learning_rate.LearningRateScaling` (the tuned rate, the batch rule, the
 schedule clock). The decisions themselves are pure functions of measured figures
-(:mod:`._buckets`, :mod:`._goodput`, :mod:`._out_of_memory`, :func:`._replan.replan`,
-:mod:`._precision_speed`); the controller compiles through :class:`._compiling.StepCompiler`
-and is the only writer of the event log.
+(:mod:`._buckets`, :mod:`._goodput`, :mod:`._out_of_memory`, :func:`._replan.decide_replan`,
+:mod:`._precision_speed`): the controller applies them (compiles, converts the optimizer state,
+moves the bucket), compiles through :class:`._compiling.StepCompiler` and is the only writer of
+the event log. Every time it measures is read from its ``clock``.
 """
 
 from __future__ import annotations
@@ -50,14 +51,12 @@ from triaccel_jax.controller import _logging as logging_lib
 from triaccel_jax.controller import _memory_probe as memory_probe
 from triaccel_jax.controller import _out_of_memory as out_of_memory
 from triaccel_jax.controller import _precision_schedule as precision_schedule
-from triaccel_jax.controller import _precision_speed as precision_speed
 from triaccel_jax.controller import _replan as replan_lib
 from triaccel_jax.controller import _sampler as sampler_lib
 from triaccel_jax.controller import _state_record as state_record
 from triaccel_jax.controller import _step_records as records
 from triaccel_jax.policy import PrecisionPlan
 from triaccel_jax.policy import PrecisionPolicy
-from triaccel_jax.policy import carried_itemsize
 from triaccel_jax.policy import check_policy
 from triaccel_jax.transforms import FusedTriAccel
 from triaccel_jax.transforms import LossScaleState
@@ -1072,7 +1071,7 @@ class Controller:
             decision, chosen = self._goodput_decision(decision)
         if decision.kind == "keep" or (decision.kind == "grow" and self._compiler.busy):
             return
-        if memory_shrink and self._lower_precision_for_memory():
+        if memory_shrink and self._config.replans_for_memory and self._replan(for_memory=True):
             return  # memory is relieved by precision first (precision_rule="speed")
         if decision.kind == "shrink":
             self._compiler.call_off_grow()  # a grow decided before is not taken
@@ -1132,101 +1131,62 @@ class Controller:
         return True
 
     def _replan(self, *, for_memory: bool = False) -> bool:
-        """Re-plans the policy from the optimizer's signals (:func:`._replan.replan`); returns
-        whether a switch was made or started.
+        """Re-plans the policy when the schedule says it runs now
+        (:meth:`._precision_schedule.PrecisionSchedule.start_replan`) and applies the decision
+        (:func:`._replan.decide_replan`); returns whether a switch was made or started.
 
-        With ``precision_rule="speed"`` (:mod:`._precision_speed`) the planner lowers leaves
-        only as far as memory needs, unless a lower precision may still prove faster here: then
-        the budget's plan is taken as a trial, timed, and kept only if faster. ``for_memory``
-        (a memory check found the step over the high-water mark) plans for memory alone and
-        without hysteresis: relief cannot wait ``patience`` re-plans.
-
-        A changed policy converts the optimizer state and forgets the measured peaks. With
-        ``compile_in_background`` the new policy's step compiles on the worker thread first and
-        the switch comes at the first step boundary after it is ready; a re-plan that comes due
-        while another background compile waits runs as soon as that one is taken.
+        ``for_memory``: a memory check found the step over the high-water mark
+        (``precision_rule="speed"``). A changed policy's step compiles first: on the worker
+        thread with ``compile_in_background`` (the switch then comes at the first step boundary
+        after it is ready), else at the next step.
         """
-        if self._compiler.busy:
-            if not for_memory:
-                self._precision.defer(self._step_count)
+        due = self._precision.start_replan(
+            self._step_count, compiling=self._compiler.busy, for_memory=for_memory
+        )
+        if due is None:
             return False
-        speed = self._config.precision_rule == "speed"
-        if speed and self._precision.trial is not None and not for_memory:
-            return False  # the trial's verdict comes first
-        due = self._precision.take_due(self._step_count)
-        assert self.policy is not None  # re-planning starts from a policy
-        micro = self._bucket.micro
-        figures: dict[str, Any] = {"precision_rule": self._config.precision_rule}
-        savings = None
-        if speed:
-            peak = self._known_peaks().get(micro)
-            needed = precision_speed.savings_needed(
-                self.policy,
-                self._params,
-                peak_bytes=peak,
-                limit_bytes=self._bucket.limit,
-                target=self._config.target,
-            )
-            if for_memory or not self._precision.tries_for_speed:
-                savings = needed
-            num_micro = self._num_micro(micro)
-            figures.update(
-                savings_needed_bytes=needed,
-                peak_bytes=peak,
-                limit_bytes=self._bucket.limit,
-                samples_per_second={
-                    signature: rate
-                    for (m, n, signature), rate in self._goodput.throughput.items()
-                    if (m, n) == (micro, num_micro)
-                },
-            )
-        result = replan_lib.replan(
+        micro, num_micro = self._bucket.micro, self._num_micro(self._bucket.micro)
+        previous = self._precision.plan
+        assert previous is not None  # re-planning starts from a policy
+        decision = replan_lib.decide_replan(
             self._opt_state,
             self._params,
-            self._precision.plan,
+            previous,
             loss=self._last_loss,
             planner=self._config.planner,
-            # The first plan leaves the all-fp32 start at once: hysteresis guards against
-            # flipping back and forth between plans, and there is no earlier plan yet.
-            hysteresis=not (self._config.is_first_replan(due) or for_memory),
-            savings_needed=savings,
+            precision_rule=self._config.precision_rule,
+            first=self._config.is_first_replan(due),
+            for_memory=for_memory,
+            tries_for_speed=self._precision.tries_for_speed,
+            micro=micro,
+            num_micro=num_micro,
+            peak_bytes=self._known_peaks().get(micro),
+            limit_bytes=self._bucket.limit,
+            target=self._config.target,
+            throughput=self._goodput.throughput,
         )
-        if not result.changed:
-            self._precision.set_plan(result.plan)  # the hysteresis streaks move on
+        if not decision.changed:
+            self._precision.set_plan(decision.plan)  # the hysteresis streaks move on
             return False
-        figures.update(leaves_by_dtype=result.leaves_by_dtype, loss=self._last_loss)
-        reason = "the planner chose another policy"
-        if for_memory or (savings is not None and savings > 0):
-            reason = (
-                f"memory needs {figures['savings_needed_bytes']} B saved at micro-batch {micro}"
-            )
-        elif speed and savings is None and _lowers(self.policy, result.plan.policy):
-            figures["speed_trial"] = True
-            reason = "the accuracy budget allows lower precision: a trial times it against fp32"
-        key = (micro, self._num_micro(micro), result.plan.policy)
+        plan, reason, figures = decision.plan, decision.reason, decision.figures
+        key = (micro, num_micro, plan.policy)
         if self._config.compile_in_background and key not in self._compiler:
-            self._compiler.start(key, reason, figures, plan=result.plan, opt_state=result.opt_state)
+            self._compiler.start(key, reason, figures, plan=plan, opt_state=decision.opt_state)
             self._log(
                 "replan_decided",
-                self.policy.signature,
-                result.plan.policy.signature,
+                previous.policy.signature,
+                plan.policy.signature,
                 f"{reason}; compiling its step in the background",
                 **figures,
             )
             return True
-        self._switch_policy(result.plan, reason, figures, opt_state=result.opt_state)
+        self._switch_policy(plan, reason, figures, opt_state=decision.opt_state)
         return True
 
-    def _lower_precision_for_memory(self) -> bool:
-        """With ``precision_rule="speed"`` and precision planned: a re-plan for memory before a
-        shrink; True when it switched (or started compiling) a policy that saves bytes."""
-        if self._config.precision_rule != "speed" or self._config.replan_every is None:
-            return False
-        return self._replan(for_memory=True)
-
     def _judge_trial(self) -> None:
-        """Keeps a lower-precision trial's policy when its steps measured faster, else goes back
-        to the policy before it (:meth:`._precision_schedule.PrecisionSchedule.judge_trial`)."""
+        """Logs a finished speed trial's verdict
+        (:meth:`._precision_schedule.PrecisionSchedule.judge_trial`) and goes back to the
+        policy before it when the trial's steps were not faster."""
         judged = self._precision.judge_trial(
             micro=self._bucket.micro,
             min_steps=self._config.check_every,
@@ -1245,16 +1205,16 @@ class Controller:
         self, plan: PrecisionPlan, reason: str, figures: dict, *, opt_state: Any = None
     ) -> None:
         """Puts ``plan``'s policy in force: the optimizer state converted (``opt_state`` when it
-        is already), a ``"replan"`` logged, the measured peaks (the old policy's) forgotten."""
+        is already), a ``"replan"`` logged, the measured peaks (the old policy's) forgotten, and
+        a speed trial started at the bucket in force when the decision asked for one."""
         assert self.policy is not None  # re-planning starts from a policy
         self._log("replan", self.policy.signature, plan.policy.signature, reason, **figures)
         if opt_state is None:
             opt_state = convert_state(self._opt_state, plan.policy)
         self._opt_state = self._place(opt_state)
-        if figures.get("speed_trial"):
-            micro = self._bucket.micro
-            self._precision.start_trial(self._precision.plan, plan, micro, self._num_micro(micro))
-        self._precision.set_plan(plan)
+        micro = self._bucket.micro
+        trial_at = (micro, self._num_micro(micro)) if figures.get("speed_trial") else None
+        self._precision.switch(plan, trial_at=trial_at)
         self._bucket.forget_measured()
 
     def _take_background_compile(self) -> None:
@@ -1448,11 +1408,3 @@ def _holds_signals(opt_state: Any) -> bool:
     except (ValueError, TypeError):
         return False
     return True
-
-
-def _lowers(before: PrecisionPolicy, after: PrecisionPolicy) -> bool:
-    """Whether ``after`` computes some leaf in fewer bytes than ``before`` does."""
-    return any(
-        carried_itemsize(after.compute(path)) < carried_itemsize(before.compute(path))
-        for path in after
-    )

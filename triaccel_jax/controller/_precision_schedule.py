@@ -5,8 +5,10 @@ methods: the :class:`triaccel_jax.policy.PrecisionPlan` in force (the policy and
 hysteresis streaks), a lower-precision policy on trial and whether a lower precision measured
 slower this run (``precision_rule="speed"``, :mod:`._precision_speed`), and a re-plan that came
 due while a background compile was waiting. The decisions stay pure functions
-(:func:`._replan.replan`, :func:`._precision_speed.judge_trial`); this part keeps what they
-decide from and returns their verdicts for the controller to log and act on. The plan is saved
+(:func:`._replan.decide_replan`, :func:`._precision_speed.judge_trial`); this part keeps what
+they decide from, says when a re-plan runs (:meth:`PrecisionSchedule.start_replan`), takes a
+switch (:meth:`PrecisionSchedule.switch`) and returns the trials' verdicts for the controller to
+log and act on. The plan is saved
 (:meth:`PrecisionSchedule.state_dict`, the ``"precision"`` part of the controller's state); a
 trial and a waiting re-plan are not: a restore calls them off.
 """
@@ -111,6 +113,37 @@ class PrecisionSchedule:
         due = step if self._due_at is None else self._due_at
         self._due_at = None
         return due
+
+    def start_replan(self, step: int, *, compiling: bool, for_memory: bool) -> int | None:
+        """Whether a re-plan asked for at ``step`` runs now: the step it came due at, or None.
+
+        It does not run while a background compile waits to be taken (a scheduled re-plan is
+        then deferred until that compile is taken; one for memory is not: the shrink goes on),
+        nor, unless for memory, while a speed trial waits for its verdict.
+
+        Args:
+          step: the step count now.
+          compiling: whether a background compile waits to be taken.
+          for_memory: whether memory pressure asks for the re-plan.
+
+        Returns:
+          The step the re-plan came due at (a deferred one's, else ``step``), or None.
+        """
+        if compiling:
+            if not for_memory:
+                self.defer(step)
+            return None
+        if self._trial is not None and not for_memory:
+            return None  # the trial's verdict comes first (only the speed rule starts trials)
+        return self.take_due(step)
+
+    def switch(self, plan: PrecisionPlan, *, trial_at: tuple[int, int] | None = None) -> None:
+        """Puts a re-plan's ``plan`` in force (or the plan a failed trial goes back to); with
+        ``trial_at`` ``(micro, num_micro)`` its policy goes on a speed trial there, against the
+        policy it replaces."""
+        if trial_at is not None:
+            self.start_trial(self._plan, plan, *trial_at)
+        self._plan = plan
 
     def call_off(self) -> None:
         """Forgets a trial and a waiting re-plan (``set_policy`` and a restore set the policy

@@ -156,3 +156,23 @@ def savings_needed(
         )
         saved += width * math.prod(leaf.shape)
     return max(0, math.ceil(saved + peak_bytes - target * limit_bytes))
+
+
+def lowers(before: policy_lib.PrecisionPolicy, after: policy_lib.PrecisionPolicy) -> bool:
+    """Whether ``after`` computes some leaf in fewer bytes than ``before`` does: a policy the
+    speed rule may only keep after a trial.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from triaccel_jax import PrecisionPolicy
+      >>> from triaccel_jax.controller._precision_speed import lowers
+      >>> params = {"w": jnp.ones(4)}
+      >>> fp32, bf16 = PrecisionPolicy.uniform(params), PrecisionPolicy.uniform(params, "bf16")
+      >>> lowers(fp32, bf16), lowers(bf16, fp32)
+      (True, False)
+    """
+    return any(
+        policy_lib.carried_itemsize(after.compute(path))
+        < policy_lib.carried_itemsize(before.compute(path))
+        for path in after
+    )
