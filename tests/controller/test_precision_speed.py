@@ -95,12 +95,27 @@ def test_a_lower_precision_measured_slower_goes_back_to_fp32_and_is_not_tried_ag
 
 @pytest.mark.slow
 def test_a_lower_precision_measured_faster_is_kept(make_controller):
-    controller = make_controller(loss_fn=_slow_when(lowered=False), **_settings())
+    # The goodput margin does not judge a speed trial: a huge one changes nothing here.
+    controller = make_controller(loss_fn=_slow_when(lowered=False), **_settings(goodput_margin=1e6))
     controller.run(40)
     (trial,) = [e for e in controller.events if e.kind == "precision_trial"]
     assert trial.figures["speedup"] > 0.05
     assert trial.new == trial.old  # the trial policy is kept
     assert _lowered(controller.policy)
+
+
+@pytest.mark.slow
+def test_a_faster_lower_precision_short_of_the_speed_trial_margin_is_not_kept(make_controller):
+    controller = make_controller(
+        loss_fn=_slow_when(lowered=False), **_settings(speed_trial_margin=1e6)
+    )
+    controller.run(40)
+    (trial,) = [e for e in controller.events if e.kind == "precision_trial"]
+    assert trial.figures["speedup"] > 0.05  # faster, but not by the margin asked for
+    assert trial.new != trial.old  # back to the policy before the trial
+    assert not _lowered(controller.policy)
+    with pytest.raises(ValueError, match="speed_trial_margin"):
+        ControllerConfig(speed_trial_margin=-0.1)
 
 
 @pytest.mark.slow

@@ -65,6 +65,7 @@ _LOOP_ONLY = {
     "fused_update": "your step applies its own update",
     "measure_noise_scale": "value_and_grad_with_noise measures it in your step",
     "speed_trials": "precision is yours to re-plan",
+    "speed_trial_margin": "precision is yours to re-plan",
     "noise_estimator": "report() takes the plain gradient's norms",
 }
 

@@ -186,8 +186,7 @@ class ControllerConfig:
       goodput_every: the fraction of an epoch between goodput decisions, in (0, 1]: the
         decisions run on a sample clock (2% of an epoch by default, and at memory checks, every
         ``check_every`` steps), so each rests on about the same new evidence whatever the batch.
-      goodput_margin: relative gain a move needs, >= 0: goodput for a goodput bucket move,
-        measured samples per second for a lower precision kept for speed.
+      goodput_margin: relative gain in goodput a goodput bucket move needs, >= 0.
       precision_rule: what a re-planned precision is for (with ``replan_every``). ``"speed"``
         (the default): leaves go lower where memory needs it (before the batch shrinks) or
         where a trial of the planner's policy measured its steps faster than the policy before
@@ -197,6 +196,8 @@ class ControllerConfig:
         a timed trial. None (the default): on accelerators, not on a CPU, where XLA converts
         bf16 through float32 (the small CNN's bf16 step measured 2x slower there, and its
         compile took 3-4x longer, so a trial only costs time); True or False forces it.
+      speed_trial_margin: relative gain in measured samples per second a lower precision on
+        a speed trial needs to be kept, >= 0 (0.05 by default).
       critical_multiple: the goodput batch's cap, in noise scales: 1 (the default) keeps it at
         most about the critical batch (McCandlish et al., 2018), > 0.
       assumed_step_time: ``(fixed_seconds, seconds_per_sample)``: goodput decides with this
@@ -258,6 +259,7 @@ class ControllerConfig:
     assumed_step_time: tuple[float, float] | None = None
     precision_rule: str = "speed"
     speed_trials: bool | None = None
+    speed_trial_margin: float = 0.05
     noise_estimator: str = "simple"
 
     def __post_init__(self) -> None:
@@ -305,6 +307,7 @@ class ControllerConfig:
             "goodput_every", self.goodput_every, 0.0, 1.0, low_inclusive=False
         )
         validation.check_in_range("goodput_margin", self.goodput_margin, 0.0, float("inf"))
+        validation.check_in_range("speed_trial_margin", self.speed_trial_margin, 0.0, float("inf"))
         validation.check_in_range(
             "critical_multiple", self.critical_multiple, 0.0, float("inf"), low_inclusive=False
         )

@@ -1190,7 +1190,7 @@ class Controller:
         judged = self._precision.judge_trial(
             micro=self._bucket.micro,
             min_steps=self._config.check_every,
-            margin=self._config.goodput_margin,
+            margin=self._config.speed_trial_margin,
             rate=self._goodput.rate,
         )
         if judged is None:
