@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triaccel_jax.kernels import quantize as q
+from triaccel_jax.kernels import quantize as quantize_lib
 
 
 def workload(rows: int, columns: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -72,20 +72,22 @@ def rows_of(m: np.ndarray, v: np.ndarray) -> list[tuple[str, str, int | str, tup
         ("v (non-negative)", v, ("linear", "sqrt", "dynamic_unsigned", "linear4_unsigned")),
     ):
         for mapping in maps:
-            block = 128 if q.MAP_BITS[mapping] == 4 else 256
-            quantized = q.quantize_blocks(jnp.asarray(x), block_size=block, mapping=mapping)
-            back = q.dequantize_blocks(
+            block = 128 if quantize_lib.MAP_BITS[mapping] == 4 else 256
+            quantized = quantize_lib.quantize_blocks(
+                jnp.asarray(x), block_size=block, mapping=mapping
+            )
+            back = quantize_lib.dequantize_blocks(
                 quantized.codes,
                 quantized.scales,
                 block_size=block,
                 mapping=mapping,
                 shape=x.shape,
             )
-            nbytes = q.stored_bytes(x.shape, block_size=block, mapping=mapping) / x.size
+            nbytes = quantize_lib.stored_bytes(x.shape, block_size=block, mapping=mapping) / x.size
             out.append((moment, mapping, block, errors(x, back, m, v), nbytes))
         if moment.startswith("v"):
-            rank1 = q.quantize_rank1(jnp.asarray(x), mapping="linear4_unsigned")
-            back = q.dequantize_rank1(rank1.codes, rank1.row_scales, rank1.column_scales)
+            rank1 = quantize_lib.quantize_rank1(jnp.asarray(x), mapping="linear4_unsigned")
+            back = quantize_lib.dequantize_rank1(rank1.codes, rank1.row_scales, rank1.column_scales)
             nbytes = (rank1.codes.size + 4 * (x.shape[0] + x.shape[1])) / x.size
             out.append((moment, "linear4_unsigned", "rank-1", errors(x, back, m, v), nbytes))
     return out

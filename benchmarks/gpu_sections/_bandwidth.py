@@ -34,8 +34,8 @@ from triaccel_jax.kernels import _adam as adam_lib
 from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import _launch
 from triaccel_jax.kernels import _rounding
-from triaccel_jax.kernels import cast as cast_lib
-from triaccel_jax.kernels import fused_update as fused_lib
+from triaccel_jax.kernels import cast as cast_kernel
+from triaccel_jax.kernels import fused_update as fused_kernel
 from triaccel_jax.kernels import quantize as quantize_lib
 
 # Candidates are screened with fewer rounds; the winner is timed with the full count.
@@ -90,7 +90,9 @@ def _cast_rows(n: int, triton: bool, iterations: int, report: Report) -> list[di
     for dtype in common.TARGETS:
         for rounding in ("nearest", "stochastic"):
             reference = jax.jit(
-                functools.partial(cast_lib.cast_reference, dtype=dtype, rounding=rounding, key=key)
+                functools.partial(
+                    cast_kernel.cast_reference, dtype=dtype, rounding=rounding, key=key
+                )
             )
 
             def make(launch, dtype=dtype, rounding=rounding):
@@ -139,7 +141,7 @@ def _fused_rows(n: int, triton: bool, iterations: int, report: Report) -> list[d
         m = jnp.dtype(moment_dtype).itemsize
         bytes_moved = n * (4 + 2 * m + 4) + n * (2 * m + 4 + 2)
         args = (grad, mu, nu, master, 1.0)
-        reference = jax.jit(functools.partial(fused_lib.fused_update_reference, **kwargs))
+        reference = jax.jit(functools.partial(fused_kernel.fused_update_reference, **kwargs))
         row = _row(
             _dispatch.fused_update_op(moment_dtype),
             f"fused update (moments {common.name(moment_dtype)})",
@@ -282,7 +284,7 @@ def _fused_with_launch(launch: _launch.LaunchConfig, kwargs: dict[str, Any]) -> 
 
     @jax.jit
     def run(grad, mu, nu, master, step_scale):
-        s = fused_lib.scalars(
+        s = fused_kernel.scalars(
             count=kwargs["count"],
             learning_rate=kwargs["learning_rate"],
             b1=kwargs["b1"],
@@ -375,7 +377,7 @@ def _unfused_pipeline(
     moment_dtype, *, count, learning_rate, compute_dtype, key, b1, b2, eps, weight_decay
 ):
     """The update as an optax chain runs it: separate steps, each through memory."""
-    s = fused_lib.scalars(
+    s = fused_kernel.scalars(
         count=count,
         learning_rate=learning_rate,
         b1=b1,
@@ -391,8 +393,8 @@ def _unfused_pipeline(
         mu_f, nu_f, _, _, direction = adam_lib.adam_moments(grad, mu, nu, s)
         k_mu, k_nu = jax.random.split(key)
         return (
-            cast_lib.cast_reference(mu_f, moment_dtype, rounding="stochastic", key=k_mu),
-            cast_lib.cast_reference(nu_f, moment_dtype, rounding="stochastic", key=k_nu),
+            cast_kernel.cast_reference(mu_f, moment_dtype, rounding="stochastic", key=k_mu),
+            cast_kernel.cast_reference(nu_f, moment_dtype, rounding="stochastic", key=k_nu),
             direction,
         )
 
@@ -400,7 +402,7 @@ def _unfused_pipeline(
     def master_step(master, direction):
         return master - s.learning_rate * (direction + s.weight_decay * master)
 
-    compute_cast = jax.jit(lambda master: cast_lib.cast_reference(master, compute_dtype))
+    compute_cast = jax.jit(lambda master: cast_kernel.cast_reference(master, compute_dtype))
 
     def run(grad, mu, nu, master):
         mu, nu, direction = moments(grad, mu, nu)

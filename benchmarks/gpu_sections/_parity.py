@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from gpu_sections import _common as common
-from triaccel_jax.kernels import cast as cast_lib
-from triaccel_jax.kernels import fused_update as fused_lib
+from triaccel_jax.kernels import cast as cast_kernel
+from triaccel_jax.kernels import fused_update as fused_kernel
 
 
 def cast_parity(n: int, impl: str) -> list[bool]:
@@ -27,7 +27,7 @@ def cast_parity(n: int, impl: str) -> list[bool]:
             for scale in (None, 0.37):
                 run = jax.jit(
                     functools.partial(
-                        cast_lib.cast,
+                        cast_kernel.cast,
                         dtype=dtype,
                         rounding=rounding,
                         key=key,
@@ -37,7 +37,7 @@ def cast_parity(n: int, impl: str) -> list[bool]:
                 )
                 got = run(x)
                 with jax.disable_jit():
-                    expected = cast_lib.cast_reference(
+                    expected = cast_kernel.cast_reference(
                         x, dtype, rounding=rounding, key=key, scale=scale
                     )
                 equal, worst = common.ulp_distance(got, expected)
@@ -94,7 +94,7 @@ def fused_parity(n: int, impl: str) -> list[bool]:
         # count and learning_rate are traced: as jit-time constants XLA would fold the bias
         # corrections on the host, possibly an ulp away from its compiled pow.
         def run(count, learning_rate, *arrays, kwargs=kwargs):
-            return fused_lib.fused_update(
+            return fused_kernel.fused_update(
                 *arrays, count=count, learning_rate=learning_rate, impl=impl, **kwargs
             )
 
@@ -109,7 +109,7 @@ def fused_parity(n: int, impl: str) -> list[bool]:
         reference_args = (grad, mu, nu, master, 1.25)
         reference_kwargs = dict(count=count, learning_rate=learning_rate, **kwargs)
         expected = _op_by_op_on_cpu(
-            fused_lib.fused_update_reference, *reference_args, **reference_kwargs
+            fused_kernel.fused_update_reference, *reference_args, **reference_kwargs
         )
         cells, ok = [], True
         for g, e in zip(got, expected, strict=True):
@@ -128,7 +128,7 @@ def fused_parity(n: int, impl: str) -> list[bool]:
         if impl != "reference":
             # For the record: the same reference op by op on this device (XLA's own kernels).
             with jax.disable_jit():
-                on_device = fused_lib.fused_update_reference(*reference_args, **reference_kwargs)
+                on_device = fused_kernel.fused_update_reference(*reference_args, **reference_kwargs)
             worst = max(common.ulp_distance(g, e)[1] for g, e in zip(got, on_device, strict=True))
             common.echo(
                 f"    (vs the reference op by op on {jax.default_backend()}: max {worst:g} ulps)"

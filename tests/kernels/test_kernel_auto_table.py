@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from triaccel_jax.kernels import _dispatch
-from triaccel_jax.kernels import cast as cast_lib
-from triaccel_jax.kernels import fused_update as fused_lib
+from triaccel_jax.kernels import cast as cast_kernel
+from triaccel_jax.kernels import fused_update as fused_kernel
 
 
 @pytest.fixture
@@ -64,12 +64,12 @@ def test_cast_and_fused_update_ask_the_table_for_their_own_operation(monkeypatch
     x = jnp.ones(8)
     key = jax.random.key(0)
     np.testing.assert_array_equal(
-        cast_lib.cast(x, jnp.float16, rounding="stochastic", key=key),
-        cast_lib.cast_reference(x, jnp.float16, rounding="stochastic", key=key),
+        cast_kernel.cast(x, jnp.float16, rounding="stochastic", key=key),
+        cast_kernel.cast_reference(x, jnp.float16, rounding="stochastic", key=key),
     )
     bf16 = jnp.zeros(8, jnp.bfloat16)
-    fused_lib.fused_update(x, bf16, bf16, x, count=1, learning_rate=0.1, key=key)
-    fused_lib.fused_update(x, jnp.zeros(8), jnp.zeros(8), x, count=1, learning_rate=0.1)
+    fused_kernel.fused_update(x, bf16, bf16, x, count=1, learning_rate=0.1, key=key)
+    fused_kernel.fused_update(x, jnp.zeros(8), jnp.zeros(8), x, count=1, learning_rate=0.1)
     assert asked == ["cast/float16/stochastic", "fused_update/bfloat16", "fused_update/float32"]
 
 

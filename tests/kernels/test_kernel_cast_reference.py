@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from triaccel_jax.kernels import _rounding
-from triaccel_jax.kernels import cast as cast_lib
+from triaccel_jax.kernels import cast as cast_kernel
 
 TARGETS = [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn]
 _RAW = {1: np.uint8, 2: np.uint16}
@@ -47,7 +47,7 @@ def _wide_values(n: int, dtype, seed: int = 0) -> jax.Array:
 @pytest.mark.parametrize("dtype", TARGETS, ids=lambda d: jnp.dtype(d).name)
 def test_stochastic_rounding_takes_only_the_two_neighbours(dtype):
     x = _wide_values(20_000, dtype)
-    y = cast_lib.cast_reference(x, dtype, rounding="stochastic", key=jax.random.key(1))
+    y = cast_kernel.cast_reference(x, dtype, rounding="stochastic", key=jax.random.key(1))
     assert y.dtype == dtype
     low, high = neighbours(np.asarray(x), dtype)
     y64 = np.asarray(y).astype(np.float64)
@@ -75,7 +75,7 @@ UNBIASED_CASES = [
 def test_stochastic_rounding_is_unbiased(dtype, value, p_up):
     n = 100_000
     value = np.float32(value)
-    y = cast_lib.cast_reference(
+    y = cast_kernel.cast_reference(
         jnp.full((n,), value), dtype, rounding="stochastic", key=jax.random.key(2)
     )
     y64 = np.asarray(y).astype(np.float64)
@@ -92,14 +92,16 @@ def test_stochastic_rounding_is_unbiased(dtype, value, p_up):
 @pytest.mark.parametrize("dtype", TARGETS, ids=lambda d: jnp.dtype(d).name)
 def test_stochastic_rounding_is_deterministic_for_a_key(dtype):
     x = jnp.linspace(-3.0, 3.0, 4097)
-    cast = jax.jit(lambda x, key: cast_lib.cast_reference(x, dtype, rounding="stochastic", key=key))
+    cast = jax.jit(
+        lambda x, key: cast_kernel.cast_reference(x, dtype, rounding="stochastic", key=key)
+    )
     a = cast(x, jax.random.key(3))
-    b = cast_lib.cast_reference(x, dtype, rounding="stochastic", key=jax.random.key(3))
+    b = cast_kernel.cast_reference(x, dtype, rounding="stochastic", key=jax.random.key(3))
     c = cast(x, jax.random.key(4))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(np.asarray(a), np.asarray(c))
     # Legacy uint32 key data works too, and means the same key.
-    d = cast_lib.cast_reference(
+    d = cast_kernel.cast_reference(
         x, dtype, rounding="stochastic", key=jax.random.key_data(jax.random.key(3))
     )
     np.testing.assert_array_equal(np.asarray(a), np.asarray(d))
@@ -108,7 +110,7 @@ def test_stochastic_rounding_is_deterministic_for_a_key(dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
 def test_nearest_is_xla_cast_for_formats_with_infinity(dtype):
     x = jnp.concatenate([_wide_values(10_000, dtype), jnp.array([1e30, -1e30, jnp.inf, jnp.nan])])
-    y = cast_lib.cast_reference(x, dtype)
+    y = cast_kernel.cast_reference(x, dtype)
     expected = x.astype(dtype)
     np.testing.assert_array_equal(
         np.asarray(y).view(np.uint16), np.asarray(expected).view(np.uint16)
@@ -117,7 +119,7 @@ def test_nearest_is_xla_cast_for_formats_with_infinity(dtype):
 
 def test_nearest_float8_saturates_finite_values():
     x = jnp.concatenate([_wide_values(10_000, jnp.float8_e4m3fn), jnp.array([460.0, 500.0, -1e9])])
-    y = np.asarray(cast_lib.cast_reference(x, jnp.float8_e4m3fn)).astype(np.float32)
+    y = np.asarray(cast_kernel.cast_reference(x, jnp.float8_e4m3fn)).astype(np.float32)
     expected = np.asarray(jnp.clip(x, -448.0, 448.0).astype(jnp.float8_e4m3fn)).astype(np.float32)
     np.testing.assert_array_equal(y, expected)
     np.testing.assert_array_equal(y[-3:], [448.0, 448.0, -448.0])
@@ -128,26 +130,28 @@ def test_non_finite_values_and_overflow(rounding):
     key = jax.random.key(5)
     special = jnp.array([jnp.inf, -jnp.inf, jnp.nan, 0.0, -0.0, 1.0, -2.5], jnp.float32)
     for dtype in (jnp.bfloat16, jnp.float16):
-        y = np.asarray(cast_lib.cast_reference(special, dtype, rounding=rounding, key=key))
+        y = np.asarray(cast_kernel.cast_reference(special, dtype, rounding=rounding, key=key))
         np.testing.assert_array_equal(y.astype(np.float32), np.asarray(special))
         assert np.signbit(y[4])  # -0 keeps its sign
-    y = np.asarray(cast_lib.cast_reference(special, jnp.float8_e4m3fn, rounding=rounding, key=key))
+    y = np.asarray(
+        cast_kernel.cast_reference(special, jnp.float8_e4m3fn, rounding=rounding, key=key)
+    )
     assert np.all(np.isnan(y[:3].astype(np.float32)))  # no infinity in e4m3fn: inf -> NaN
     np.testing.assert_array_equal(y[3:].astype(np.float32), np.asarray(special[3:]))
     # Finite overflow: infinity for float16 (IEEE), saturation for float8_e4m3fn.
     big = jnp.array([1e6, -7e4, 3e38], jnp.float32)
-    y16 = np.asarray(cast_lib.cast_reference(big, jnp.float16, rounding=rounding, key=key))
+    y16 = np.asarray(cast_kernel.cast_reference(big, jnp.float16, rounding=rounding, key=key))
     np.testing.assert_array_equal(y16, [np.inf, -np.inf, np.inf])
-    y8 = np.asarray(cast_lib.cast_reference(big, jnp.float8_e4m3fn, rounding=rounding, key=key))
+    y8 = np.asarray(cast_kernel.cast_reference(big, jnp.float8_e4m3fn, rounding=rounding, key=key))
     np.testing.assert_array_equal(y8.astype(np.float32), [448.0, -448.0, 448.0])
 
 
 def test_float8_scale():
     x = jax.random.normal(jax.random.key(6), (1000,)) * 5000.0
     amax = jnp.max(jnp.abs(x))
-    scale = cast_lib.scale_from_amax(amax)
+    scale = cast_kernel.scale_from_amax(amax)
     np.testing.assert_allclose(scale, amax / 448.0, rtol=1e-6)
-    y = cast_lib.cast_reference(x, jnp.float8_e4m3fn, scale=scale)
+    y = cast_kernel.cast_reference(x, jnp.float8_e4m3fn, scale=scale)
     restored = np.asarray(y).astype(np.float32) * np.asarray(scale)
     # Nothing saturated: the largest magnitude maps to (about) 448, and the relative error of
     # each normal value is at most half an e4m3 ulp (2**-4).
@@ -156,48 +160,50 @@ def test_float8_scale():
     relative = np.abs(restored - np.asarray(x))[normal] / np.abs(np.asarray(x))[normal]
     assert relative.max() <= 2.0**-4 + 1e-6
     # Without the scale almost everything would saturate.
-    unscaled = np.asarray(cast_lib.cast_reference(x, jnp.float8_e4m3fn)).astype(np.float32)
+    unscaled = np.asarray(cast_kernel.cast_reference(x, jnp.float8_e4m3fn)).astype(np.float32)
     assert np.mean(np.abs(unscaled) == 448.0) > 0.9
     # The scale is x -> x * (1 / scale), the same for stochastic rounding and any target.
     for dtype in TARGETS:
         for rounding in ("nearest", "stochastic"):
             key = jax.random.key(7)
-            scaled = cast_lib.cast_reference(x, dtype, rounding=rounding, key=key, scale=scale)
-            manual = cast_lib.cast_reference(x * (1 / scale), dtype, rounding=rounding, key=key)
+            scaled = cast_kernel.cast_reference(x, dtype, rounding=rounding, key=key, scale=scale)
+            manual = cast_kernel.cast_reference(x * (1 / scale), dtype, rounding=rounding, key=key)
             np.testing.assert_array_equal(np.asarray(scaled), np.asarray(manual))
 
 
 def test_fp8_scale_of_an_array():
     x = jnp.array([1.0, -896.0, 2.0**-8])
-    assert float(cast_lib.fp8_scale(x)) == 2.0
-    assert float(cast_lib.fp8_scale(x.astype(jnp.bfloat16))) == 2.0
-    assert float(cast_lib.fp8_scale(jnp.zeros(3))) == 1.0
-    assert float(cast_lib.fp8_scale(jnp.zeros((0,)))) == 1.0
-    assert float(cast_lib.fp8_scale(jnp.array([1.0, jnp.nan]))) == 1.0
-    y = cast_lib.cast(x, jnp.float8_e4m3fn, scale=cast_lib.fp8_scale(x))
+    assert float(cast_kernel.fp8_scale(x)) == 2.0
+    assert float(cast_kernel.fp8_scale(x.astype(jnp.bfloat16))) == 2.0
+    assert float(cast_kernel.fp8_scale(jnp.zeros(3))) == 1.0
+    assert float(cast_kernel.fp8_scale(jnp.zeros((0,)))) == 1.0
+    assert float(cast_kernel.fp8_scale(jnp.array([1.0, jnp.nan]))) == 1.0
+    y = cast_kernel.cast(x, jnp.float8_e4m3fn, scale=cast_kernel.fp8_scale(x))
     np.testing.assert_array_equal(np.asarray(y).astype(np.float32) * 2.0, x)
 
 
 def test_scale_from_amax_edge_cases():
-    assert float(cast_lib.scale_from_amax(0.0)) == 1.0
-    assert float(cast_lib.scale_from_amax(jnp.inf)) == 1.0
-    assert float(cast_lib.scale_from_amax(jnp.nan)) == 1.0
-    assert float(cast_lib.scale_from_amax(448.0, margin=1)) == 2.0
-    assert float(cast_lib.scale_from_amax(65504.0, jnp.float16)) == 1.0
-    assert jax.jit(cast_lib.scale_from_amax)(896.0) == 2.0
+    assert float(cast_kernel.scale_from_amax(0.0)) == 1.0
+    assert float(cast_kernel.scale_from_amax(jnp.inf)) == 1.0
+    assert float(cast_kernel.scale_from_amax(jnp.nan)) == 1.0
+    assert float(cast_kernel.scale_from_amax(448.0, margin=1)) == 2.0
+    assert float(cast_kernel.scale_from_amax(65504.0, jnp.float16)) == 1.0
+    assert jax.jit(cast_kernel.scale_from_amax)(896.0) == 2.0
 
 
 def test_exact_targets_ignore_rounding():
     x = jax.random.normal(jax.random.key(8), (10,))
-    np.testing.assert_array_equal(cast_lib.cast_reference(x, jnp.float32, rounding="stochastic"), x)
+    np.testing.assert_array_equal(
+        cast_kernel.cast_reference(x, jnp.float32, rounding="stochastic"), x
+    )
     x16 = x.astype(jnp.float16)
-    y = cast_lib.cast_reference(x16, jnp.float32, rounding="stochastic")
+    y = cast_kernel.cast_reference(x16, jnp.float32, rounding="stochastic")
     np.testing.assert_array_equal(y, x16.astype(jnp.float32))
-    same = cast_lib.cast_reference(x16, jnp.float16, rounding="stochastic")
+    same = cast_kernel.cast_reference(x16, jnp.float16, rounding="stochastic")
     np.testing.assert_array_equal(same, x16)
     # float16 -> bfloat16 loses mantissa bits, so it is rounded (and needs a key).
     with pytest.raises(ValueError, match="key"):
-        cast_lib.cast_reference(x16, jnp.bfloat16, rounding="stochastic")
+        cast_kernel.cast_reference(x16, jnp.bfloat16, rounding="stochastic")
 
 
 def test_philox_matches_the_known_answer_and_counts_by_index():
@@ -216,19 +222,19 @@ def test_errors():
     x = jnp.ones(3)
     key = jax.random.key(0)
     with pytest.raises(ValueError, match="rounding"):
-        cast_lib.cast_reference(x, jnp.bfloat16, rounding="up")
+        cast_kernel.cast_reference(x, jnp.bfloat16, rounding="up")
     with pytest.raises(ValueError, match="key"):
-        cast_lib.cast_reference(x, jnp.float8_e4m3fn, rounding="stochastic")
+        cast_kernel.cast_reference(x, jnp.float8_e4m3fn, rounding="stochastic")
     with pytest.raises(ValueError, match=r"float8_e5m2.*supported"):
-        cast_lib.cast_reference(x, jnp.float8_e5m2)
+        cast_kernel.cast_reference(x, jnp.float8_e5m2)
     with pytest.raises(ValueError, match="floating"):
-        cast_lib.cast_reference(x, jnp.int8)
+        cast_kernel.cast_reference(x, jnp.int8)
     with pytest.raises(ValueError, match="floating"):
-        cast_lib.cast_reference(jnp.ones(3, jnp.int32), jnp.bfloat16)
+        cast_kernel.cast_reference(jnp.ones(3, jnp.int32), jnp.bfloat16)
     with pytest.raises(ValueError, match="scalar"):
-        cast_lib.cast_reference(x, jnp.float8_e4m3fn, scale=jnp.ones(3))
+        cast_kernel.cast_reference(x, jnp.float8_e4m3fn, scale=jnp.ones(3))
     with pytest.raises(ValueError, match="rounding"):
-        cast_lib.cast(x, jnp.float16, rounding="down", key=key)
+        cast_kernel.cast(x, jnp.float16, rounding="down", key=key)
 
 
 @pytest.mark.parametrize("dtype", TARGETS, ids=lambda d: jnp.dtype(d).name)
@@ -238,8 +244,8 @@ def test_round_stochastic_with_given_bits_is_the_casts_rounding(dtype):
     x = _wide_values(4096, dtype, seed=3)
     key = jax.random.key(9)
     bits = _rounding.random_streams(_rounding.seed_words(key), x.shape)[0]
-    expected = cast_lib.cast_reference(x, dtype, rounding="stochastic", key=key)
-    got = cast_lib.round_stochastic(x, dtype, bits)
+    expected = cast_kernel.cast_reference(x, dtype, rounding="stochastic", key=key)
+    got = cast_kernel.round_stochastic(x, dtype, bits)
     np.testing.assert_array_equal(
         np.asarray(got).view(_RAW[got.dtype.itemsize]),
         np.asarray(expected).view(_RAW[expected.dtype.itemsize]),
@@ -249,10 +255,10 @@ def test_round_stochastic_with_given_bits_is_the_casts_rounding(dtype):
 def test_round_stochastic_names_bad_bits_and_casts_exact_targets_plainly():
     x = jnp.linspace(-1, 1, 6).reshape(2, 3)
     bits = jnp.zeros((2, 3), jnp.uint32)
-    np.testing.assert_array_equal(cast_lib.round_stochastic(x, jnp.float32, bits), x)
+    np.testing.assert_array_equal(cast_kernel.round_stochastic(x, jnp.float32, bits), x)
     with pytest.raises(ValueError, match="uint32 shaped like"):
-        cast_lib.round_stochastic(x, jnp.bfloat16, bits.astype(jnp.int32))
+        cast_kernel.round_stochastic(x, jnp.bfloat16, bits.astype(jnp.int32))
     with pytest.raises(ValueError, match="uint32 shaped like"):
-        cast_lib.round_stochastic(x, jnp.bfloat16, bits.reshape(3, 2))
+        cast_kernel.round_stochastic(x, jnp.bfloat16, bits.reshape(3, 2))
     with pytest.raises(ValueError, match="supported"):
-        cast_lib.round_stochastic(x, jnp.float8_e5m2, bits)
+        cast_kernel.round_stochastic(x, jnp.float8_e5m2, bits)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from triaccel_jax.kernels import _dispatch
-from triaccel_jax.kernels import cast as cast_lib
-from triaccel_jax.kernels import fused_update as fused_lib
+from triaccel_jax.kernels import cast as cast_kernel
+from triaccel_jax.kernels import fused_update as fused_kernel
 
 ON_CUDA = _dispatch.triton_unavailable_reason() is None
 needs_no_triton = pytest.mark.skipif(ON_CUDA, reason="checks the behaviour without a CUDA backend")
@@ -60,9 +60,11 @@ def test_importing_the_package_imports_neither_triton_nor_jax_triton():
 def test_cast_reference_impl_equals_the_reference(dtype, rounding):
     x = jax.random.normal(jax.random.key(0), (100,)) * 10
     key = jax.random.key(1)
-    expected = cast_lib.cast_reference(x, dtype, rounding=rounding, key=key, scale=0.5)
+    expected = cast_kernel.cast_reference(x, dtype, rounding=rounding, key=key, scale=0.5)
     got = jax.jit(
-        lambda x: cast_lib.cast(x, dtype, rounding=rounding, key=key, scale=0.5, impl="reference")
+        lambda x: cast_kernel.cast(
+            x, dtype, rounding=rounding, key=key, scale=0.5, impl="reference"
+        )
     )(x)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
@@ -72,8 +74,8 @@ def test_auto_is_the_reference_without_cuda():
     x = jax.random.normal(jax.random.key(0), (100,))
     key = jax.random.key(1)
     np.testing.assert_array_equal(
-        cast_lib.cast(x, jnp.bfloat16, rounding="stochastic", key=key),
-        cast_lib.cast_reference(x, jnp.bfloat16, rounding="stochastic", key=key),
+        cast_kernel.cast(x, jnp.bfloat16, rounding="stochastic", key=key),
+        cast_kernel.cast_reference(x, jnp.bfloat16, rounding="stochastic", key=key),
     )
     assert _dispatch.resolve("auto", "cast") == "reference"
 
@@ -81,16 +83,16 @@ def test_auto_is_the_reference_without_cuda():
 @needs_no_triton
 def test_triton_without_cuda_is_a_clear_runtime_error():
     with pytest.raises(RuntimeError, match=r"impl='triton'.*CUDA"):
-        cast_lib.cast(jnp.ones(3), jnp.bfloat16, impl="triton")
+        cast_kernel.cast(jnp.ones(3), jnp.bfloat16, impl="triton")
     with pytest.raises(RuntimeError, match=r"impl='triton'.*fused update"):
-        fused_lib.fused_update(*_leaf(), count=1, learning_rate=0.1, impl="triton")
+        fused_kernel.fused_update(*_leaf(), count=1, learning_rate=0.1, impl="triton")
 
 
 def test_unknown_impl_is_a_value_error():
     with pytest.raises(ValueError, match="impl"):
-        cast_lib.cast(jnp.ones(3), jnp.bfloat16, impl="cuda")
+        cast_kernel.cast(jnp.ones(3), jnp.bfloat16, impl="cuda")
     with pytest.raises(ValueError, match="impl"):
-        fused_lib.fused_update(*_leaf(), count=1, learning_rate=0.1, impl="pallas")
+        fused_kernel.fused_update(*_leaf(), count=1, learning_rate=0.1, impl="pallas")
 
 
 @pytest.mark.slow
@@ -100,10 +102,10 @@ def test_fused_update_reference_impl_equals_the_reference():
     mu, nu = mu.astype(jnp.bfloat16), nu.astype(jnp.bfloat16)
     # Both jitted: XLA may contract a * b + c into an FMA when it fuses, so a jitted and an eager
     # evaluation of the same function can differ in the last bit.
-    expected = jax.jit(lambda *a: fused_lib.fused_update_reference(*a, 1.5, **kwargs))(
+    expected = jax.jit(lambda *a: fused_kernel.fused_update_reference(*a, 1.5, **kwargs))(
         grad, mu, nu, master
     )
-    got = jax.jit(lambda *a: fused_lib.fused_update(*a, 1.5, impl="reference", **kwargs))(
+    got = jax.jit(lambda *a: fused_kernel.fused_update(*a, 1.5, impl="reference", **kwargs))(
         grad, mu, nu, master
     )
     for a, b in zip(got, expected, strict=True):
@@ -114,7 +116,7 @@ def test_cast_has_a_straight_through_vjp():
     x = jnp.array([0.1, -3.0, 1000.0, 2.0**-20], jnp.float32)
 
     def loss(x, dtype, scale=None):
-        y = cast_lib.cast(x, dtype, rounding="stochastic", key=jax.random.key(0), scale=scale)
+        y = cast_kernel.cast(x, dtype, rounding="stochastic", key=jax.random.key(0), scale=scale)
         return jnp.sum(y.astype(jnp.float32) * jnp.arange(1.0, 5.0))
 
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn):
@@ -127,12 +129,14 @@ def test_cast_has_a_straight_through_vjp():
     assert grad_scale == 0.0
     # Cotangents come back in x's dtype.
     x16 = x.astype(jnp.bfloat16)
-    g16 = jax.grad(lambda x: jnp.sum(cast_lib.cast(x, jnp.float8_e4m3fn).astype(jnp.float32)))(x16)
+    g16 = jax.grad(lambda x: jnp.sum(cast_kernel.cast(x, jnp.float8_e4m3fn).astype(jnp.float32)))(
+        x16
+    )
     assert g16.dtype == jnp.bfloat16
 
 
 def test_cast_vjp_works_under_vmap_and_jvp_free_paths():
     x = jax.random.normal(jax.random.key(0), (4, 8))
-    f = lambda row: jnp.sum(cast_lib.cast(row, jnp.bfloat16).astype(jnp.float32) ** 2)
+    f = lambda row: jnp.sum(cast_kernel.cast(row, jnp.bfloat16).astype(jnp.float32) ** 2)
     grads = jax.vmap(jax.grad(f))(x)
     np.testing.assert_allclose(grads, 2 * x.astype(jnp.bfloat16).astype(jnp.float32))

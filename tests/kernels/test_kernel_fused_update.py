@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import triaccel_jax
-from triaccel_jax.kernels import fused_update as fused_lib
+from triaccel_jax.kernels import fused_update as fused_kernel
 
 HYPER = dict(b1=0.9, b2=0.99, eps=1e-8)
 
@@ -60,7 +60,7 @@ def test_float32_equals_triaccel(learning_rate):
     @jax.jit
     def fused(grad, mu, nu, master, step_scale, count):
         lr = learning_rate(count - 1) if callable(learning_rate) else learning_rate
-        return fused_lib.fused_update_reference(
+        return fused_kernel.fused_update_reference(
             grad,
             mu,
             nu,
@@ -97,7 +97,7 @@ def test_bfloat16_moments_round_stochastically_around_triaccel():
     records = _triaccel_steps(1e-2, 1e-2, state_dtype=jnp.bfloat16)
     for params, state, g, new_params, new_state in records:
         old, new = _inner(state), _inner(new_state)
-        out = fused_lib.fused_update_reference(
+        out = fused_kernel.fused_update_reference(
             g["w"],
             old.mu["w"],
             old.nu["w"],
@@ -133,7 +133,7 @@ def test_bfloat16_moments_keep_small_increments():
     master = jnp.ones(n)
     grad = jnp.full(n, jnp.sqrt(2.0))
     step = jax.jit(
-        lambda mu, nu, master, t: fused_lib.fused_update_reference(
+        lambda mu, nu, master, t: fused_kernel.fused_update_reference(
             grad,
             mu,
             nu,
@@ -156,7 +156,7 @@ def test_narrow_master_is_unbiased(master_dtype):
     # the right amount on average, round-to-nearest would not move it at all.
     n = 100_000
     master = jnp.ones(n, master_dtype)
-    out = fused_lib.fused_update_reference(
+    out = fused_kernel.fused_update_reference(
         jnp.ones(n),
         jnp.zeros(n),
         jnp.zeros(n),
@@ -182,7 +182,7 @@ def test_compute_copy_dtypes_and_scale():
     )
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn):
         for rounding in ("nearest", "stochastic"):
-            out = fused_lib.fused_update_reference(
+            out = fused_kernel.fused_update_reference(
                 grad,
                 mu,
                 nu,
@@ -208,21 +208,21 @@ def test_errors():
     x = jnp.ones(4)
     kwargs = dict(count=1, learning_rate=0.1)
     with pytest.raises(ValueError, match="mu"):
-        fused_lib.fused_update_reference(x, x.astype(jnp.float16), x, x, **kwargs)
+        fused_kernel.fused_update_reference(x, x.astype(jnp.float16), x, x, **kwargs)
     with pytest.raises(ValueError, match="master"):
-        fused_lib.fused_update_reference(x, x, x, x.astype(jnp.float8_e4m3fn), **kwargs)
+        fused_kernel.fused_update_reference(x, x, x, x.astype(jnp.float8_e4m3fn), **kwargs)
     with pytest.raises(ValueError, match="one shape"):
-        fused_lib.fused_update_reference(x, x, x, jnp.ones(5), **kwargs)
+        fused_kernel.fused_update_reference(x, x, x, jnp.ones(5), **kwargs)
     with pytest.raises(ValueError, match="key"):
-        fused_lib.fused_update_reference(x, x.astype(jnp.bfloat16), x, x, **kwargs)
+        fused_kernel.fused_update_reference(x, x.astype(jnp.bfloat16), x, x, **kwargs)
     with pytest.raises(ValueError, match="key"):
-        fused_lib.fused_update_reference(x, x, x, x, rounding="stochastic", **kwargs)
+        fused_kernel.fused_update_reference(x, x, x, x, rounding="stochastic", **kwargs)
     with pytest.raises(ValueError, match=r"step_scale.*scalar"):
-        fused_lib.fused_update_reference(x, x, x, x, jnp.ones(4), **kwargs)
+        fused_kernel.fused_update_reference(x, x, x, x, jnp.ones(4), **kwargs)
     with pytest.raises(ValueError, match="float8_e5m2"):
-        fused_lib.fused_update_reference(x, x, x, x, compute_dtype=jnp.float8_e5m2, **kwargs)
+        fused_kernel.fused_update_reference(x, x, x, x, compute_dtype=jnp.float8_e5m2, **kwargs)
     with pytest.raises(ValueError, match="rounding"):
-        fused_lib.fused_update_reference(x, x, x, x, rounding="odd", **kwargs)
+        fused_kernel.fused_update_reference(x, x, x, x, rounding="odd", **kwargs)
 
 
 def test_optimizer_and_reference_call_the_one_moment_update(monkeypatch):
@@ -246,7 +246,7 @@ def test_optimizer_and_reference_call_the_one_moment_update(monkeypatch):
     tx = triaccel_jax.transforms.scale_by_triaccel(**HYPER)
     tx.update(grads[0], tx.init(params), params)
     assert calls == [(8,)]
-    fused_lib.fused_update_reference(
+    fused_kernel.fused_update_reference(
         grads[0]["w"], jnp.zeros(8), jnp.zeros(8), params["w"], count=1, learning_rate=0.1
     )
     assert calls == [(8,), (8,)]

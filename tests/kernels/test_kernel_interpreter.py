@@ -29,8 +29,8 @@ from triaccel_jax.kernels import _cast_triton  # noqa: E402
 from triaccel_jax.kernels import _fused_update_triton  # noqa: E402
 from triaccel_jax.kernels import _rounding  # noqa: E402
 from triaccel_jax.kernels import _triton_common as common  # noqa: E402
-from triaccel_jax.kernels import cast as cast_lib  # noqa: E402
-from triaccel_jax.kernels import fused_update as fused_lib  # noqa: E402
+from triaccel_jax.kernels import cast as cast_kernel  # noqa: E402
+from triaccel_jax.kernels import fused_update as fused_kernel  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(
@@ -66,7 +66,7 @@ def test_cast_kernel_matches_the_reference_bit_for_bit(dtype, rounding, scale):
     key = jax.random.key(7)
     with jax.disable_jit():
         expected = np.asarray(
-            cast_lib.cast_reference(x, dtype, rounding=rounding, key=key, scale=scale)
+            cast_kernel.cast_reference(x, dtype, rounding=rounding, key=key, scale=scale)
         )
     got = _cast_kernel(x, dtype, rounding, key, scale)
     same = kernel_bridge.same_bits(got, expected)
@@ -167,7 +167,7 @@ def test_fused_kernel_matches_the_reference_bit_for_bit(
         weight_decay=1e-2,
     )
     key = jax.random.key(9)
-    compute_dtype, needs_bits = fused_lib.validate(
+    compute_dtype, needs_bits = fused_kernel.validate(
         grad,
         mu,
         nu,
@@ -179,7 +179,7 @@ def test_fused_kernel_matches_the_reference_bit_for_bit(
         compute_scale=compute_scale,
     )
     with jax.disable_jit():
-        expected = fused_lib.fused_update_reference(
+        expected = fused_kernel.fused_update_reference(
             grad,
             mu,
             nu,
@@ -191,7 +191,7 @@ def test_fused_kernel_matches_the_reference_bit_for_bit(
             compute_scale=compute_scale,
             **kwargs,
         )
-    s = fused_lib.scalars(step_scale=1.25, compute_scale=compute_scale, **kwargs)
+    s = fused_kernel.scalars(step_scale=1.25, compute_scale=compute_scale, **kwargs)
     words = _rounding.seed_words(key) if needs_bits else None
     arguments, meta, out_types = _fused_update_triton.launch_arguments(
         grad, mu, nu, master, s, words, compute_dtype=compute_dtype, rounding=rounding
@@ -204,7 +204,7 @@ def test_fused_kernel_matches_the_reference_bit_for_bit(
         kernel_bridge.N,
         meta,
     )
-    for name, e, g in zip(fused_lib.FusedUpdate._fields, expected, got, strict=True):
+    for name, e, g in zip(fused_kernel.FusedUpdate._fields, expected, got, strict=True):
         e = np.asarray(e)
         g = g.view(e.dtype)
         assert e.dtype == g.dtype, name
@@ -217,7 +217,7 @@ def test_cast_kernel_handles_any_shape_through_the_flat_index():
     key = jax.random.key(2)
     with jax.disable_jit():
         expected = np.asarray(
-            cast_lib.cast_reference(x, jnp.bfloat16, rounding="stochastic", key=key)
+            cast_kernel.cast_reference(x, jnp.bfloat16, rounding="stochastic", key=key)
         )
     got = _cast_kernel(x, jnp.bfloat16, "stochastic", key, None)
     assert got.shape == (7, 3, 5)
@@ -227,7 +227,7 @@ def test_cast_kernel_handles_any_shape_through_the_flat_index():
 def test_no_warnings_leak_from_the_reference():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cast_lib.cast_reference(
+        cast_kernel.cast_reference(
             jnp.ones(4), jnp.float16, rounding="stochastic", key=jax.random.key(0)
         )
 
@@ -254,19 +254,21 @@ def test_cast_through_jax_triton(fake_cuda):
     assert _dispatch.resolve("auto", "cast") == "triton"
     for dtype in TARGETS:
         got = jax.jit(
-            lambda x, dtype=dtype: cast_lib.cast(
+            lambda x, dtype=dtype: cast_kernel.cast(
                 x, dtype, rounding="stochastic", key=key, scale=2.0, impl="auto"
             )
         )(x)
         with jax.disable_jit():
-            expected = cast_lib.cast_reference(x, dtype, rounding="stochastic", key=key, scale=2.0)
+            expected = cast_kernel.cast_reference(
+                x, dtype, rounding="stochastic", key=key, scale=2.0
+            )
         assert got.dtype == dtype and got.shape == x.shape
         subnormal = np.abs(np.asarray(x)) < 2 * np.finfo(np.float32).tiny  # XLA:CPU flushes them
         same = kernel_bridge.same_bits(np.asarray(got), np.asarray(expected)) | subnormal
         assert same.all()
     assert fake_cuda[0]["backend_options"] == {"enable_fp_fusion": False}
     # Gradients flow through the Triton path too (the straight-through VJP).
-    grad = jax.grad(lambda x: jnp.sum(cast_lib.cast(x, jnp.bfloat16).astype(jnp.float32)))(x)
+    grad = jax.grad(lambda x: jnp.sum(cast_kernel.cast(x, jnp.bfloat16).astype(jnp.float32)))(x)
     np.testing.assert_array_equal(grad, np.ones(x.shape, np.float32))
 
 
@@ -283,13 +285,13 @@ def test_fused_update_through_jax_triton(fake_cuda):
     )
     # count and learning_rate are traced arguments: as jit-time constants XLA would fold the
     # bias corrections on the host (std::pow), an ulp away from its compiled pow.
-    step = lambda count, lr, *a: fused_lib.fused_update(
+    step = lambda count, lr, *a: fused_kernel.fused_update(
         *a, 0.8, count=count, learning_rate=lr, impl="triton", **kwargs
     )
     count, lr = jnp.int32(3), jnp.float32(1e-3)
     got = jax.jit(step)(count, lr, grad, mu, nu, master)
     with jax.disable_jit():
-        expected = fused_lib.fused_update_reference(
+        expected = fused_kernel.fused_update_reference(
             grad, mu, nu, master, 0.8, count=count, learning_rate=lr, **kwargs
         )
     for g, e in zip(got, expected, strict=True):

@@ -19,8 +19,8 @@ import kernel_bridge
 
 from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import _launch
-from triaccel_jax.kernels import cast as cast_lib
-from triaccel_jax.kernels import fused_update as fused_lib
+from triaccel_jax.kernels import cast as cast_kernel
+from triaccel_jax.kernels import fused_update as fused_kernel
 
 
 @pytest.fixture
@@ -43,9 +43,9 @@ def test_every_cast_launch_candidate_gives_the_reference_bits(fake_cuda, monkeyp
     _table_with(monkeypatch, "cast/bfloat16/stochastic", launch)
     x = kernel_bridge.inputs(jnp.bfloat16)[:1500]  # not a multiple of any block: the tail is masked
     key = jax.random.key(5)
-    got = jax.jit(lambda x: cast_lib.cast(x, jnp.bfloat16, rounding="stochastic", key=key))(x)
+    got = jax.jit(lambda x: cast_kernel.cast(x, jnp.bfloat16, rounding="stochastic", key=key))(x)
     with jax.disable_jit():
-        expected = cast_lib.cast_reference(x, jnp.bfloat16, rounding="stochastic", key=key)
+        expected = cast_kernel.cast_reference(x, jnp.bfloat16, rounding="stochastic", key=key)
     assert kernel_bridge.same_bits(np.asarray(got), np.asarray(expected)).all()
     assert fake_cuda[-1]["num_warps"] == launch.num_warps
     assert fake_cuda[-1]["grid"] == (-(-1500 // launch.block),)
@@ -57,10 +57,12 @@ def test_the_fused_update_takes_its_launch_from_the_table(fake_cuda, monkeypatch
     grad, mu, nu, master = kernel_bridge.fused_inputs(jnp.float32, jnp.bfloat16, jnp.float32)
     kwargs = dict(compute_dtype=jnp.bfloat16, key=jax.random.key(2))
     count, lr = jnp.int32(2), jnp.float32(1e-3)
-    step = lambda count, lr, *a: fused_lib.fused_update(*a, count=count, learning_rate=lr, **kwargs)
+    step = lambda count, lr, *a: fused_kernel.fused_update(
+        *a, count=count, learning_rate=lr, **kwargs
+    )
     got = jax.jit(step)(count, lr, grad, mu, nu, master)
     with jax.disable_jit():
-        expected = fused_lib.fused_update_reference(
+        expected = fused_kernel.fused_update_reference(
             grad, mu, nu, master, count=count, learning_rate=lr, **kwargs
         )
     for g, e in zip(got, expected, strict=True):

@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 
 from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import _rounding
-from triaccel_jax.kernels import quantize as q
+from triaccel_jax.kernels import quantize as quantize_lib
 
 
 def _round_trip(x, block_size, mapping, rounding="nearest", key=None):
-    quantized = q.quantize_blocks_reference(
+    quantized = quantize_lib.quantize_blocks_reference(
         x, block_size=block_size, mapping=mapping, rounding=rounding, key=key
     )
-    back = q.dequantize_blocks_reference(
+    back = quantize_lib.dequantize_blocks_reference(
         quantized.codes, quantized.scales, block_size=block_size, mapping=mapping
     )
     return quantized, np.asarray(back, np.float64)
@@ -49,17 +49,17 @@ def _sqrt_gap(x, absmax):
 
 def test_codes_keep_the_shape_and_scales_are_one_per_block():
     x = jnp.ones((3, 5, 7))  # 105 elements: 4 blocks of 32, the last one of 9
-    linear = q.quantize_blocks_reference(x, block_size=32)
+    linear = quantize_lib.quantize_blocks_reference(x, block_size=32)
     chex_shape = (linear.codes.shape, linear.codes.dtype, linear.scales.shape, linear.scales.dtype)
     assert chex_shape == ((3, 5, 7), jnp.int8, (4,), jnp.float32)
-    nonneg = q.quantize_blocks_reference(x, block_size=32, mapping="sqrt")
+    nonneg = quantize_lib.quantize_blocks_reference(x, block_size=32, mapping="sqrt")
     assert nonneg.codes.dtype == jnp.uint8 and nonneg.scales.shape == (4,)
 
 
 def test_blocks_are_consecutive_elements_of_the_flattened_array():
     # One large value per block sets that block's scale only.
     x = jnp.zeros((4, 8)).at[0, 0].set(100.0).at[2, 7].set(-3.0)
-    quantized = q.quantize_blocks_reference(x, block_size=8)
+    quantized = quantize_lib.quantize_blocks_reference(x, block_size=8)
     np.testing.assert_array_equal(quantized.scales, [100.0, 0.0, 3.0, 0.0])
     assert int(quantized.codes[0, 0]) == 127 and int(quantized.codes[2, 7]) == -127
 
@@ -117,7 +117,7 @@ def test_sqrt_round_trip_is_within_half_a_level_gap(shape, block_size, log_scale
     absmax = _per_element_scale(quantized.scales, x.size, block_size).reshape(shape)
     x64 = x.astype(np.float64)
     lowest = absmax / 65536
-    kept = absmax >= float(q.TINY)
+    kept = absmax >= float(quantize_lib.TINY)
     above = kept & (x64 >= lowest)
     gap = _sqrt_gap(x64, absmax)
     error = np.abs(back - x64)
@@ -165,10 +165,10 @@ def test_stochastic_rounding_is_unbiased_over_keys(mapping, values, absmax):
     keys = jax.random.split(jax.random.key(1234), n_keys)
 
     def one(key):
-        quantized = q.quantize_blocks_reference(
+        quantized = quantize_lib.quantize_blocks_reference(
             block, block_size=block.size, mapping=mapping, rounding="stochastic", key=key
         )
-        return q.dequantize_blocks_reference(
+        return quantize_lib.dequantize_blocks_reference(
             quantized.codes, quantized.scales, block_size=block.size, mapping=mapping
         )
 
@@ -190,8 +190,10 @@ def test_stochastic_rounding_tracks_an_ema_that_nearest_rounding_stalls():
     def run(rounding, seed):
         def step(value, key):
             value = value.at[1].set(decay * value[1] + (1 - decay) * target)
-            quantized = q.quantize_blocks_reference(value, block_size=2, rounding=rounding, key=key)
-            return q.dequantize_blocks_reference(
+            quantized = quantize_lib.quantize_blocks_reference(
+                value, block_size=2, rounding=rounding, key=key
+            )
+            return quantize_lib.dequantize_blocks_reference(
                 quantized.codes, quantized.scales, block_size=2
             ), None
 
@@ -229,7 +231,7 @@ def test_counter_bits_are_two_rounds_of_lowbias32_over_the_flat_index():
 
 def test_counter_bits_are_distinct_and_uniform():
     n = 2**16
-    bits = np.asarray(_rounding.counter_bits(q.fold_in(jax.random.key(0), 7), (n,)))
+    bits = np.asarray(_rounding.counter_bits(quantize_lib.fold_in(jax.random.key(0), 7), (n,)))
     assert np.unique(bits).size == n  # a bijection of the index
     # The top 8 bits, 256 cells of 256 expected each: a chi-square with 255 degrees of freedom
     # is below 350 with probability 1 - 1e-4.
@@ -239,7 +241,7 @@ def test_counter_bits_are_distinct_and_uniform():
     assert abs(uniform.mean() - 0.5) < 4 * np.sqrt(1 / 12 / n)
     # Neighbouring elements, and one element at two steps, are uncorrelated (|r| < 4.5 / sqrt(n)).
     assert abs(np.corrcoef(uniform[:-1], uniform[1:])[0, 1]) < 4.5 / np.sqrt(n)
-    other = np.asarray(_rounding.counter_bits(q.fold_in(jax.random.key(0), 8), (n,)))
+    other = np.asarray(_rounding.counter_bits(quantize_lib.fold_in(jax.random.key(0), 8), (n,)))
     assert abs(np.corrcoef(uniform, (other >> 8) / 2.0**24)[0, 1]) < 4.5 / np.sqrt(n)
 
 
@@ -248,19 +250,23 @@ def test_random_bits_are_the_bits_quantize_blocks_rounds_with():
     # uniform, the top 24 of its bits, is below one half.
     n, key = 512, jax.random.key(4)
     x = jnp.full((n,), 0.5 / 127, jnp.float32).at[0].set(1.0)
-    codes = np.asarray(q.quantize_blocks(x, block_size=n, rounding="stochastic", key=key).codes)
-    uniform = (np.asarray(q.random_bits(key, (n,))) >> 8) / 2.0**24
+    codes = np.asarray(
+        quantize_lib.quantize_blocks(x, block_size=n, rounding="stochastic", key=key).codes
+    )
+    uniform = (np.asarray(quantize_lib.random_bits(key, (n,))) >> 8) / 2.0**24
     np.testing.assert_array_equal(codes[1:], (uniform[1:] < 0.5).astype(np.int8))
 
 
 def test_fold_in_gives_every_step_and_leaf_its_own_key():
     key = jax.random.key(3)
-    steps = jax.vmap(lambda t: q.fold_in(key, t))(jnp.arange(100))
-    keys = jax.vmap(lambda k: jax.vmap(lambda leaf: q.fold_in(k, leaf))(jnp.arange(50)))(steps)
+    steps = jax.vmap(lambda t: quantize_lib.fold_in(key, t))(jnp.arange(100))
+    keys = jax.vmap(lambda k: jax.vmap(lambda leaf: quantize_lib.fold_in(k, leaf))(jnp.arange(50)))(
+        steps
+    )
     pairs = {tuple(w) for w in np.asarray(keys).reshape(-1, 2).tolist()}
     assert len(pairs) == 100 * 50
-    np.testing.assert_array_equal(q.fold_in(key, 5), q.fold_in(key, 5))
-    assert q.fold_in(jax.random.key(0), 0).tolist() != [0, 0]  # no fixed point at zero
+    np.testing.assert_array_equal(quantize_lib.fold_in(key, 5), quantize_lib.fold_in(key, 5))
+    assert quantize_lib.fold_in(jax.random.key(0), 0).tolist() != [0, 0]  # no fixed point at zero
 
 
 def test_keys_are_read_from_their_data_whatever_the_implementation():
@@ -270,17 +276,19 @@ def test_keys_are_read_from_their_data_whatever_the_implementation():
     )
     rbg = jax.random.key(11, impl="rbg")  # 4 words of key data, folded into 2
     x = jnp.linspace(-1, 1, 300)
-    codes = q.quantize_blocks(x, rounding="stochastic", key=rbg).codes
-    again = q.quantize_blocks(x, rounding="stochastic", key=jax.random.key_data(rbg)).codes
+    codes = quantize_lib.quantize_blocks(x, rounding="stochastic", key=rbg).codes
+    again = quantize_lib.quantize_blocks(
+        x, rounding="stochastic", key=jax.random.key_data(rbg)
+    ).codes
     np.testing.assert_array_equal(codes, again)
     with pytest.raises(ValueError, match="key data"):
-        q.quantize_blocks(x, rounding="stochastic", key=jnp.zeros(2, jnp.int32))
+        quantize_lib.quantize_blocks(x, rounding="stochastic", key=jnp.zeros(2, jnp.int32))
 
 
 # -- special values ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mapping", q.MAPS)
+@pytest.mark.parametrize("mapping", quantize_lib.MAPS)
 def test_a_block_with_nan_or_inf_dequantizes_to_nan_and_others_are_untouched(mapping):
     x = jnp.array([1.0, jnp.nan, 2.0, 3.0, jnp.inf, 0.5, 4.0, 1.0])
     quantized, back = _round_trip(x, 2, mapping)
@@ -289,7 +297,7 @@ def test_a_block_with_nan_or_inf_dequantizes_to_nan_and_others_are_untouched(map
     np.testing.assert_allclose(back[[2, 3, 6, 7]], [2.0, 3.0, 4.0, 1.0], rtol=0.01)
 
 
-@pytest.mark.parametrize("mapping", q.MAPS)
+@pytest.mark.parametrize("mapping", quantize_lib.MAPS)
 def test_zero_and_tiny_blocks_store_code_zero(mapping):
     x = jnp.array([0.0, 0.0, 1e-35, -1e-33], jnp.float32)
     quantized, back = _round_trip(jnp.abs(x) if mapping == "sqrt" else x, 2, mapping)
@@ -305,16 +313,16 @@ def test_huge_values_stay_finite():
 
 
 def test_empty_arrays():
-    quantized = q.quantize_blocks_reference(jnp.zeros((0, 3)), rounding="stochastic")
+    quantized = quantize_lib.quantize_blocks_reference(jnp.zeros((0, 3)), rounding="stochastic")
     assert quantized.codes.shape == (0, 3) and quantized.scales.shape == (0,)
-    back = q.dequantize_blocks_reference(quantized.codes, quantized.scales)
+    back = quantize_lib.dequantize_blocks_reference(quantized.codes, quantized.scales)
     assert back.shape == (0, 3)
 
 
 def test_bfloat16_input_and_output():
     x = jnp.linspace(-2, 2, 50, dtype=jnp.bfloat16)
-    quantized = q.quantize_blocks_reference(x, block_size=16)
-    back = q.dequantize_blocks_reference(
+    quantized = quantize_lib.quantize_blocks_reference(x, block_size=16)
+    back = quantize_lib.dequantize_blocks_reference(
         quantized.codes, quantized.scales, block_size=16, dtype=jnp.bfloat16
     )
     assert back.dtype == jnp.bfloat16
@@ -323,9 +331,9 @@ def test_bfloat16_input_and_output():
 
 def test_the_same_key_gives_the_same_codes_and_another_key_others():
     x = jax.random.normal(jax.random.key(0), (1000,))
-    a = q.quantize_blocks_reference(x, rounding="stochastic", key=jax.random.key(1))
-    b = q.quantize_blocks_reference(x, rounding="stochastic", key=jax.random.key(1))
-    c = q.quantize_blocks_reference(x, rounding="stochastic", key=jax.random.key(2))
+    a = quantize_lib.quantize_blocks_reference(x, rounding="stochastic", key=jax.random.key(1))
+    b = quantize_lib.quantize_blocks_reference(x, rounding="stochastic", key=jax.random.key(1))
+    c = quantize_lib.quantize_blocks_reference(x, rounding="stochastic", key=jax.random.key(2))
     np.testing.assert_array_equal(a.codes, b.codes)
     assert np.any(np.asarray(a.codes) != np.asarray(c.codes))
 
@@ -333,10 +341,10 @@ def test_the_same_key_gives_the_same_codes_and_another_key_others():
 def test_jit_matches_eager():
     x = jax.random.normal(jax.random.key(0), (300,)) ** 2
     key = jax.random.key(3)
-    for mapping in q.MAPS:
+    for mapping in quantize_lib.MAPS:
 
         def f(x, mapping=mapping):
-            return q.quantize_blocks(
+            return quantize_lib.quantize_blocks(
                 x, block_size=64, mapping=mapping, rounding="stochastic", key=key
             )
 
@@ -355,8 +363,10 @@ def test_dispatch_asks_the_table_for_its_own_operation(monkeypatch):
     monkeypatch.setattr(_dispatch, "triton_unavailable_reason", lambda: None)
     monkeypatch.setattr(_dispatch, "auto_choice", lambda op: asked.append(op) or "xla")
     x = jnp.ones(8)
-    quantized = q.quantize_blocks(x, mapping="sqrt", rounding="stochastic", key=jax.random.key(0))
-    q.dequantize_blocks(quantized.codes, quantized.scales, mapping="sqrt")
+    quantized = quantize_lib.quantize_blocks(
+        x, mapping="sqrt", rounding="stochastic", key=jax.random.key(0)
+    )
+    quantize_lib.dequantize_blocks(quantized.codes, quantized.scales, mapping="sqrt")
     assert asked == ["quantize/sqrt/stochastic", "dequantize/sqrt"]
 
 
@@ -364,9 +374,11 @@ def test_the_reference_runs_where_triton_cannot():
     if _dispatch.triton_unavailable_reason() is None:
         pytest.skip("Triton can run here")
     x = jnp.ones(8)
-    np.testing.assert_array_equal(q.quantize_blocks(x).codes, q.quantize_blocks_reference(x).codes)
+    np.testing.assert_array_equal(
+        quantize_lib.quantize_blocks(x).codes, quantize_lib.quantize_blocks_reference(x).codes
+    )
     with pytest.raises(RuntimeError, match="impl='triton'"):
-        q.quantize_blocks(x, impl="triton")
+        quantize_lib.quantize_blocks(x, impl="triton")
 
 
 @pytest.mark.parametrize(
@@ -384,16 +396,16 @@ def test_the_reference_runs_where_triton_cannot():
 )
 def test_bad_arguments_are_named(kwargs, error, message):
     with pytest.raises(error, match=message):
-        q.quantize_blocks(jnp.ones(4), **kwargs)
+        quantize_lib.quantize_blocks(jnp.ones(4), **kwargs)
 
 
 def test_bad_input_arrays_are_named():
     with pytest.raises(ValueError, match="floating-point"):
-        q.quantize_blocks(jnp.ones(4, jnp.int32))
+        quantize_lib.quantize_blocks(jnp.ones(4, jnp.int32))
     codes = jnp.zeros(10, jnp.int8)
     with pytest.raises(ValueError, match="uint8"):
-        q.dequantize_blocks(codes, jnp.ones(1), block_size=16, mapping="sqrt")
+        quantize_lib.dequantize_blocks(codes, jnp.ones(1), block_size=16, mapping="sqrt")
     with pytest.raises(ValueError, match="one per block"):
-        q.dequantize_blocks(codes, jnp.ones(2), block_size=16)
+        quantize_lib.dequantize_blocks(codes, jnp.ones(2), block_size=16)
     with pytest.raises(ValueError, match="floating-point dtype"):
-        q.dequantize_blocks(codes, jnp.ones(1), block_size=16, dtype=jnp.int32)
+        quantize_lib.dequantize_blocks(codes, jnp.ones(1), block_size=16, dtype=jnp.int32)

@@ -13,16 +13,16 @@ import pytest
 
 from triaccel_jax.kernels import _dispatch
 from triaccel_jax.kernels import _quantize_maps
-from triaccel_jax.kernels import quantize as q
+from triaccel_jax.kernels import quantize as quantize_lib
 
 UNSIGNED = ("dynamic_unsigned", "linear4_unsigned")
 
 
 def _round_trip(x, block_size, mapping, rounding="nearest", key=None, layout="flat"):
-    quantized = q.quantize_blocks(
+    quantized = quantize_lib.quantize_blocks(
         x, block_size=block_size, mapping=mapping, rounding=rounding, key=key, layout=layout
     )
-    back = q.dequantize_blocks(
+    back = quantize_lib.dequantize_blocks(
         quantized.codes,
         quantized.scales,
         block_size=block_size,
@@ -64,25 +64,29 @@ def _bitsandbytes_dynamic(signed: bool) -> np.ndarray:
 
 
 def test_the_dynamic_maps_are_bitsandbytes_levels():
-    np.testing.assert_allclose(q.levels("dynamic"), _bitsandbytes_dynamic(True), rtol=1e-7)
+    np.testing.assert_allclose(
+        quantize_lib.levels("dynamic"), _bitsandbytes_dynamic(True), rtol=1e-7
+    )
     unsigned = _bitsandbytes_dynamic(False)
     assert unsigned[0] == 0.0
     # The unsigned map without its zero: zero's code takes 0.55e-7, a decade below the rest.
-    np.testing.assert_allclose(q.levels("dynamic_unsigned")[1:], unsigned[1:], rtol=1e-7)
-    assert q.levels("dynamic_unsigned")[0] == np.float32(0.55e-7)
+    np.testing.assert_allclose(quantize_lib.levels("dynamic_unsigned")[1:], unsigned[1:], rtol=1e-7)
+    assert quantize_lib.levels("dynamic_unsigned")[0] == np.float32(0.55e-7)
     positive = [0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875]
     np.testing.assert_allclose(
-        q.levels("dynamic4"), [*(-p for p in reversed(positive)), 0.0, *positive, 1.0], rtol=1e-6
+        quantize_lib.levels("dynamic4"),
+        [*(-p for p in reversed(positive)), 0.0, *positive, 1.0],
+        rtol=1e-6,
     )
-    np.testing.assert_array_equal(q.levels("linear4_unsigned"), np.arange(1, 17) / 16)
+    np.testing.assert_array_equal(quantize_lib.levels("linear4_unsigned"), np.arange(1, 17) / 16)
 
 
-@pytest.mark.parametrize("mapping", q.ALL_MAPS)
+@pytest.mark.parametrize("mapping", quantize_lib.ALL_MAPS)
 def test_every_map_has_sorted_levels_within_one(mapping):
-    table = q.levels(mapping)
+    table = quantize_lib.levels(mapping)
     assert table.dtype == np.float32 and np.all(np.diff(table) > 0)
     assert table[-1] == 1.0 and table[0] >= -1.0
-    expected = {8: 256, 4: 16}[q.MAP_BITS[mapping]] - (mapping == "linear")
+    expected = {8: 256, 4: 16}[quantize_lib.MAP_BITS[mapping]] - (mapping == "linear")
     assert table.size == expected
     if mapping in UNSIGNED or mapping == "sqrt":
         assert table[0] > 0  # zero-free: a second moment is never stored as 0
@@ -91,15 +95,15 @@ def test_every_map_has_sorted_levels_within_one(mapping):
 # -- nearest and stochastic rounding -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", q.LAYOUTS)
-@pytest.mark.parametrize("mapping", q.TABLE_MAPS)
+@pytest.mark.parametrize("layout", quantize_lib.LAYOUTS)
+@pytest.mark.parametrize("mapping", quantize_lib.TABLE_MAPS)
 def test_nearest_rounding_takes_the_nearest_level(mapping, layout):
     block_size = 64
     signed = mapping not in UNSIGNED
     x = _wide_range((6, 150), 0, signed)
     quantized, back = _round_trip(jnp.asarray(x), block_size, mapping, layout=layout)
     scale = _per_element(quantized.scales, x.shape, block_size, layout)
-    candidates = q.levels(mapping).astype(np.float64)[None, None, :] * scale[..., None]
+    candidates = quantize_lib.levels(mapping).astype(np.float64)[None, None, :] * scale[..., None]
     best = np.min(np.abs(candidates - x[..., None].astype(np.float64)), axis=-1)
     error = np.abs(back - x)
     # The float32 midpoints and the ratio's rounding can pick the other of two nearly equally
@@ -107,13 +111,13 @@ def test_nearest_rounding_takes_the_nearest_level(mapping, layout):
     assert np.all(error <= best + scale * 2e-7), np.max(error - best)
 
 
-@pytest.mark.parametrize("mapping", q.TABLE_MAPS)
+@pytest.mark.parametrize("mapping", quantize_lib.TABLE_MAPS)
 def test_stochastic_rounding_lands_on_a_neighbouring_level(mapping):
     x = _wide_range((4, 256), 1, mapping not in UNSIGNED)
     key = jax.random.key(2)
     quantized, back = _round_trip(jnp.asarray(x), 128, mapping, "stochastic", key)
     scale = _per_element(quantized.scales, x.shape, 128, "flat")
-    table = q.levels(mapping).astype(np.float64)
+    table = quantize_lib.levels(mapping).astype(np.float64)
     ratio = np.clip(x / scale, table[0], 1.0)
     index = np.clip(np.searchsorted(table, ratio, side="right") - 1, 0, table.size - 2)
     low, high = table[index] * scale, table[index + 1] * scale
@@ -142,10 +146,10 @@ def test_stochastic_rounding_is_unbiased_over_keys(mapping, values):
     size = block.size
 
     def one(key):
-        quantized = q.quantize_blocks(
+        quantized = quantize_lib.quantize_blocks(
             block, block_size=size, mapping=mapping, rounding="stochastic", key=key
         )
-        return q.dequantize_blocks(
+        return quantize_lib.dequantize_blocks(
             quantized.codes, quantized.scales, block_size=size, mapping=mapping, shape=(size,)
         )
 
@@ -189,7 +193,9 @@ def test_zero_free_maps_never_store_a_second_moment_as_zero(mapping):
     x[:, ::7] = 0.0
     for rounding in ("nearest", "stochastic"):
         quantized, back = _round_trip(jnp.asarray(x), 128, mapping, rounding, jax.random.key(0))
-        lowest = _per_element(quantized.scales, x.shape, 128, "flat") * q.levels(mapping)[0]
+        lowest = (
+            _per_element(quantized.scales, x.shape, 128, "flat") * quantize_lib.levels(mapping)[0]
+        )
         assert np.all(back >= lowest * (1 - 1e-6)) and np.all(back > 0)
 
 
@@ -202,7 +208,7 @@ def test_the_signed_dynamic_map_keeps_zero_exactly():
 # -- special values ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mapping", q.TABLE_MAPS)
+@pytest.mark.parametrize("mapping", quantize_lib.TABLE_MAPS)
 def test_a_block_with_nan_or_inf_dequantizes_to_nan_and_others_are_untouched(mapping):
     x = jnp.array([1.0, jnp.nan, 2.0, 3.0, jnp.inf, 0.5, 4.0, 1.0])
     quantized, back = _round_trip(x, 2, mapping)
@@ -211,12 +217,14 @@ def test_a_block_with_nan_or_inf_dequantizes_to_nan_and_others_are_untouched(map
     np.testing.assert_allclose(back[[3, 6]], [3.0, 4.0], rtol=1e-6)  # each block's maximum
 
 
-@pytest.mark.parametrize("mapping", q.TABLE_MAPS)
+@pytest.mark.parametrize("mapping", quantize_lib.TABLE_MAPS)
 def test_zero_and_tiny_blocks_store_the_code_nearest_zero(mapping):
     x = jnp.array([0.0, 0.0, 1e-35, 1e-33], jnp.float32)
     quantized, back = _round_trip(x, 2, mapping)
     codes = np.asarray(
-        q.unpack_nibbles(quantized.codes, 4) if q.MAP_BITS[mapping] == 4 else quantized.codes
+        quantize_lib.unpack_nibbles(quantized.codes, 4)
+        if quantize_lib.MAP_BITS[mapping] == 4
+        else quantized.codes
     )
     np.testing.assert_array_equal(codes, _quantize_maps.zero_code(mapping))
     assert np.all(np.isfinite(back)) and np.all(np.abs(back) <= 1e-33)
@@ -239,7 +247,9 @@ def test_4bit_codes_take_half_a_byte_per_element(mapping, n):
     quantized, back = _round_trip(x, 128, mapping)
     assert quantized.codes.dtype == jnp.uint8 and quantized.codes.shape == (-(-n // 2),)
     assert quantized.codes.nbytes == -(-n // 2)
-    assert q.stored_bytes((n,), block_size=128, mapping=mapping) == -(-n // 2) + 4 * -(-n // 128)
+    assert quantize_lib.stored_bytes((n,), block_size=128, mapping=mapping) == -(-n // 2) + 4 * -(
+        -n // 128
+    )
     assert back.shape == (n,)
 
 
@@ -248,29 +258,31 @@ def test_4bit_rows_pack_each_row_and_keep_the_leading_axes():
     quantized, back = _round_trip(x, 128, "dynamic4", layout="rows")
     assert quantized.codes.shape == (3, 4, 151) and quantized.scales.shape == (3, 4, 3)
     assert back.shape == (3, 4, 301)
-    unpacked = np.asarray(q.unpack_nibbles(quantized.codes, 301))
-    flat = q.quantize_blocks(x[1, 2], block_size=128, mapping="dynamic4")
-    np.testing.assert_array_equal(unpacked[1, 2], q.unpack_nibbles(flat.codes, 301))
+    unpacked = np.asarray(quantize_lib.unpack_nibbles(quantized.codes, 301))
+    flat = quantize_lib.quantize_blocks(x[1, 2], block_size=128, mapping="dynamic4")
+    np.testing.assert_array_equal(unpacked[1, 2], quantize_lib.unpack_nibbles(flat.codes, 301))
 
 
 def test_pack_and_unpack_nibbles_round_trip():
     codes = jnp.asarray(np.random.default_rng(0).integers(0, 16, (3, 9)), jnp.uint8)
-    packed = q.pack_nibbles(codes)
+    packed = quantize_lib.pack_nibbles(codes)
     assert packed.shape == (3, 5)
-    np.testing.assert_array_equal(q.unpack_nibbles(packed, 9), codes)
+    np.testing.assert_array_equal(quantize_lib.unpack_nibbles(packed, 9), codes)
     assert int(packed[0, 0]) == int(codes[0, 0]) * 16 + int(codes[0, 1])  # the first one high
     with pytest.raises(ValueError, match="5 bytes hold 9 or 10 codes"):
-        q.unpack_nibbles(packed, 11)
+        quantize_lib.unpack_nibbles(packed, 11)
     with pytest.raises(ValueError, match="uint8"):
-        q.pack_nibbles(codes.astype(jnp.int8))
+        quantize_lib.pack_nibbles(codes.astype(jnp.int8))
 
 
 def test_4bit_dequantize_needs_the_shape():
-    quantized = q.quantize_blocks(jnp.ones(7), block_size=4, mapping="dynamic4")
+    quantized = quantize_lib.quantize_blocks(jnp.ones(7), block_size=4, mapping="dynamic4")
     with pytest.raises(ValueError, match="pass `shape`"):
-        q.dequantize_blocks(quantized.codes, quantized.scales, block_size=4, mapping="dynamic4")
+        quantize_lib.dequantize_blocks(
+            quantized.codes, quantized.scales, block_size=4, mapping="dynamic4"
+        )
     with pytest.raises(ValueError, match="two per byte"):
-        q.dequantize_blocks(
+        quantize_lib.dequantize_blocks(
             quantized.codes, quantized.scales, block_size=4, mapping="dynamic4", shape=(9,)
         )
 
@@ -280,27 +292,29 @@ def test_4bit_dequantize_needs_the_shape():
 
 def test_rows_cut_blocks_within_each_row_with_a_short_last_block():
     x = jnp.ones((3, 10)).at[1, 9].set(100.0)  # in row 1's short last block only
-    quantized = q.quantize_blocks(x, block_size=4, mapping="dynamic", layout="rows")
+    quantized = quantize_lib.quantize_blocks(x, block_size=4, mapping="dynamic", layout="rows")
     assert quantized.codes.shape == (3, 10)
     np.testing.assert_array_equal(quantized.scales, [[1, 1, 1], [1, 1, 100], [1, 1, 1]])
-    assert q.scales_shape((1000, 1000), 256, "rows") == (1000, 4)
-    assert q.stored_bytes((1000, 1000), block_size=256, mapping="dynamic", layout="rows") == (
-        1000 * 1000 + 4 * 4000
-    )
+    assert quantize_lib.scales_shape((1000, 1000), 256, "rows") == (1000, 4)
+    assert quantize_lib.stored_bytes(
+        (1000, 1000), block_size=256, mapping="dynamic", layout="rows"
+    ) == (1000 * 1000 + 4 * 4000)
 
 
-@pytest.mark.parametrize("mapping", q.ALL_MAPS)
+@pytest.mark.parametrize("mapping", quantize_lib.ALL_MAPS)
 def test_rows_whose_length_the_block_divides_give_the_flat_layouts_codes(mapping):
     # The same counter-hash bits for an element under both layouts: when blocks of the flat
     # array are whole rows' blocks, the codes are the same, and the scales are reshaped.
     x = jnp.asarray(_wide_range((4, 6, 128), 6, mapping not in (*UNSIGNED, "sqrt")))
     key = jax.random.key(9)
-    flat = q.quantize_blocks(x, block_size=64, mapping=mapping, rounding="stochastic", key=key)
-    rows = q.quantize_blocks(
+    flat = quantize_lib.quantize_blocks(
+        x, block_size=64, mapping=mapping, rounding="stochastic", key=key
+    )
+    rows = quantize_lib.quantize_blocks(
         x, block_size=64, mapping=mapping, rounding="stochastic", key=key, layout="rows"
     )
     np.testing.assert_array_equal(rows.scales, np.asarray(flat.scales).reshape(4, 6, 2))
-    if q.MAP_BITS[mapping] == 4:
+    if quantize_lib.MAP_BITS[mapping] == 4:
         np.testing.assert_array_equal(np.asarray(rows.codes).ravel(), flat.codes)
     else:
         np.testing.assert_array_equal(rows.codes, flat.codes)
@@ -308,28 +322,28 @@ def test_rows_whose_length_the_block_divides_give_the_flat_layouts_codes(mapping
 
 def test_rows_refuses_a_scalar():
     with pytest.raises(ValueError, match="scalar has none"):
-        q.quantize_blocks(jnp.float32(1.0), layout="rows")
+        quantize_lib.quantize_blocks(jnp.float32(1.0), layout="rows")
 
 
 # -- rank-1 normalisation ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mapping", q.TABLE_MAPS)
+@pytest.mark.parametrize("mapping", quantize_lib.TABLE_MAPS)
 def test_rank1_scales_each_element_by_its_row_and_column(mapping):
     x = _wide_range((9, 13), 7, mapping not in UNSIGNED)
-    quantized = q.quantize_rank1(jnp.asarray(x), mapping=mapping)
+    quantized = quantize_lib.quantize_rank1(jnp.asarray(x), mapping=mapping)
     np.testing.assert_array_equal(quantized.row_scales, np.abs(x).max(axis=1))
     np.testing.assert_array_equal(quantized.column_scales, np.abs(x).max(axis=0))
-    width = 7 if q.MAP_BITS[mapping] == 4 else 13
+    width = 7 if quantize_lib.MAP_BITS[mapping] == 4 else 13
     assert quantized.codes.shape == (9, width)
     back = np.asarray(
-        q.dequantize_rank1(
+        quantize_lib.dequantize_rank1(
             quantized.codes, quantized.row_scales, quantized.column_scales, mapping=mapping
         ),
         np.float64,
     )
     scale = np.minimum(np.abs(x).max(axis=1)[:, None], np.abs(x).max(axis=0)[None, :])
-    candidates = q.levels(mapping).astype(np.float64) * scale[..., None]
+    candidates = quantize_lib.levels(mapping).astype(np.float64) * scale[..., None]
     best = np.min(np.abs(candidates - x[..., None]), axis=-1)
     assert np.all(np.abs(back - x) <= best + scale * 2e-7)
 
@@ -340,8 +354,8 @@ def test_rank1_is_unbiased_and_zero_free_for_second_moments():
     keys = jax.random.split(jax.random.key(0), 2000)
 
     def one(key):
-        quantized = q.quantize_rank1(jnp.asarray(x), rounding="stochastic", key=key)
-        return q.dequantize_rank1(*quantized)
+        quantized = quantize_lib.quantize_rank1(jnp.asarray(x), rounding="stochastic", key=key)
+        return quantize_lib.dequantize_rank1(*quantized)
 
     samples = np.asarray(jax.jit(jax.vmap(one))(keys), np.float64)
     assert np.all(samples > 0)
@@ -353,14 +367,14 @@ def test_rank1_is_unbiased_and_zero_free_for_second_moments():
 
 def test_rank1_marks_a_row_and_column_holding_nan_and_refuses_other_shapes():
     x = jnp.ones((3, 4)).at[1, 2].set(jnp.nan)
-    back = np.asarray(q.dequantize_rank1(*q.quantize_rank1(x)))
+    back = np.asarray(quantize_lib.dequantize_rank1(*quantize_lib.quantize_rank1(x)))
     nan = np.zeros((3, 4), bool)
     nan[1, :] = nan[:, 2] = True
     np.testing.assert_array_equal(np.isnan(back), nan)
     with pytest.raises(ValueError, match="2-D"):
-        q.quantize_rank1(jnp.ones((2, 3, 4)))
+        quantize_lib.quantize_rank1(jnp.ones((2, 3, 4)))
     with pytest.raises(ValueError, match="table maps"):
-        q.quantize_rank1(jnp.ones((2, 3)), mapping="linear")
+        quantize_lib.quantize_rank1(jnp.ones((2, 3)), mapping="linear")
 
 
 # -- dispatch and bad input ----------------------------------------------------------------------
@@ -372,10 +386,10 @@ def test_rank1_marks_a_row_and_column_holding_nan_and_refuses_other_shapes():
 def test_impl_triton_refuses_what_the_kernel_does_not_implement(mapping, layout):
     x = jnp.ones((4, 8))
     with pytest.raises(ValueError, match="implements the maps"):
-        q.quantize_blocks(x, mapping=mapping, layout=layout, impl="triton")
-    quantized = q.quantize_blocks(x, mapping=mapping, layout=layout)
+        quantize_lib.quantize_blocks(x, mapping=mapping, layout=layout, impl="triton")
+    quantized = quantize_lib.quantize_blocks(x, mapping=mapping, layout=layout)
     with pytest.raises(ValueError, match="implements the maps"):
-        q.dequantize_blocks(
+        quantize_lib.dequantize_blocks(
             quantized.codes,
             quantized.scales,
             mapping=mapping,
@@ -393,19 +407,21 @@ def test_impl_auto_takes_the_reference_for_the_new_maps_where_triton_would_run(m
     x = jnp.asarray(_wide_range((4, 64), 10))
     for mapping, layout in (("dynamic", "flat"), ("dynamic4", "flat"), ("sqrt", "rows")):
         y = jnp.abs(x) if mapping == "sqrt" else x
-        quantized = q.quantize_blocks(y, block_size=32, mapping=mapping, layout=layout)
-        expected = q.quantize_blocks_reference(y, block_size=32, mapping=mapping, layout=layout)
+        quantized = quantize_lib.quantize_blocks(y, block_size=32, mapping=mapping, layout=layout)
+        expected = quantize_lib.quantize_blocks_reference(
+            y, block_size=32, mapping=mapping, layout=layout
+        )
         np.testing.assert_array_equal(quantized.codes, expected.codes)
 
 
 def test_jit_matches_eager():
     x = jnp.asarray(_wide_range((5, 70), 11))
     key = jax.random.key(3)
-    for mapping in q.TABLE_MAPS:
-        for layout in q.LAYOUTS:
+    for mapping in quantize_lib.TABLE_MAPS:
+        for layout in quantize_lib.LAYOUTS:
 
             def f(x, mapping=mapping, layout=layout):
-                return q.quantize_blocks(
+                return quantize_lib.quantize_blocks(
                     x, block_size=32, mapping=mapping, rounding="stochastic", key=key, layout=layout
                 )
 
@@ -418,8 +434,8 @@ def test_jit_matches_eager():
 
 def test_bfloat16_input_and_output():
     x = jnp.linspace(-2, 2, 50, dtype=jnp.bfloat16)
-    quantized = q.quantize_blocks(x, block_size=16, mapping="dynamic")
-    back = q.dequantize_blocks(
+    quantized = quantize_lib.quantize_blocks(x, block_size=16, mapping="dynamic")
+    back = quantize_lib.dequantize_blocks(
         quantized.codes, quantized.scales, block_size=16, mapping="dynamic", dtype=jnp.bfloat16
     )
     assert back.dtype == jnp.bfloat16
@@ -428,16 +444,18 @@ def test_bfloat16_input_and_output():
 
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="layout"):
-        q.quantize_blocks(jnp.ones(4), layout="columns")
+        quantize_lib.quantize_blocks(jnp.ones(4), layout="columns")
     with pytest.raises(ValueError, match="mapping"):
-        q.quantize_blocks(jnp.ones(4), mapping="dynamic8")
-    quantized = q.quantize_blocks(jnp.ones((4, 8)), block_size=4, mapping="dynamic", layout="rows")
+        quantize_lib.quantize_blocks(jnp.ones(4), mapping="dynamic8")
+    quantized = quantize_lib.quantize_blocks(
+        jnp.ones((4, 8)), block_size=4, mapping="dynamic", layout="rows"
+    )
     with pytest.raises(ValueError, match="one per block"):
-        q.dequantize_blocks(
+        quantize_lib.dequantize_blocks(
             quantized.codes, quantized.scales, block_size=8, mapping="dynamic", layout="rows"
         )
     with pytest.raises(ValueError, match="uint8"):
-        q.dequantize_blocks(
+        quantize_lib.dequantize_blocks(
             quantized.codes.astype(jnp.int8),
             quantized.scales,
             block_size=4,

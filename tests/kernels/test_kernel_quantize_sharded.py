@@ -17,7 +17,7 @@ PRELUDE = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    from triaccel_jax.kernels import quantize as q
+    from triaccel_jax.kernels import quantize as quantize_lib
 
     COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all",
                    "reduce-scatter")
@@ -28,10 +28,10 @@ PRELUDE = textwrap.dedent(
 
     def round_trip(block_size, mapping, rounding):
         def run(x):
-            quantized = q.quantize_blocks(
+            quantized = quantize_lib.quantize_blocks(
                 x, block_size=block_size, mapping=mapping, rounding=rounding,
                 key=jax.random.key(1), layout="rows")
-            back = q.dequantize_blocks(
+            back = quantize_lib.dequantize_blocks(
                 quantized.codes, quantized.scales, block_size=block_size, mapping=mapping,
                 layout="rows", shape=x.shape)
             return quantized, back
@@ -53,7 +53,7 @@ FSDP_SCRIPT = PRELUDE + textwrap.dedent(
     for kind in ("auto", "explicit"):
         for devices in (8, 4):
             fsdp = mesh("fsdp", devices, kind)
-            for mapping in q.ALL_MAPS:
+            for mapping in quantize_lib.ALL_MAPS:
                 for rounding in ("nearest", "stochastic"):
                     if devices == 4 and rounding == "nearest":
                         continue  # 4 devices: one rounding is enough to show the same

@@ -14,7 +14,7 @@ import pytest
 
 import triaccel_jax
 from triaccel_jax.kernels import _dispatch
-from triaccel_jax.kernels import cast as cast_lib
+from triaccel_jax.kernels import cast as cast_kernel
 
 ON_CUDA = _dispatch.triton_unavailable_reason() is None
 needs_no_triton = pytest.mark.skipif(ON_CUDA, reason="checks the behaviour without a CUDA backend")
@@ -44,7 +44,9 @@ def test_impl_reference_equals_the_pure_jax_rounding_bit_for_bit(monkeypatch, st
     ref_updates, _ = _run(triaccel_jax.TriAccelConfig(state_dtype=state_dtype))
     # Today's optimizer wrote its moments with cast_reference; force that and compare.
     monkeypatch.setattr(
-        cast_lib, "cast", lambda x, dtype, *, impl, **kw: cast_lib.cast_reference(x, dtype, **kw)
+        cast_kernel,
+        "cast",
+        lambda x, dtype, *, impl, **kw: cast_kernel.cast_reference(x, dtype, **kw),
     )
     old_updates, old_state = _run(triaccel_jax.TriAccelConfig(state_dtype=state_dtype))
     monkeypatch.undo()
@@ -62,13 +64,13 @@ def test_impl_reference_equals_the_pure_jax_rounding_bit_for_bit(monkeypatch, st
 @pytest.mark.slow
 def test_the_moment_writes_go_through_the_cast_dispatch_with_the_configs_impl(monkeypatch):
     seen = []
-    original = cast_lib.cast
+    original = cast_kernel.cast
 
     def spy(x, dtype, *, impl, **kw):
         seen.append((jnp.dtype(dtype).name, impl))
         return original(x, dtype, impl=impl, **kw)
 
-    monkeypatch.setattr(cast_lib, "cast", spy)
+    monkeypatch.setattr(cast_kernel, "cast", spy)
     _run(triaccel_jax.TriAccelConfig(state_dtype="bfloat16", impl="reference"))
     assert seen and set(seen) == {("bfloat16", "reference")}
 

@@ -46,7 +46,7 @@ from triaccel_jax.controller import _learning_rate as learning_rate
 from triaccel_jax.controller import _logging as logging_lib
 from triaccel_jax.controller import _memory_probe as memory_probe
 from triaccel_jax.controller import _out_of_memory as out_of_memory
-from triaccel_jax.controller import _state_record as records
+from triaccel_jax.controller import _state_record as state_record
 from triaccel_jax.controller._feeding import BatchFeeder
 from triaccel_jax.controller._sampler import ElasticSampler
 
@@ -639,12 +639,12 @@ class AdaptiveBatches:
         Raises:
           ValueError: the state is malformed or of another object (the field named).
         """
-        fields = records.fields(state, "AdaptiveBatches", dict.fromkeys(_STATE_FIELDS))
+        fields = state_record.fields(state, "AdaptiveBatches", dict.fromkeys(_STATE_FIELDS))
         if fields["format"] != STATE_FORMAT:
             raise ValueError(f"not an AdaptiveBatches state: format {fields['format']!r}")
-        step = records.integer(fields["step"], "step", 0)
-        epoch = records.integer(fields["epoch"], "epoch", 0)
-        last_loss = records.optional(fields["last_loss"], float, "last_loss")
+        step = state_record.integer(fields["step"], "step", 0)
+        epoch = state_record.integer(fields["epoch"], "epoch", 0)
+        last_loss = state_record.optional(fields["last_loss"], float, "last_loss")
         bucket, goodput = copy.copy(self._bucket), copy.copy(self._goodput)
         lr = copy.copy(self._lr)
         bucket.load_state_dict(fields["bucket"])

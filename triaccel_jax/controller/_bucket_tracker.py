@@ -17,7 +17,7 @@ from typing import Any
 from triaccel_jax._src import arrays
 from triaccel_jax.controller import _buckets as buckets_lib
 from triaccel_jax.controller import _out_of_memory as out_of_memory
-from triaccel_jax.controller import _state_record as records
+from triaccel_jax.controller import _state_record as state_record
 
 
 class BucketTracker:
@@ -179,21 +179,23 @@ class BucketTracker:
         Raises:
           ValueError: the state is malformed, or names a bucket this tracker does not have.
         """
-        fields = records.fields(state, "bucket", self.state_dict())
-        micro = records.integer(fields["micro_batch"], "micro_batch")
-        ceiling = records.optional(fields["ceiling"], int, "ceiling")
+        fields = state_record.fields(state, "bucket", self.state_dict())
+        micro = state_record.integer(fields["micro_batch"], "micro_batch")
+        ceiling = state_record.optional(fields["ceiling"], int, "ceiling")
         for name, bucket in (("micro_batch", micro), ("ceiling", ceiling)):
             if bucket is not None and bucket not in self._buckets:
                 raise ValueError(f"controller state: {name} {bucket!r} is not a bucket")
-        measured = records.mapping(fields["measured_peaks"], "measured_peaks")
+        measured = state_record.mapping(fields["measured_peaks"], "measured_peaks")
         peaks = {
-            records.integer(b, "measured_peaks bucket"): records.integer(v, "measured_peaks")
+            state_record.integer(b, "measured_peaks bucket"): state_record.integer(
+                v, "measured_peaks"
+            )
             for b, v in measured.items()
         }
         streaks = (
-            records.integer(fields["grow_streak"], "grow_streak"),
-            records.integer(fields["shrink_streak"], "shrink_streak"),
+            state_record.integer(fields["grow_streak"], "grow_streak"),
+            state_record.integer(fields["shrink_streak"], "shrink_streak"),
         )
-        limit = records.optional(fields["limit_bytes"], int, "limit_bytes")
+        limit = state_record.optional(fields["limit_bytes"], int, "limit_bytes")
         self._micro, self._ceiling, self._measured, self._limit = micro, ceiling, peaks, limit
         self._grow_streak, self._shrink_streak = streaks

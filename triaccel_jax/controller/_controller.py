@@ -54,7 +54,7 @@ from triaccel_jax.controller import _precision_schedule as precision_schedule
 from triaccel_jax.controller import _replan as replan_lib
 from triaccel_jax.controller import _sampler as sampler_lib
 from triaccel_jax.controller import _state_record as state_record
-from triaccel_jax.controller import _step_records as records
+from triaccel_jax.controller import _step_records as step_records
 from triaccel_jax.policy import PrecisionPlan
 from triaccel_jax.policy import PrecisionPolicy
 from triaccel_jax.policy import check_policy
@@ -255,7 +255,7 @@ class Controller:
         self._loss = training.normalize_loss_fn(
             loss_fn, has_aux=config.has_aux, has_model_state=model_state is not None
         )
-        self._in_flight = records.InFlight(clock)
+        self._in_flight = step_records.InFlight(clock)
         self._compiler = compiling.StepCompiler(self._make_step, clock=clock)
         # XLA:CPU converts bf16 through float32 (the small CNN's bf16 step ran 2x slower, and
         # compiled 3-4x longer): no speed trial there unless asked for.
@@ -828,11 +828,11 @@ class Controller:
 
     def _pending(
         self, step: int, indices: np.ndarray, micro: int, first_event: int
-    ) -> records.PendingStep:
+    ) -> step_records.PendingStep:
         """Step ``step`` of ``indices`` at bucket ``micro``, at the rate of its own samples, from
         the training state in force."""
         self._set_learning_rate(len(indices))
-        return records.PendingStep(
+        return step_records.PendingStep(
             step,
             indices,
             self._num_micro(micro, len(indices)),
@@ -879,7 +879,7 @@ class Controller:
                 raise
             return None, error
 
-    def _recover(self, steps: Sequence[records.PendingStep], error: BaseException) -> None:
+    def _recover(self, steps: Sequence[step_records.PendingStep], error: BaseException) -> None:
         """After ``steps[0]`` ran out of memory: charges the error to the bucket it ran at and
         re-runs ``steps``, in order, from the state in force (the caller rolled back to it)."""
         failed = steps[0]
@@ -888,7 +888,7 @@ class Controller:
         for step in steps:
             self._rerun(step, last=step is steps[-1])
 
-    def _rerun(self, step: records.PendingStep, *, last: bool) -> None:
+    def _rerun(self, step: step_records.PendingStep, *, last: bool) -> None:
         """Re-runs ``step`` on its samples from the state in force, synchronously, shrinking the
         bucket while it runs out of memory.
 
@@ -901,7 +901,7 @@ class Controller:
         self._step_count = step.step
         tried = [f"{step.num_micro}x{step.micro}"]
 
-        def attempt_at(attempt: records.PendingStep) -> tuple[Any, dict[str, float]]:
+        def attempt_at(attempt: step_records.PendingStep) -> tuple[Any, dict[str, float]]:
             out = self._dispatch_step(attempt)
             return out, self._read(attempt._replace(metrics=out.metrics))
 
@@ -919,7 +919,7 @@ class Controller:
             self._set_learning_rate(self.batch_size)
         self._deliver(attempt, metrics)
 
-    def _dispatch_step(self, step: records.PendingStep) -> training.StepOutput:
+    def _dispatch_step(self, step: step_records.PendingStep) -> training.StepOutput:
         """Gathers ``step``'s samples as its micro-batches and dispatches the compiled step.
 
         Returns:
@@ -952,7 +952,7 @@ class Controller:
         finally:
             self._timings["step"] += self._clock() - start
 
-    def _read(self, step: records.PendingStep) -> dict[str, float]:
+    def _read(self, step: step_records.PendingStep) -> dict[str, float]:
         """``step``'s metrics as floats: a transfer that waits for the step to finish."""
         start = self._clock()
         try:
@@ -962,7 +962,7 @@ class Controller:
         finally:
             self._timings["step"] += self._clock() - start
 
-    def _deliver(self, step: records.PendingStep, metrics: dict[str, float]) -> None:
+    def _deliver(self, step: step_records.PendingStep, metrics: dict[str, float]) -> None:
         """The bookkeeping of a step whose metrics are read: loss, measurements, :class:`StepInfo`,
         callback."""
         start = self._clock()
@@ -1012,8 +1012,8 @@ class Controller:
 
     # -- the training state as one record -------------------------------------------------------
 
-    def _record(self) -> records.TrainingRecord:
-        return records.TrainingRecord(
+    def _record(self) -> step_records.TrainingRecord:
+        return step_records.TrainingRecord(
             self._params,
             self._opt_state,
             self._model_state,
@@ -1023,7 +1023,7 @@ class Controller:
             self._lr.progress,
         )
 
-    def _restore(self, record: records.TrainingRecord) -> None:
+    def _restore(self, record: step_records.TrainingRecord) -> None:
         """Rolls back to ``record`` whole: a switch taken after it was made is undone with it."""
         self._params, self._opt_state = record.params, record.opt_state
         self._model_state, self._loss_scale = record.model_state, record.loss_scale
@@ -1358,7 +1358,7 @@ class Controller:
             return self._global // micro
         return 1 if samples is None else max(samples // micro, 1)
 
-    def _measured_micro(self, step: records.PendingStep) -> int:
+    def _measured_micro(self, step: step_records.PendingStep) -> int:
         """The samples behind the step's ``micro_grad_sq_norm``: its micro-batch, or half of it
         for a step of one micro-batch split in two (``measure_noise_scale``)."""
         if self._splits(step.micro, step.num_micro):

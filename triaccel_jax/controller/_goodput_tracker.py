@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from triaccel_jax.controller import _agreement as agreement
 from triaccel_jax.controller import _goodput as goodput
-from triaccel_jax.controller import _state_record as records
+from triaccel_jax.controller import _state_record as state_record
 from triaccel_jax.controller._buckets import BucketDecision
 from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
 from triaccel_jax.controller._noise_scale import observe_noise
@@ -384,7 +384,7 @@ class GoodputTracker:
           ValueError: the state is malformed (the field named); nothing is changed then.
         """
         # The keys alone: state_dict() would agree the step times across processes for nothing.
-        fields = records.fields(state, "goodput", dict.fromkeys(_STATE_KEYS))
+        fields = state_record.fields(state, "goodput", dict.fromkeys(_STATE_KEYS))
         noise = _noise(fields["noise"], "noise")
         recent = _recent_noise(fields["recent_noise"])
         times = _step_times(fields["step_times"])
@@ -393,12 +393,16 @@ class GoodputTracker:
         if trial is not None:
             if not isinstance(trial, list | tuple) or len(trial) != 2:
                 raise ValueError(f"controller state: `trial` must be [from, to], got {trial!r}")
-            trial = (records.integer(trial[0], "trial", 1), records.integer(trial[1], "trial", 1))
+            trial = (
+                state_record.integer(trial[0], "trial", 1),
+                state_record.integer(trial[1], "trial", 1),
+            )
         clock = fields["clock"]
         if (
             not isinstance(clock, list | tuple)
             or len(clock) != 2
-            or records.integer(clock[1], "clock", 0) > records.integer(clock[0], "clock", 0)
+            or state_record.integer(clock[1], "clock", 0)
+            > state_record.integer(clock[0], "clock", 0)
         ):
             raise ValueError(
                 "controller state: `clock` must be [samples read, samples at the last decision], "
@@ -409,8 +413,8 @@ class GoodputTracker:
         if not isinstance(block, list | tuple) or len(block) != 2:
             raise ValueError(f"controller state: `block` must be [steps, seconds], got {block!r}")
         pending = (
-            records.integer(block[0], "block", 0),
-            records.number(block[1], "block", finite_at_least=0.0),
+            state_record.integer(block[0], "block", 0),
+            state_record.number(block[1], "block", finite_at_least=0.0),
         )
         self._samples, self._decided_at = int(clock[0]), int(clock[1])
         self._pending = pending
@@ -428,9 +432,9 @@ def _noise(value: Any, name: str) -> NoiseScaleEstimate:
             f"({', '.join(NoiseScaleEstimate._fields)}), got {value!r}"
         )
     *floats, samples = value
-    g, t, gg, tt, cross, weight, weight_sq = (records.number(v, name) for v in floats)
+    g, t, gg, tt, cross, weight, weight_sq = (state_record.number(v, name) for v in floats)
     return NoiseScaleEstimate(
-        g, t, gg, tt, cross, weight, weight_sq, records.integer(samples, name, 0)
+        g, t, gg, tt, cross, weight, weight_sq, state_record.integer(samples, name, 0)
     )
 
 
@@ -445,7 +449,7 @@ def _recent_noise(value: Any) -> list[tuple[int, NoiseScaleEstimate]]:
                 f"controller state: each `recent_noise` entry must be [step, *averages], got "
                 f"{entry!r}"
             )
-        step = records.integer(entry[0], "recent_noise step")
+        step = state_record.integer(entry[0], "recent_noise step")
         if entries and step <= entries[-1][0]:
             raise ValueError(
                 f"controller state: `recent_noise` steps must be increasing integers, got {value!r}"
@@ -459,7 +463,11 @@ def _key(value: Any, name: str) -> ThroughputKey:
         raise ValueError(
             f"controller state: `{name}` must be [micro, micro-batches, policy], got {value!r}"
         )
-    return (records.integer(value[0], name, 1), records.integer(value[1], name, 1), value[2])
+    return (
+        state_record.integer(value[0], name, 1),
+        state_record.integer(value[1], name, 1),
+        value[2],
+    )
 
 
 def _step_times(value: Any) -> dict[ThroughputKey, StepTimes]:
@@ -473,9 +481,9 @@ def _step_times(value: Any) -> dict[ThroughputKey, StepTimes]:
                 f"policy, steps, seconds, seconds_sq, blocks], got {entry!r}"
             )
         key = _key(entry[:3], "step_times")
-        steps = records.integer(entry[3], "step_times steps", 0)
-        seconds, squares = (records.number(v, "step_times seconds") for v in entry[4:6])
-        blocks = records.integer(entry[6], "step_times blocks", 0)
+        steps = state_record.integer(entry[3], "step_times steps", 0)
+        seconds, squares = (state_record.number(v, "step_times seconds") for v in entry[4:6])
+        blocks = state_record.integer(entry[6], "step_times blocks", 0)
         if seconds < 0.0 or squares < 0.0:
             raise ValueError(f"controller state: `step_times` seconds must be >= 0, got {entry!r}")
         times[key] = StepTimes(steps, seconds, squares, blocks)

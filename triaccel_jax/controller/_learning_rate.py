@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import optax
 
 from triaccel_jax._src.readonly import ReadOnly
-from triaccel_jax.controller import _state_record as records
+from triaccel_jax.controller import _state_record as state_record
 from triaccel_jax.controller._config import GAIN_RULES
 from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
 
@@ -600,13 +600,13 @@ class LearningRateScaling:
         Raises:
           ValueError: the state is malformed (the field named); nothing is changed then.
         """
-        fields = records.fields(state, "learning_rate", self.state_dict())
-        tuned = records.optional(fields["tuned_learning_rate"], float, "tuned_learning_rate")
-        records.number(fields["factor"], "factor")
-        progress = records.number(
+        fields = state_record.fields(state, "learning_rate", self.state_dict())
+        tuned = state_record.optional(fields["tuned_learning_rate"], float, "tuned_learning_rate")
+        state_record.number(fields["factor"], "factor")
+        progress = state_record.number(
             fields["schedule_progress"], "schedule_progress", finite_at_least=0.0
         )
-        decay = records.optional(fields["tuned_weight_decay"], float, "tuned_weight_decay")
+        decay = state_record.optional(fields["tuned_weight_decay"], float, "tuned_weight_decay")
         if tuned is not None and self._base_lr is not None:
             self._base_lr = tuned
         if decay is not None and self._base_decay is not None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from triaccel_jax.controller import _agreement as agreement
 from triaccel_jax.controller import _precision_speed as precision_speed
-from triaccel_jax.controller import _state_record as records
+from triaccel_jax.controller import _state_record as state_record
 from triaccel_jax.policy import PrecisionPlan
 from triaccel_jax.policy import PrecisionPolicy
 from triaccel_jax.policy import pending_from_document
@@ -225,7 +225,7 @@ class PrecisionSchedule:
         Raises:
           ValueError: the state is malformed; nothing is changed then.
         """
-        fields = records.fields(state, "precision", self.state_dict())
+        fields = state_record.fields(state, "precision", self.state_dict())
         document = fields["policy"]
         policy = None if document is None else PrecisionPolicy.from_json(json.dumps(document))
         pending = pending_from_document({"pending": fields["pending"]})

@@ -20,7 +20,7 @@ from triaccel_jax import kernels
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.kernels import cast as cast_kernel
 from triaccel_jax.policy import _dtypes as dtypes
-from triaccel_jax.policy import _policy as policy_lib
+from triaccel_jax.policy import _policy as policy_core
 
 MASTER_DTYPES = ("fp32", "policy")
 
@@ -33,7 +33,7 @@ def _leaf_keys(key: jax.Array | None, count: int) -> list[jax.Array | None]:
 
 def cast_params(
     params: Any,
-    policy: policy_lib.PrecisionPolicy,
+    policy: policy_core.PrecisionPolicy,
     *,
     rounding: str = "nearest",
     key: jax.Array | None = None,
@@ -70,7 +70,7 @@ def cast_params(
     """
     if rounding == "stochastic" and key is None:
         raise ValueError("rounding='stochastic' needs a PRNG `key`")
-    policy_lib.check_policy(policy)
+    policy_core.check_policy(policy)
     policy.check_matches(params)
     return cast_by_path(params, policy.compute, rounding=rounding, key=key, impl=impl)
 
@@ -126,7 +126,7 @@ def _cast_leaf(leaf, name, rounding, key, impl):
 
 
 def master_params(
-    params: Any, policy: policy_lib.PrecisionPolicy, master_dtype: str = "fp32"
+    params: Any, policy: policy_core.PrecisionPolicy, master_dtype: str = "fp32"
 ) -> Any:
     """The masters to train: fp32 (default) or, with ``"policy"``, each leaf's compute dtype.
 
@@ -143,7 +143,7 @@ def master_params(
     """
     if master_dtype not in MASTER_DTYPES:
         raise ValueError(f"`master_dtype` must be one of {MASTER_DTYPES}, got {master_dtype!r}")
-    policy_lib.check_policy(policy)
+    policy_core.check_policy(policy)
     policy.check_matches(params)
 
     def master(path, leaf):
