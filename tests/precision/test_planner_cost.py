@@ -9,7 +9,7 @@ import pytest
 
 import triaccel_jax
 from triaccel_jax.policy import _dtypes as dtypes
-from triaccel_jax.precision import _curvature_cost as curvature_cost
+from triaccel_jax.precision import _leaf_cost as leaf_cost
 from triaccel_jax.precision import _planner as planner
 from triaccel_jax.transforms import _compression as compression
 
@@ -81,12 +81,12 @@ def test_weighted_sum_is_that_of_the_expanded_store(shape, block_size, rho):
     w = jax.random.normal(keys[1], shape)
     store = compression.compress_diagonal(h, block_size=block_size, rho=rho)
     expanded = compression.expand_diagonal(store, shape)
-    got = float(curvature_cost.weighted_curvature_sum(store, w))
+    got = float(leaf_cost.weighted_curvature_sum(store, w))
     np.testing.assert_allclose(got, float(jnp.sum(expanded * w**2)), rtol=1e-5)
     # With every entry kept exactly the sum is the exact one.
     exact = compression.compress_diagonal(h, block_size=block_size, rho=1.0)
     np.testing.assert_allclose(
-        float(curvature_cost.weighted_curvature_sum(exact, w)), float(jnp.sum(h * w**2)), rtol=1e-5
+        float(leaf_cost.weighted_curvature_sum(exact, w)), float(jnp.sum(h * w**2)), rtol=1e-5
     )
 
 

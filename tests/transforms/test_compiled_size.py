@@ -120,9 +120,9 @@ FEW, MANY = 4, 32
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_leaves_of_one_shape_share_their_compiled_kernels(name, tmp_path):
-    from triaccel_jax.transforms import _curvature_refresh
+    from triaccel_jax.transforms import _refresh
 
-    assert _curvature_refresh.GROUPED_LEAF_LIMIT <= 256 * 160
+    assert _refresh.GROUPED_LEAF_LIMIT <= 256 * 160
     make, inner, _ = CASES[name]
     kernels = {
         (which, count): compiled_kernels(tx(), count, str(tmp_path / f"{which}{count}"))

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from triaccel_jax.transforms import _compression as compression
-from triaccel_jax.transforms import _curvature_refresh as refresh_lib
+from triaccel_jax.transforms import _refresh as refresh_lib
 
 DECAY = 0.9
 BIG = float(np.finfo(np.float32).max)

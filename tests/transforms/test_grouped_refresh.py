@@ -23,7 +23,7 @@ from hypothesis import settings
 import triaccel_jax
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _compression_sharded as compression_sharded
-from triaccel_jax.transforms import _curvature_refresh as refresh_lib
+from triaccel_jax.transforms import _refresh as refresh_lib
 from triaccel_jax.transforms import _segments as segments_lib
 from triaccel_jax.transforms._compression_grouped import CurvatureStores
 from triaccel_jax.transforms._compression_grouped import StoreGroup

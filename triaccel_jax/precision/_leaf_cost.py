@@ -41,7 +41,7 @@ def weighted_curvature_sum(store: transforms.CompressedDiagonal, leaf: jax.Array
     Example:
       >>> import jax.numpy as jnp
       >>> from triaccel_jax.transforms import compress_diagonal
-      >>> from triaccel_jax.precision._curvature_cost import weighted_curvature_sum
+      >>> from triaccel_jax.precision._leaf_cost import weighted_curvature_sum
       >>> store = compress_diagonal(jnp.array([1.0, 3.0, 0.0, 8.0]), block_size=2, rho=0.25)
       >>> float(weighted_curvature_sum(store, jnp.array([1.0, 1.0, 2.0, 0.5])))  # 2+2+4*4+8/4
       22.0

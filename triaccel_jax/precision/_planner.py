@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import validation
-from triaccel_jax.precision import _curvature_cost as curvature_cost
+from triaccel_jax.precision import _leaf_cost as leaf_cost
 
 # Beyond this, gradient noise no longer discounts rounding noise: a leaf whose moments say "all
 # noise" (m_hat ~ 0 late in training) must not be made free to round arbitrarily coarsely.
@@ -159,11 +159,11 @@ def plan_precision(
             "this model's optimizer state"
         )
     stores = {
-        path: curvature_cost.as_store(path, record["curvature_store"], shapes[path])
+        path: leaf_cost.as_store(path, record["curvature_store"], shapes[path])
         for path, record in signals.items()
         if path in shapes and isinstance(record, Mapping) and "curvature_store" in record
     }
-    figures = curvature_cost.leaf_figures(params, stores)
+    figures = leaf_cost.leaf_figures(params, stores)
     if previous is not None:
         previous.policy.check_matches(params)
     # An infinite budget stays infinite even relative to a loss of 0 (inf * 0 would be NaN).

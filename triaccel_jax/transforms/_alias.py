@@ -4,7 +4,7 @@ As optax's ``alias.py`` builds ``adamw`` from ``scale_by_adam`` and ``optax.cont
 from ``scale_by_muon``, each optimizer here only composes (docs/design.md §3):
 
 * :func:`scale_by_triaccel`: the curvature signals keeping Adam's moments, which return Adam's
-  direction (:func:`._curvature_signals.keep_signals`), then Tri-Accel's step scale
+  direction (:func:`._observer.keep_signals`), then Tri-Accel's step scale
   (:func:`._step_scale.scale_by_step_scale`);
 * :func:`triaccel`: the same, then decoupled weight decay and the learning rate;
 * :func:`scale_by_curvature`: the observer, any given direction, then the step scale.
@@ -22,7 +22,7 @@ import optax
 
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
-from triaccel_jax.transforms import _curvature_signals as signals_lib
+from triaccel_jax.transforms import _observer as observer
 from triaccel_jax.transforms import _step_scale as step_scale_lib
 from triaccel_jax.transforms._config import CurvatureSettings
 from triaccel_jax.transforms._config import TriAccelConfig
@@ -188,7 +188,7 @@ def _adam_with_step_scale(
 ) -> optax.GradientTransformationExtraArgs:
     """The signals keeping Adam's moments (Adam's direction), the step scale, then ``after``."""
     return step_scale_lib.with_signals(
-        signals_lib.keep_signals(settings, config, adam_eps=eps),
+        observer.keep_signals(settings, config, adam_eps=eps),
         step_scale_lib.scale_by_step_scale(settings, config),
         *after,
     )
@@ -276,7 +276,7 @@ def scale_by_curvature(
         b1, b2, curvature_every, curvature_decay, alpha, min_scale, max_scale, seed
     )
     return step_scale_lib.with_signals(
-        signals_lib.keep_signals(settings, config),
+        observer.keep_signals(settings, config),
         direction,
         step_scale_lib.scale_by_step_scale(settings, config),
     )

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from triaccel_jax.transforms import _compression as compression
-from triaccel_jax.transforms import _curvature_refresh as refresh_lib
+from triaccel_jax.transforms import _refresh as refresh_lib
 
 
 def block_step_scale(
@@ -51,12 +51,12 @@ def block_step_scale(
         ``store``.
       shape: the leaf's shape.
       kappa_ref: the reference curvature, the median over leaves
-        (:func:`triaccel_jax.transforms._curvature_refresh.reference_curvature`).
+        (:func:`triaccel_jax.transforms._refresh.reference_curvature`).
       alpha: exponent of the scale, >= 0 (0 gives exactly 1 everywhere).
       min_scale: lower clip, > 0.
       max_scale: upper clip, >= ``min_scale``.
       bound: how the bounds hold the scale, ``"clip"`` or ``"smooth"``
-        (:func:`triaccel_jax.transforms._curvature_refresh.bounded_scale`).
+        (:func:`triaccel_jax.transforms._refresh.bounded_scale`).
 
     Returns:
       A float32 array of ``shape``: the element-wise scale, constant over each block (each

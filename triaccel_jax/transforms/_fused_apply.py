@@ -9,7 +9,7 @@ each leaf's moments, master write and compute copy to the one-pass fused update
 (:func:`triaccel_jax.kernels.fused_update.fused_update`, docs/design.md §4, §8): the Triton
 kernel on CUDA where ``impl`` (``TriAccelConfig.impl``) selects it, its pure-JAX reference
 elsewhere. The curvature step, the signals and the optimizer state are those of the optax update
-(the same code, :mod:`triaccel_jax.transforms._curvature_signals`).
+(the same code, :mod:`triaccel_jax.transforms._observer`).
 
 The fused form is explicit: :func:`fused_triaccel` takes ``triaccel``'s arguments and returns a
 :class:`FusedTriAccel` holding that optimizer (``tx``) and the hyperparameters the fused step
@@ -34,8 +34,8 @@ from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.kernels import fused_update as fused_kernel
 from triaccel_jax.transforms import _alias as alias
-from triaccel_jax.transforms import _curvature_refresh as refresh_lib
-from triaccel_jax.transforms import _curvature_signals as signals_lib
+from triaccel_jax.transforms import _observer as observer
+from triaccel_jax.transforms import _refresh as refresh_lib
 from triaccel_jax.transforms._config import CurvatureSettings
 from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._config import resolve_config
@@ -147,7 +147,7 @@ def unfused_reason(fused: FusedTriAccel, opt_state: Any = None) -> str | None:
     if fused.config.scale != "leaf":
         return "per-block step scales (TriAccelConfig(scale='block')) are not scalars per leaf"
     if opt_state is not None:
-        for state in signals_lib.find_signal_states(opt_state):
+        for state in observer.find_signal_states(opt_state):
             for leaf in jax.tree.leaves((state.mu, state.nu)):
                 if jnp.dtype(leaf.dtype).name not in fused_kernel.MOMENT_DTYPES:
                     return (
@@ -167,7 +167,7 @@ def uses_triton(fused: FusedTriAccel, opt_state: Any) -> bool:
         return False
     moments = {
         jnp.dtype(x.dtype).name
-        for state in signals_lib.find_signal_states(opt_state)
+        for state in observer.find_signal_states(opt_state)
         for x in jax.tree.leaves(state.mu)
     }
     op = kernels.fused_update_op("bfloat16" if "bfloat16" in moments else "float32")
@@ -266,7 +266,7 @@ def _check_state_of(opt_state: Any) -> None:
     if not (
         isinstance(opt_state, tuple)
         and len(opt_state) == 3
-        and signals_lib.is_signal_state(opt_state[0])
+        and observer.is_signal_state(opt_state[0])
         and isinstance(opt_state[2], optax.MaskedState)
     ):
         kind = type(opt_state).__name__
@@ -298,7 +298,7 @@ def _fused(
     rate = jnp.asarray(rate, jnp.float32) * jnp.asarray(learning_rate_factor, jnp.float32)
     settings, config = fused.settings, fused.config
 
-    step = signals_lib.prepare(
+    step = observer.prepare(
         grads,
         signals_state,
         config,
@@ -310,9 +310,9 @@ def _fused(
 
     def moments() -> refresh_lib.NoiseMoments:
         # Only the steps that refresh the curvature read the moments outside the kernel.
-        return signals_lib.noise_moments(signals_lib.adam_moments(step, grads, scalars), scalars)
+        return observer.noise_moments(observer.adam_moments(step, grads, scalars), scalars)
 
-    refreshed = signals_lib.refresh(
+    refreshed = observer.refresh(
         step, grads, signals_state, params, moments, settings=settings, config=config
     )
     # The step scale of each observed leaf (a vector over them in the state), None elsewhere.
@@ -367,7 +367,7 @@ def _fused(
     pick = lambda name: jax.tree.map(
         lambda x: getattr(x, name), leaves, is_leaf=lambda x: isinstance(x, _Leaf)
     )
-    new_signals_state = signals_lib.advanced(
+    new_signals_state = observer.advanced(
         signals_state, step, refreshed, mu=pick("mu"), nu=pick("nu")
     )
     new_state = (

@@ -5,7 +5,7 @@ gradient noise. This module estimates and keeps them (docs/design.md §3, §3.9)
 
 * every ``curvature_every`` steps (under one ``lax.cond``), a diagonal curvature estimate
   (empirical Fisher or Hutchinson) folded into an EMA stored compressed (block means + top-k)
-  (:mod:`triaccel_jax.transforms._curvature_refresh`);
+  (:mod:`triaccel_jax.transforms._refresh`);
 * the noise-to-signal ratio ``mean(v_hat - m_hat**2) / mean(m_hat**2)`` of the gradients it sees,
   from an element-wise EMA of the gradient (``mu``, in the config's state dtype, bfloat16 writes
   stochastically rounded) and an EMA of the squared gradient (``nu``).
@@ -38,12 +38,12 @@ from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.kernels import cast as cast_kernel
 from triaccel_jax.transforms import _compression as compression
 from triaccel_jax.transforms import _compression_grouped as compression_grouped
-from triaccel_jax.transforms import _curvature as curvature_lib
-from triaccel_jax.transforms import _curvature_refresh as refresh_lib
+from triaccel_jax.transforms import _estimators as estimators
+from triaccel_jax.transforms import _refresh as refresh_lib
 from triaccel_jax.transforms._config import CurvatureSettings
 from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._config import resolve_config
-from triaccel_jax.transforms._curvature_refresh import LeafSignals
+from triaccel_jax.transforms._refresh import LeafSignals
 
 # The curvature store's outlier indices are int32 flat indices into a leaf (and XLA's top_k
 # over a flattened leaf counts in int32).
@@ -211,8 +211,8 @@ def init_curvature(
 def make_estimator(config: TriAccelConfig, seed: int) -> optax.GradientTransformationExtraArgs:
     """The config's curvature estimator (Hutchinson's probes seeded by ``seed``)."""
     if config.estimator == "hutchinson":
-        return curvature_lib.hutchinson_diagonal(config.num_samples, seed=seed)
-    return curvature_lib.fisher_diagonal()
+        return estimators.hutchinson_diagonal(config.num_samples, seed=seed)
+    return estimators.fisher_diagonal()
 
 
 def require_loss_fn(
@@ -226,9 +226,9 @@ def require_loss_fn(
 
     Checked outside ``lax.cond``, so that a missing loss is reported on every step.
     """
-    loss_fn = curvature_lib.resolve_loss_fn(loss_fn, obj_fn=obj_fn, value_fn=value_fn)
+    loss_fn = estimators.resolve_loss_fn(loss_fn, obj_fn=obj_fn, value_fn=value_fn)
     if config.estimator == "hutchinson" and loss_fn is None:
-        raise ValueError(curvature_lib._LOSS_FN_HELP)
+        raise ValueError(estimators._LOSS_FN_HELP)
     return loss_fn
 
 
@@ -377,7 +377,7 @@ def refresh(
     config: TriAccelConfig,
 ) -> tuple[Any, Any, jax.Array, Any]:
     """The curvature step when it is due: ``(stores, estimator_state, curvature_count,
-    signals)`` (:func:`triaccel_jax.transforms._curvature_refresh.refresh_when_due`).
+    signals)`` (:func:`triaccel_jax.transforms._refresh.refresh_when_due`).
 
     ``moments()`` gives the observed leaves' :class:`NoiseMoments`; it is called only on the
     steps that refresh, so a caller that has not computed them (the fused update) computes them

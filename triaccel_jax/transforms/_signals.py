@@ -16,8 +16,8 @@ import numpy as np
 
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax.transforms import _compression as compression
-from triaccel_jax.transforms import _curvature_refresh as refresh_lib
-from triaccel_jax.transforms import _curvature_signals as observer
+from triaccel_jax.transforms import _observer as observer
+from triaccel_jax.transforms import _refresh as refresh_lib
 
 SIGNAL_NAMES = refresh_lib.LeafSignals._fields
 

@@ -14,7 +14,7 @@ import jax
 
 from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import tree as tree_lib
-from triaccel_jax.transforms import _curvature_signals as observer
+from triaccel_jax.transforms import _observer as observer
 
 
 def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:

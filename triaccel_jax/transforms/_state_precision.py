@@ -33,9 +33,9 @@ from triaccel_jax import policy as policy_lib
 from triaccel_jax._src import arrays
 from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
-from triaccel_jax.kernels import cast as cast_lib
+from triaccel_jax.kernels import cast as cast_kernel
 from triaccel_jax.kernels import quantize as quantize_lib
-from triaccel_jax.transforms._curvature_signals import CurvatureSignalsState
+from triaccel_jax.transforms._observer import CurvatureSignalsState
 
 FORMATS = tuple(policy_lib.STATE_FORMATS)  # "fp32", "bf16", "int8", "int8_dynamic", "int4"
 ROUNDINGS = ("nearest", "stochastic")
@@ -987,10 +987,10 @@ def quantize_state(
         # key None: round to nearest (always at init); else stochastically with the counter hash.
         if spec.format == "bf16":
             if key is None:
-                value = cast_lib.cast(leaf, jnp.bfloat16, impl=impl)
+                value = cast_kernel.cast(leaf, jnp.bfloat16, impl=impl)
             else:
                 bits = quantize_lib.random_bits(key, leaf.shape)
-                value = cast_lib.round_stochastic(leaf, jnp.bfloat16, bits)
+                value = cast_kernel.round_stochastic(leaf, jnp.bfloat16, bits)
             return Bfloat16Leaf(value, dtype)
         if spec.format == "factored":
             # Means, not codes: nothing to round (key unread).

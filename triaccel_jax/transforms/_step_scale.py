@@ -3,7 +3,7 @@
 Tri-Accel (arXiv 2508.16905) multiplies each layer's step by
 ``s_l = clip((kappa_ref / kappa_l) ** alpha, min_scale, max_scale)`` from its mean curvature
 ``kappa_l`` and the median ``kappa_ref`` over leaves: flat leaves take longer steps, sharp ones
-shorter (docs/design.md §3.3). The curvature signals (:mod:`._curvature_signals`) estimate the
+shorter (docs/design.md §3.3). The curvature signals (:mod:`._observer`) estimate the
 curvature and keep ``s_l`` in each leaf's :class:`LeafSignals`; :func:`scale_by_step_scale` only
 reads them. It is composed after the signals by :func:`with_signals`, which hands every later
 transform of the composition the signals' state, found by its type in the state the signals
@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import optax
 
 from triaccel_jax.transforms import _block_scale as block_scale
-from triaccel_jax.transforms import _curvature_refresh as refresh_lib
-from triaccel_jax.transforms import _curvature_signals as signals_lib
+from triaccel_jax.transforms import _observer as observer
+from triaccel_jax.transforms import _refresh as refresh_lib
 from triaccel_jax.transforms._config import CurvatureSettings
 from triaccel_jax.transforms._config import TriAccelConfig
-from triaccel_jax.transforms._curvature_refresh import LeafSignals
+from triaccel_jax.transforms._refresh import LeafSignals
 
 
 def scale_by_step_scale(
@@ -52,7 +52,7 @@ def scale_by_step_scale(
         state: optax.EmptyState,
         params: Any = None,
         *,
-        curvature_signals: signals_lib.CurvatureSignalsState | None = None,
+        curvature_signals: observer.CurvatureSignalsState | None = None,
         **extra_args: Any,
     ) -> tuple[Any, optax.EmptyState]:
         del params, extra_args
@@ -142,7 +142,7 @@ def with_signals(
         updates: Any, state: tuple[Any, ...], params: Any = None, **extra_args: Any
     ) -> tuple[Any, tuple[Any, ...]]:
         updates, first = signals_tx.update(updates, state[0], params, **extra_args)
-        (kept,) = signals_lib.find_signal_states(first)
+        (kept,) = observer.find_signal_states(first)
         extra_args["curvature_signals"] = kept
         new_state = [first]
         for tx, inner in zip(rest, state[1:], strict=True):
