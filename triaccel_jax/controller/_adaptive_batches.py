@@ -38,10 +38,9 @@ from triaccel_jax._src import caller
 from triaccel_jax._src import validation
 from triaccel_jax._src.readonly import ReadOnly
 from triaccel_jax.controller import _agreement as agreement
-from triaccel_jax.controller import _bucket_tracker as bucket_tracker
+from triaccel_jax.controller import _batch_parts as batch_parts
 from triaccel_jax.controller import _config as config_lib
 from triaccel_jax.controller import _events as events_lib
-from triaccel_jax.controller import _goodput_tracker as goodput_tracker
 from triaccel_jax.controller import _learning_rate as learning_rate
 from triaccel_jax.controller import _logging as logging_lib
 from triaccel_jax.controller import _memory_probe as memory_probe
@@ -342,29 +341,12 @@ class AdaptiveBatches:
         assert num_examples is not None  # checked above
         layout = config.layout(1)
         self._buckets = layout.buckets
-        self._bucket = bucket_tracker.BucketTracker(
-            layout.buckets,
-            layout.start,
-            target=config.target,
-            high_water=config.high_water,
-            patience=config.patience,
-        )
-        self._lr = learning_rate.LearningRateScaling(
+        self._bucket, self._lr, self._goodput = batch_parts.build_batch_parts(
+            config,
+            layout,
             opt_state,
-            config.lr_hyperparam,
-            config.learning_rate_rule,
-            layout.reference_batch,
-            decay_hyperparam=config.weight_decay_hyperparam,
-        )
-        self._goodput = goodput_tracker.GoodputTracker(
-            horizon=config.noise_horizon_for(layout.reference_batch),
             lag=0,  # each step is read (reported) before the next one is yielded
-            reference=layout.reference_batch,
-            margin=config.goodput_margin,
-            critical_multiple=config.critical_multiple,
-            assumed_step_time=config.assumed_step_time,
-            block=min(config.check_every, 10),
-            every=max(1, round(config.goodput_every * num_examples)),
+            num_examples=num_examples,
         )
         self._probe = memory_probe.prepare_probe(probe)
         if peak_bytes is not None:

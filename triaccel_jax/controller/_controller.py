@@ -8,7 +8,9 @@ lives in the part that decides, private and changed only by its methods, each wi
 figures), :class:`._goodput_tracker.GoodputTracker` (noise scale, throughput, the goodput
 streak), :class:`._precision_schedule.PrecisionSchedule` (the plan, speed trials, a waiting
 re-plan) and :class:`._learning_rate.LearningRateScaling` (the tuned rate, the batch rule, the
-schedule clock). The decisions themselves are pure functions of measured figures
+schedule clock); the bucket, goodput and learning-rate parts are built by
+:func:`._batch_parts.build_batch_parts`, as :class:`._adaptive_batches.AdaptiveBatches` builds
+them. The decisions themselves are pure functions of measured figures
 (:mod:`._buckets`, :mod:`._goodput`, :mod:`._out_of_memory`, :func:`._replan.decide_replan`,
 :mod:`._precision_speed`): the controller applies them (compiles, converts the optimizer state,
 moves the bucket), compiles through :class:`._compiling.StepCompiler` and is the only writer of
@@ -39,14 +41,12 @@ from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
 from triaccel_jax._src.readonly import ReadOnly
 from triaccel_jax.controller import _agreement as agreement
-from triaccel_jax.controller import _bucket_tracker as bucket_tracker
+from triaccel_jax.controller import _batch_parts as batch_parts
 from triaccel_jax.controller import _buckets as buckets_lib
 from triaccel_jax.controller import _compiling as compiling
 from triaccel_jax.controller import _config as config_lib
 from triaccel_jax.controller import _events as events_lib
 from triaccel_jax.controller import _feeding as feeding
-from triaccel_jax.controller import _goodput_tracker as goodput_tracker
-from triaccel_jax.controller import _learning_rate as learning_rate
 from triaccel_jax.controller import _logging as logging_lib
 from triaccel_jax.controller import _memory_probe as memory_probe
 from triaccel_jax.controller import _out_of_memory as out_of_memory
@@ -224,13 +224,6 @@ class Controller:
         self._feeder = feeding.BatchFeeder(data, config.num_examples, mesh, config.data_axis)
         layout = config.layout(self._feeder.multiple)
         self._buckets, self._global = layout.buckets, layout.global_batch
-        self._bucket = bucket_tracker.BucketTracker(
-            layout.buckets,
-            layout.start,
-            target=config.target,
-            high_water=config.high_water,
-            patience=config.patience,
-        )
         self._keep_global = config.keep_global_batch
         self._sampler = sampler_lib.ElasticSampler(self._feeder.num_examples, seed=config.seed)
         self._seed = config.seed
@@ -243,6 +236,13 @@ class Controller:
         # policy was given (a policy given is the user's choice of precision, kept).
         self._config = config = config.with_planning(
             policy is None and _holds_signals(self._opt_state)
+        )
+        self._bucket, self._lr, self._goodput = batch_parts.build_batch_parts(
+            config,
+            layout,
+            self._opt_state,
+            lag=config.steps_in_flight,
+            num_examples=self._feeder.num_examples,
         )
         # A fused form that cannot fuse the optimizer is refused here, not at the first step.
         self._fused(self._opt_state)
@@ -266,25 +266,6 @@ class Controller:
         )
         self._precision = precision_schedule.PrecisionSchedule(speed_trials=speed_trials)
         self._start_plan(policy)
-        self._lr = learning_rate.LearningRateScaling(
-            self._opt_state,
-            config.lr_hyperparam,
-            config.learning_rate_rule,
-            layout.reference_batch,
-            decay_hyperparam=config.weight_decay_hyperparam,
-        )
-        self._goodput = goodput_tracker.GoodputTracker(
-            horizon=config.noise_horizon_for(layout.reference_batch),
-            lag=config.steps_in_flight,
-            reference=layout.reference_batch,
-            margin=config.goodput_margin,
-            critical_multiple=config.critical_multiple,
-            assumed_step_time=config.assumed_step_time,
-            # Blocks of the steps between two checks (each holding one check's flush), at most
-            # ten steps, so that a long check interval still gives a spread soon.
-            block=min(config.check_every, 10),
-            every=max(1, round(config.goodput_every * self._feeder.num_examples)),
-        )
         self._rescale_said = False  # whether the first rescaling of the rate was warned about
         self._probe = memory_probe.prepare_probe(probe)
         self._callback = logging_lib.logging_callback(callback)  # logs each step at DEBUG
