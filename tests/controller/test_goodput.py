@@ -176,7 +176,7 @@ def test_a_split_step_updates_as_the_whole_batch_and_measures_its_halves():
     expected = np.mean([float(jnp.sum(h**2)) for h in halves])
     assert float(metrics["micro_grad_sq_norm"]) == pytest.approx(expected, rel=1e-5)
     assert outs[False].metrics["micro_grad_sq_norm"] == outs[False].metrics["grad_sq_norm"]
-    with pytest.raises(ValueError, match="even micro-batch on every shard, got 31 samples"):
+    with pytest.raises(ValueError, match="even number of samples on every shard, got 31 samples"):
         jax.jit(step)(
             w,
             tx.init(w),

@@ -102,7 +102,7 @@ EXPLICIT_SPLIT_SCRIPT = textwrap.dedent(
         try:
             jax.jit(step)(w, tx.init(w), None, batch, *args)
         except ValueError as error:
-            assert "even micro-batch on every shard, got 1 samples on each of 8 shards" in str(error), error
+            assert "even number of samples on every shard, got 1 samples on each of 8 shards" in str(error), error
         else:
             raise AssertionError("a micro-batch of one sample a shard was split")
     print("ok")

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from simulated_devices import run_script
 
 from triaccel_jax.models import SmallCNN
 from triaccel_jax.precision import compiled_peak_bytes
@@ -39,7 +40,8 @@ def test_the_gradient_is_the_batchs_and_the_norms_are_the_averages_and_the_halve
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, want_grads
     )
-    halves = [jax.tree.map(lambda x, i=i: x[i * 16 : (i + 1) * 16], batch) for i in range(2)]
+    # The halves are the even- and the odd-numbered samples (a sharded batch splits in place).
+    halves = [jax.tree.map(lambda x, i=i: x[i::2], batch) for i in range(2)]
     half_norms = [sq_norm(jax.grad(loss)(params, h)) for h in halves]
     assert float(norms["grad_sq_norm"]) == pytest.approx(sq_norm(want_grads), rel=1e-5)
     assert float(norms["micro_grad_sq_norm"]) == pytest.approx(np.mean(half_norms), rel=1e-5)
@@ -118,3 +120,38 @@ def test_the_compiled_peak_is_at_most_jax_value_and_grads_and_the_halves_gradien
     assert float(value) == pytest.approx(float(want_value), rel=1e-5)
     chex.assert_trees_all_close(grads, want_grads, rtol=1e-4, atol=1e-6)
     assert float(norms["grad_sq_norm"]) == pytest.approx(sq_norm(want_grads), rel=1e-4)
+
+
+SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from triaccel_jax.training import value_and_grad_with_noise
+
+def loss(params, batch):
+    x, y = batch
+    return jnp.mean((x @ params["w"] - y) ** 2)
+
+rng = np.random.default_rng(0)
+x = jnp.asarray(rng.normal(size=(64, 16)), jnp.float32)
+y = jnp.asarray(rng.normal(size=64), jnp.float32)
+params = {"w": jnp.linspace(-1.0, 1.0, 16)}
+fn = jax.jit(value_and_grad_with_noise(loss))
+want = fn(params, (x, y))
+for kind in (AxisType.Auto, AxisType.Explicit):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    with jax.set_mesh(mesh):
+        batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+        got = fn(params, batch)
+        text = fn.lower(params, batch).compile().as_text()
+    moved = {n: text.count(n) for n in ("all-gather", "collective-permute", "all-to-all")}
+    assert not any(moved.values()), (kind, moved)  # the halves are cut within each shard
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+def test_a_batch_sharded_over_devices_is_halved_within_each_shard():
+    # 8 samples a device, Auto and Explicit meshes: no sample moves between devices to be
+    # halved, and the value, gradient and norms are the unsharded ones.
+    run_script(SHARDED, devices=8)

@@ -17,17 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from triaccel_jax.training._step import _sq_norm
-
-
-def _split(leaf: Any) -> jax.Array:
-    """A batch leaf of ``2n`` samples as ``(2, n, ...)``: the first half, then the second."""
-    leaf = jnp.asarray(leaf)
-    if leaf.ndim == 0 or leaf.shape[0] % 2:
-        raise ValueError(
-            "value_and_grad_with_noise splits the batch into two halves on its leading axis, "
-            f"which needs an even number of samples; got a leaf of shape {leaf.shape}"
-        )
-    return leaf.reshape(2, leaf.shape[0] // 2, *leaf.shape[1:])
+from triaccel_jax.training._step import split_in_halves
 
 
 def value_and_grad_with_noise(
@@ -36,7 +26,9 @@ def value_and_grad_with_noise(
     """Like :func:`jax.value_and_grad` of a mean loss over a batch, with the noise norms too.
 
     The batch (the second argument, a pytree of arrays with the samples on the leading axis) is
-    split into its first and second halves, each differentiated by :func:`jax.value_and_grad`;
+    split into two halves, the even- and the odd-numbered samples (so that a batch sharded over
+    devices is halved within each shard, and no sample moves), each differentiated by
+    :func:`jax.value_and_grad`;
     the value and the gradient are the halves' means, which for a loss that averages over its
     samples is the whole batch's, so the training step is unchanged.
 
@@ -68,7 +60,8 @@ def value_and_grad_with_noise(
       |g_{B/2}|^2}``: give them to :meth:`triaccel_jax.controller.AdaptiveBatches.report`.
 
     Raises:
-      ValueError: when traced, a batch leaf has an odd number of samples.
+      ValueError: when traced, a batch leaf has an odd number of samples (on some shard, for
+        a sharded batch).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -91,7 +84,9 @@ def value_and_grad_with_noise(
     grad_fn = jax.value_and_grad(fun, has_aux=has_aux)
 
     def wrapped(params: Any, batch: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any, dict]:
-        halves = jax.tree.map(_split, batch)
+        halves = jax.tree.map(
+            lambda x: split_in_halves(x, needs="value_and_grad_with_noise"), batch
+        )
         # Two calls, not a lax.scan over the halves: XLA:CPU runs a convolution's gradient an
         # order of magnitude slower inside a loop body (see the docstring's cost figures).
         (value_a, grads_a), (value_b, grads_b) = (

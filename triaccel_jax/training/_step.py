@@ -543,7 +543,7 @@ def make_train_step(
         whole = jax.tree.map(lambda x: x[0], batch)  # the first micro-batch, unsplit
         side_half = None  # a half measured beside the whole step (a model with state)
         if split and num_micro == 1:
-            halves = jax.tree.map(_halves, batch)
+            halves = jax.tree.map(lambda x: split_in_halves(x[0], needs="split=True"), batch)
             if jax.tree.leaves(model_state):
                 side_half = jax.tree.map(lambda x: x[0], halves)
             else:
@@ -776,38 +776,50 @@ def check_loss_structure(
         raise
 
 
-def _halves(leaf: jax.Array) -> jax.Array:
-    """A ``(1, b, ...)`` batch leaf as ``(2, b / 2, ...)``: the even-numbered samples, then the
+def split_in_halves(leaf: Any, *, needs: str) -> jax.Array:
+    """A batch leaf of ``b`` samples as ``(2, b / 2, ...)``: the even-numbered samples, then the
     odd-numbered ones, so that a batch sharded over devices splits within each shard (no
-    gather).
+    gather). The one way a batch is halved to measure the gradient noise: the controller's
+    split step and :func:`triaccel_jax.training.value_and_grad_with_noise` both use it.
 
     Sample ``i`` goes to row ``i // 2`` of half ``i % 2``: a shard holding samples ``[s * n, (s +
     1) * n)`` with ``n`` even holds rows ``[s * n / 2, (s + 1) * n / 2)`` of each half, so under
     sharding in types (Explicit mesh axes) the reshape keeps the batch axis's sharding on the
     rows. With an odd ``n`` a shard's samples cannot be halved within it; that is refused.
+
+    Args:
+      leaf: an array with the samples on its leading axis.
+      needs: who needs the halves, for the error (e.g. ``"split=True"``).
+
+    Returns:
+      The ``(2, b / 2, ...)`` halves.
+
+    Raises:
+      ValueError: the leaf has no leading axis, or an odd number of samples on some shard.
     """
-    size = leaf.shape[1]
+    leaf = jnp.asarray(leaf)
+    if leaf.ndim == 0:
+        raise ValueError(f"{needs} splits the batch on its leading axis; got a scalar leaf")
+    size = leaf.shape[0]
     shards, spec = _batch_shards(leaf)
     if size % 2 or (size // shards) % 2:
         where = f" on each of {shards} shards" if shards > 1 else ""
         raise ValueError(
-            f"split=True needs an even micro-batch on every shard, got {size // shards} "
-            f"samples{where}"
+            f"{needs} halves the batch, which needs an even number of samples on every "
+            f"shard, got {size // shards} samples{where} (a leaf of shape {leaf.shape})"
         )
-    sizes = (size // 2, 2, *leaf.shape[2:])
+    sizes = (size // 2, 2, *leaf.shape[1:])
     if spec is None:
         pairs = leaf.reshape(sizes)
     else:
-        out = jax.sharding.PartitionSpec(
-            spec[1] if len(spec) > 1 else None, *([None] * (len(sizes) - 1))
-        )
-        pairs = jax.lax.reshape(leaf[0], sizes, out_sharding=out)
+        out = jax.sharding.PartitionSpec(spec[0] if spec else None, *([None] * (len(sizes) - 1)))
+        pairs = jax.lax.reshape(leaf, sizes, out_sharding=out)
     return jnp.swapaxes(pairs, 0, 1)
 
 
 def _batch_shards(leaf: jax.Array) -> tuple[int, Any]:
-    """How many shards the batch axis (axis 1) of ``leaf``'s type is split into over Explicit
-    mesh axes, and the type's partition spec (None when no axis is Explicit)."""
+    """How many shards the batch axis (the leading axis) of ``leaf``'s type is split into over
+    Explicit mesh axes, and the type's partition spec (None when no axis is Explicit)."""
     sharding: Any = getattr(jax.typeof(leaf), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or not getattr(mesh, "axis_names", ()):
@@ -820,7 +832,7 @@ def _batch_shards(leaf: jax.Array) -> tuple[int, Any]:
     if not explicit:
         return 1, None
     spec = tuple(sharding.spec)
-    axis = spec[1] if len(spec) > 1 else None
+    axis = spec[0] if spec else None
     names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
     shards = 1
     for name in names:
