@@ -802,10 +802,10 @@ class Controller:
             self._recover([pending], error)
             return
         assert out is not None  # ran without an error
-        for leaf in jax.tree.leaves(out.metrics):
+        for leaf in jax.tree.leaves((out.metrics, out.noise)):
             leaf.copy_to_host_async()  # the read a step later then finds the figures on the host
         self._take_outputs(out, len(indices))
-        self._in_flight.pending.append(pending._replace(metrics=out.metrics))
+        self._in_flight.pending.append(pending._replace(metrics=out.metrics, noise=out.noise))
 
     def _pending(
         self, step: int, indices: np.ndarray, micro: int, first_event: int
@@ -822,6 +822,7 @@ class Controller:
             self._lr.update_multiplier(),
             self._record(),
             None,
+            None,
             first_event,
         )
 
@@ -830,16 +831,16 @@ class Controller:
         started from and re-runs it and every step queued after it, in order."""
         flight = self._in_flight
         oldest = flight.pending[0]
-        metrics, error = self._on_device(lambda: self._read(oldest))
+        read, error = self._on_device(lambda: self._read(oldest))
         if error is not None:
             queued = list(flight.pending)
             flight.pending.clear()
             self._restore(oldest.before)
             self._recover(queued, error)
             return
-        assert metrics is not None  # read without an error
+        assert read is not None  # read without an error
         flight.pending.popleft()
-        self._deliver(oldest, metrics)
+        self._deliver(oldest, *read)
 
     def _flush(self) -> None:
         """Reads every queued step, oldest first."""
@@ -882,9 +883,11 @@ class Controller:
         self._step_count = step.step
         tried = [f"{step.num_micro}x{step.micro}"]
 
-        def attempt_at(attempt: step_records.PendingStep) -> tuple[Any, dict[str, float]]:
+        def attempt_at(
+            attempt: step_records.PendingStep,
+        ) -> tuple[Any, tuple[dict[str, float], training.NoiseNorms]]:
             out = self._dispatch_step(attempt)
-            return out, self._read(attempt._replace(metrics=out.metrics))
+            return out, self._read(attempt._replace(metrics=out.metrics, noise=out.noise))
 
         while True:
             attempt = self._pending(step.step, step.indices, self._bucket.micro, step.first_event)
@@ -894,11 +897,11 @@ class Controller:
             tried.append(f"{attempt.num_micro}x{attempt.micro}")
             self._on_out_of_memory(attempt.micro, tried, error)
         assert ran is not None  # ran without an error
-        out, metrics = ran
+        out, read = ran
         self._take_outputs(out, len(step.indices))
         if last:
             self._set_learning_rate(self.batch_size)
-        self._deliver(attempt, metrics)
+        self._deliver(attempt, *read)
 
     def _dispatch_step(self, step: step_records.PendingStep) -> training.StepOutput:
         """Gathers ``step``'s samples as its micro-batches and dispatches the compiled step.
@@ -933,17 +936,26 @@ class Controller:
         finally:
             self._timings["step"] += self._clock() - start
 
-    def _read(self, step: step_records.PendingStep) -> dict[str, float]:
-        """``step``'s metrics as floats: a transfer that waits for the step to finish."""
+    def _read(self, step: step_records.PendingStep) -> tuple[dict[str, float], training.NoiseNorms]:
+        """``step``'s metrics and noise norms as floats: a transfer that waits for the step to
+        finish."""
         start = self._clock()
         try:
             if self._faults is not None:
                 self._faults(out_of_memory.FaultSite("read", step.step, step.micro, step.num_micro))
-            return {k: float(v) for k, v in jax.device_get(step.metrics).items()}
+            metrics, noise = jax.device_get((step.metrics, step.noise))
+            return {k: float(v) for k, v in metrics.items()}, training.NoiseNorms(
+                *map(float, noise)
+            )
         finally:
             self._timings["step"] += self._clock() - start
 
-    def _deliver(self, step: step_records.PendingStep, metrics: dict[str, float]) -> None:
+    def _deliver(
+        self,
+        step: step_records.PendingStep,
+        metrics: dict[str, float],
+        noise: training.NoiseNorms,
+    ) -> None:
         """The bookkeeping of a step whose metrics are read: loss, measurements, :class:`StepInfo`,
         callback."""
         start = self._clock()
@@ -955,14 +967,11 @@ class Controller:
         begin, end = flight.event_span(step, len(self._events))
         events = tuple(self._events[begin:end])
         seconds = start - flight.last_finish
-        # With noise_estimator="hessian" the norms are curvature-weighted (B_noise), 0 until the
-        # optimizer's first curvature estimate, which carries no estimate; "preconditioned"
-        # weighs them by Adam's second moment.
-        weights = config_lib.NOISE_WEIGHTS[self._config.noise_estimator]
-        prefix = "" if weights is None else f"{weights}_"
+        # The step weighs the norms as noise_estimator asks (curvature-weighted for "hessian",
+        # 0 until the optimizer's first curvature estimate: no estimate then).
         norms = None
-        if metrics.get(f"{prefix}micro_grad_sq_norm", 0.0) > 0.0:
-            norms = (metrics[f"{prefix}grad_sq_norm"], metrics[f"{prefix}micro_grad_sq_norm"])
+        if noise.micro_sq_norm > 0.0:
+            norms = (float(noise.batch_sq_norm), float(noise.micro_sq_norm))
         self._goodput.observe_noise(
             step.step, norms, batch=len(step.indices), micro=self._measured_micro(step)
         )

@@ -60,6 +60,8 @@ class PendingStep(NamedTuple):
       update_scale: the factor its update was multiplied by (1 when the rate is injected).
       before: the :class:`TrainingRecord` it started from, restored by a rollback.
       metrics: its metrics, on the device (None for a step not dispatched).
+      noise: its :class:`triaccel_jax.training.NoiseNorms`, on the device (None for a step not
+        dispatched).
       first_event: the index of the first event logged for it.
     """
 
@@ -71,6 +73,7 @@ class PendingStep(NamedTuple):
     update_scale: float
     before: TrainingRecord
     metrics: Any
+    noise: Any
     first_event: int
 
 

@@ -12,6 +12,7 @@ unfused optimizer update, and the skip of an overflowing step. See ``docs/design
 from triaccel_jax.training._noise_norms import value_and_grad_with_noise
 from triaccel_jax.training._step import ACCEPTED_LOSS_FORMS
 from triaccel_jax.training._step import AppliedGradients
+from triaccel_jax.training._step import NoiseNorms
 from triaccel_jax.training._step import StepOutput
 from triaccel_jax.training._step import abstract_step_arguments
 from triaccel_jax.training._step import apply_gradients
@@ -24,6 +25,7 @@ from triaccel_jax.training._step import normalize_loss_fn
 __all__ = (
     "ACCEPTED_LOSS_FORMS",
     "AppliedGradients",
+    "NoiseNorms",
     "StepOutput",
     "abstract_step_arguments",
     "apply_gradients",

@@ -50,6 +50,32 @@ MODEL_STATE = "model_state"
 NOISE_WEIGHTS = ("curvature", "preconditioned")
 
 
+class NoiseNorms(NamedTuple):
+    """The two squared gradient norms a step's noise-scale estimate reads, as one typed value.
+
+    The step computes them with the weighting it was made with (``noise_weights`` of
+    :func:`make_train_step`: plain, curvature-weighted or preconditioned), so whoever reads a
+    step's noise takes these two and never picks metric names by the weighting.
+
+    Attributes:
+      batch_sq_norm: ``|G_big|^2`` of the step's averaged gradient (a float32 scalar in the
+        step's output; a float once read on the host).
+      micro_sq_norm: ``|G_small|^2``: the mean over the micro-batches (or the two halves of a
+        split step) of each one's squared norm; 0 where the step measured no estimate (the
+        curvature weights before the first curvature estimate).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from triaccel_jax.training import NoiseNorms
+      >>> norms = NoiseNorms(jnp.float32(1.0), jnp.float32(3.0))
+      >>> float(norms.micro_sq_norm - norms.batch_sq_norm)
+      2.0
+    """
+
+    batch_sq_norm: jax.Array | float
+    micro_sq_norm: jax.Array | float
+
+
 class StepOutput(NamedTuple):
     """What one compiled step returns.
 
@@ -98,6 +124,9 @@ class StepOutput(NamedTuple):
     ``sum_l h_l |g_l|^2`` over batches of ``b`` samples is ``sum_l h_l |G_l|^2 + sum_l h_l
     tr(Sigma_l) / b``, linear in the squared norms as the plain one is).
 
+    ``noise`` holds the pair the step's weighting selects (the plain, curvature-weighted or
+    preconditioned ``grad_sq_norm`` and ``micro_grad_sq_norm`` above) as a :class:`NoiseNorms`.
+
     References:
       McCandlish, Kaplan, Amodei et al., 2018, "An Empirical Model of Large-Batch Training",
       appendix A (``B_simple``, and ``B_noise`` with the Hessian).
@@ -108,6 +137,7 @@ class StepOutput(NamedTuple):
     model_state: Any
     loss_scale: transforms.LossScaleState
     metrics: dict[str, jax.Array]
+    noise: NoiseNorms
 
 
 class AppliedGradients(NamedTuple):
@@ -607,11 +637,13 @@ def make_train_step(
             "grad_sq_norm": norms["grad_sq_norm"],
             "micro_grad_sq_norm": micro_norms["grad_sq_norm"],
         }
+        noise = NoiseNorms(norms["grad_sq_norm"], micro_norms["grad_sq_norm"])
         if weights is not None:
             weighted = f"{noise_weights}_grad_sq_norm"
             metrics[weighted] = norms[weighted]
             metrics[f"{noise_weights}_micro_grad_sq_norm"] = micro_norms[weighted]
-        return StepOutput(out.params, out.opt_state, out.carry, out.loss_scale, metrics)
+            noise = NoiseNorms(norms[weighted], micro_norms[weighted])
+        return StepOutput(out.params, out.opt_state, out.carry, out.loss_scale, metrics, noise)
 
     return controller_step
 
