@@ -45,13 +45,17 @@ start=$SECONDS
 "$VENV_PY" -m pytest -n 2 "${fast[@]}" "$@" || status=$?
 if (( ${#fast[@]} )); then
     _log "fast tier: $((SECONDS - start)) s (the whole suite and the kernel tests: bash tools/test.sh)"
+else
+    _log "tests: $((SECONDS - start)) s"
 fi
 
 if [[ "$run_kernel_tests" == "1" || "$run_kernel_tests" == "require" ]]; then
     _log "kernel tests: tests/kernels under the Triton interpreter in .venv-kernels"
     kernel_status=0
     if ensure_kernels_venv; then
+        kernel_start=$SECONDS
         TRITON_INTERPRET=1 "$VENV_PY" -m pytest -n 2 tests/kernels || kernel_status=$?
+        _log "kernel tests: $((SECONDS - kernel_start)) s"
     else
         _log "kernel tests NOT RUN: no Python here could install the kernels-dev extra (torch and"
         _log "  triton; tried:$KERNEL_VENV_TRIED). Install Python 3.11, or a Python whose pip can"
