@@ -95,6 +95,20 @@ def test_an_iterable_of_batches_is_cut_to_the_decided_size_and_each_pass_is_an_e
     assert batches.epoch == 2
 
 
+def test_a_one_shot_iterator_is_refused_at_its_second_epoch_naming_the_fix():
+    data, loss = regression(num=96)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05)
+    w = jnp.zeros(8)
+    one_shot = (tuple(leaf[i : i + 32] for leaf in data) for i in range(0, 96, 32))
+    batches = AdaptiveBatches(
+        one_shot, tx.init(w), min_batch=32, max_batch=32, num_examples=96, probe=PROBE
+    )
+    _, _, trained = train(batches, make_step(loss, tx), w, tx.init(w))
+    assert len(trained) == 3  # the first epoch trains every sample
+    with pytest.raises(TypeError, match=r"one-shot iterator.*epoch 2 would be empty.*__iter__"):
+        train(batches, make_step(loss, tx), w, tx.init(w))
+
+
 def test_an_iterable_needs_the_data_set_size_and_a_non_iterable_is_refused():
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05, momentum=0.9)
     with pytest.raises(ValueError, match="num_examples"):

@@ -171,6 +171,20 @@ class _Stream:
         self.passes = 0  # passes begun
 
     def begin_pass(self) -> None:
+        """Starts a pass (an epoch) over the data.
+
+        Raises:
+          TypeError: a second pass over a one-shot iterator (a generator, say), which its first
+            pass used up: the epoch would be silently empty.
+        """
+        if self.passes and iter(self._data) is self._data:
+            raise TypeError(
+                "`data` is a one-shot iterator (e.g. a generator): its first pass used it up, so "
+                f"epoch {self.passes + 1} would be empty. Pass something iter() can start again "
+                "once an epoch: a list of batches, a tf.data.Dataset or grain loader, or an "
+                "object whose __iter__ returns a new generator (class Batches: def "
+                "__iter__(self): return make_batches())"
+            )
         self._iterator = iter(self._data)
         self.passes += 1
 
