@@ -2,6 +2,7 @@
 
 import collections
 import math
+import warnings
 
 import hypothesis
 import hypothesis.strategies as st
@@ -107,6 +108,30 @@ def test_a_one_shot_iterator_is_refused_at_its_second_epoch_naming_the_fix():
     assert len(trained) == 3  # the first epoch trains every sample
     with pytest.raises(TypeError, match=r"one-shot iterator.*epoch 2 would be empty.*__iter__"):
         train(batches, make_step(loss, tx), w, tx.init(w))
+
+
+def test_reports_without_the_noise_norms_are_said_once_where_goodput_would_move():
+    data, loss = regression(num=128)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05)
+    w = jnp.zeros(8)
+    step = make_step(loss, tx)
+
+    def loss_only(*args):
+        w, opt_state, metrics = step(*args)
+        return w, opt_state, {"loss": metrics["loss"]}
+
+    batches = AdaptiveBatches(data, tx.init(w), min_batch=16, max_batch=64, probe=PROBE)
+    with pytest.warns(UserWarning, match="no noise norms") as said:
+        train(batches, loss_only, w, tx.init(w))
+    assert len([w for w in said if "noise norms" in str(w.message)]) == 1  # once, not a step
+    # Nothing to say with the norms reported, nor where goodput does not move the batch.
+    for settings, report in (({}, step), ({"batch_rule": "memory"}, loss_only)):
+        batches = AdaptiveBatches(
+            data, tx.init(w), min_batch=16, max_batch=64, probe=PROBE, **settings
+        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*noise norms")
+            train(batches, report, w, tx.init(w))
 
 
 def test_an_iterable_needs_the_data_set_size_and_a_non_iterable_is_refused():

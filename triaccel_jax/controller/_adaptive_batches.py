@@ -375,6 +375,7 @@ class AdaptiveBatches:
         self._put_back: collections.deque[np.ndarray] = collections.deque()
         self._events: list[events_lib.Event] = []
         self._rescale_said = False
+        self._no_noise_said = False  # whether a report without the noise norms was warned about
         self._log(
             "start",
             None,
@@ -546,6 +547,8 @@ class AdaptiveBatches:
                 _finite(values, "grad_sq_norm"),
                 _finite(values, "micro_grad_sq_norm"),
             )
+        if norms is None:
+            self._say_no_noise()
         samples = settings.batch_size
         self._goodput.observe_noise(settings.step, norms, batch=samples, micro=samples // 2)
         self._goodput.observe_throughput((samples, 1, _YOUR_STEP), seconds=seconds)
@@ -583,6 +586,19 @@ class AdaptiveBatches:
             return
         self._log(decision.kind, micro, decision.bucket, decision.reason, **figures)
         self._bucket.move_to(decision.bucket)
+
+    def _say_no_noise(self) -> None:
+        """Warns once that goodput, which should move the batch, gets no noise to move it by."""
+        if self._no_noise_said or not self._config.moves_by_goodput or len(self._buckets) < 2:
+            return
+        self._no_noise_said = True
+        caller.warn(
+            "AdaptiveBatches.report() got no noise norms ('grad_sq_norm' and "
+            "'micro_grad_sq_norm'), so the goodput batch cannot move (memory alone can shrink "
+            "it): compute the step's gradient with triaccel_jax.training."
+            "value_and_grad_with_noise and report its norms with the loss, or set "
+            "batch_rule='memory' to move the batch for memory alone. Said once."
+        )
 
     def _say_rescaled(self, reason: str) -> None:
         if self._rescale_said:
