@@ -134,6 +134,23 @@ def test_reports_without_the_noise_norms_are_said_once_where_goodput_would_move(
             train(batches, report, w, tx.init(w))
 
 
+def test_a_rate_that_is_not_injected_is_rescaled_by_the_update_scale_and_it_says_who_applies_it():
+    data, _ = regression(num=128)
+    tx = optax.sgd(0.05)  # no inject_hyperparams: settings.apply cannot write the rate
+    batches = AdaptiveBatches(
+        data,
+        tx.init(jnp.zeros(8)),
+        min_batch=32,
+        max_batch=32,
+        reference_batch=16,
+        lr_scaling="sqrt",
+        probe=PROBE,
+    )
+    with pytest.warns(UserWarning, match=r"nothing multiplies it for you.*settings\.update_scale"):
+        _, settings = next(iter(batches))
+    assert settings.learning_rate is None and settings.update_scale != 1.0
+
+
 def test_an_iterable_needs_the_data_set_size_and_a_non_iterable_is_refused():
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05, momentum=0.9)
     with pytest.raises(ValueError, match="num_examples"):

@@ -439,7 +439,7 @@ class AdaptiveBatches:
             values, event = self._lr.values_for(_rows(batch), noise)
             if event is not None:
                 self._log(event.kind, event.old, event.new, event.reason, **event.figures)
-                self._say_rescaled(event.reason)
+                self._say_rescaled(event.reason, by_update_scale=event.kind == "update_scale")
             settings = StepSettings(
                 self._step_count,
                 epoch,
@@ -600,10 +600,18 @@ class AdaptiveBatches:
             "batch_rule='memory' to move the batch for memory alone. Said once."
         )
 
-    def _say_rescaled(self, reason: str) -> None:
+    def _say_rescaled(self, reason: str, *, by_update_scale: bool) -> None:
         if self._rescale_said:
             return
         self._rescale_said = True
+        if by_update_scale:
+            # The controller multiplies the update itself; in a loop of the user's own, nothing
+            # does unless the step reads settings.update_scale.
+            reason += (
+                ": in your own loop nothing multiplies it for you, so multiply your step's "
+                "update by settings.update_scale (or put the optimizer under "
+                "optax.inject_hyperparams, and settings.apply(opt_state) writes the rate)"
+            )
         caller.warn(
             f"AdaptiveBatches rescales the learning rate with the batch: {reason} "
             f"(reference_batch={self._lr.reference}: the batch the rate was tuned at; "
