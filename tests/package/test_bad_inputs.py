@@ -586,7 +586,8 @@ CASES = [
         "controller-batch-not-a-bucket",
         lambda _: controller(batch_size=24),
         ValueError,
-        "`batch_size` 24 is not one of the buckets",
+        r"`batch_size` 24 is not one of the buckets .*: the buckets are the powers of two "
+        r"within \[min_batch, max_batch\].*Start at 16 or 32",
     ),
     Case("controller-tx-a-string", lambda _: controller(tx="adam"), TypeError, "`tx` must be"),
     Case(

@@ -444,8 +444,14 @@ class ControllerConfig:
         buckets = buckets_lib.bucket_sizes(self.min_batch, self.max_batch, multiple)
         start = buckets[0] if self.batch_size is None else self.batch_size
         if start not in buckets:
+            below = [b for b in buckets if b < start]
+            above = [b for b in buckets if b > start]
+            nearest = " or ".join(str(b) for b in (below[-1:] + above[:1]))
+            unit = "powers of two" if multiple == 1 else f"{multiple} (the devices) x powers of two"
             raise ValueError(
-                f"`batch_size` {self.batch_size!r} is not one of the buckets {buckets}"
+                f"`batch_size` {self.batch_size!r} is not one of the buckets {buckets}: the "
+                f"buckets are the {unit} within [min_batch, max_batch] = [{self.min_batch}, "
+                f"{self.max_batch}], so a step compiles once a size. Start at {nearest}"
             )
         global_batch = None
         if self.keep_global_batch:
