@@ -151,6 +151,27 @@ def test_a_rate_that_is_not_injected_is_rescaled_by_the_update_scale_and_it_says
     assert settings.learning_rate is None and settings.update_scale != 1.0
 
 
+def test_a_batch_that_cannot_grow_for_want_of_memory_figures_is_said_once():
+    data, loss = regression(num=256)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05)
+    w = jnp.zeros(8)
+    # The default probe on a CPU: no memory figures at all.
+    batches = AdaptiveBatches(data, tx.init(w), min_batch=16, max_batch=64, check_every=2)
+    with pytest.warns(
+        UserWarning, match=r"cannot grow the batch beyond 16.*BudgetMemoryProbe"
+    ) as said:
+        train(batches, make_step(loss, tx), w, tx.init(w))
+    assert len([w for w in said if "cannot grow" in str(w.message)]) == 1
+    assert batches.batch_size == 16
+    # With a peak for the sizes there is nothing to say.
+    batches = AdaptiveBatches(
+        data, tx.init(w), min_batch=16, max_batch=64, probe=PROBE, peak_bytes=lambda b: 100 * b
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*cannot grow")
+        train(batches, make_step(loss, tx), w, tx.init(w))
+
+
 def test_an_iterable_needs_the_data_set_size_and_a_non_iterable_is_refused():
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05, momentum=0.9)
     with pytest.raises(ValueError, match="num_examples"):

@@ -376,6 +376,7 @@ class AdaptiveBatches:
         self._events: list[events_lib.Event] = []
         self._rescale_said = False
         self._no_noise_said = False  # whether a report without the noise norms was warned about
+        self._no_limit_said = False  # whether a check without memory figures was warned about
         self._log(
             "start",
             None,
@@ -570,6 +571,8 @@ class AdaptiveBatches:
                 self._peaks[micro] = validation.check_integer(
                     "peak_bytes(batch)", known, 1, description="a positive number of bytes"
                 )
+        if limit is None or (peak is None and not self._peaks):
+            self._say_cannot_grow(micro, "a memory limit" if limit is None else "a peak")
         decision = self._bucket.check(peak, limit, compiled_peaks=self._peaks, fixed_bytes=0)
         figures: dict[str, Any] = {"peak_bytes": peak, "limit_bytes": limit}
         if self._config.moves_by_goodput and decision.kind != "shrink":
@@ -586,6 +589,24 @@ class AdaptiveBatches:
             return
         self._log(decision.kind, micro, decision.bucket, decision.reason, **figures)
         self._bucket.move_to(decision.bucket)
+
+    def _say_cannot_grow(self, micro: int, missing: str) -> None:
+        """Warns once that the batch cannot grow: memory allows no growth without figures."""
+        if self._no_limit_said or micro >= self._buckets[-1]:
+            return
+        self._no_limit_said = True
+        known = (
+            "no memory limit (a CPU reports none)"
+            if missing == "a memory limit"
+            else "no peak for any batch size (a CPU measures none)"
+        )
+        caller.warn(
+            f"AdaptiveBatches cannot grow the batch beyond {micro}: its memory probe reports "
+            f"{known}, and a batch grows only where its peak is predicted to fit the limit. Pass "
+            "peak_bytes=<batch size -> your step's compiled peak bytes> (e.g. from "
+            "triaccel_jax.precision.compiled_peak_bytes), and, where the probe knows no limit, "
+            "probe=triaccel_jax.BudgetMemoryProbe(limit_bytes). Said once."
+        )
 
     def _say_no_noise(self) -> None:
         """Warns once that goodput, which should move the batch, gets no noise to move it by."""
