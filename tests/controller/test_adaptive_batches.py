@@ -172,6 +172,23 @@ def test_a_batch_that_cannot_grow_for_want_of_memory_figures_is_said_once():
         train(batches, make_step(loss, tx), w, tx.init(w))
 
 
+def test_data_that_would_be_read_as_something_else_is_refused_naming_the_fix():
+    (x, y, _), _ = regression(num=64)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05)
+    state = tx.init(jnp.zeros(8))
+    with pytest.raises(TypeError, match=r"list of arrays .*\(64, 8\), \(64,\).*tuple \(x, y\)"):
+        AdaptiveBatches([x, y], state, num_examples=64, probe=PROBE)
+
+    def batches_of(n):
+        yield (x[:n], y[:n])
+
+    with pytest.raises(TypeError, match=r"generator function.*__iter__"):
+        AdaptiveBatches(batches_of, state, num_examples=64, probe=PROBE)
+    # A list of batches (the last one shorter) and the tuple itself are taken.
+    AdaptiveBatches([x[:40], x[40:]], state, num_examples=64, probe=PROBE)
+    AdaptiveBatches((x, y), state, probe=PROBE)
+
+
 def test_an_iterable_needs_the_data_set_size_and_a_non_iterable_is_refused():
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05, momentum=0.9)
     with pytest.raises(ValueError, match="num_examples"):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import inspect
 import math
 import time
 from collections.abc import Callable
@@ -335,6 +336,7 @@ class AdaptiveBatches:
         self._stream: _Stream | None = None
         self._feeder: BatchFeeder | None = None
         self._sampler: ElasticSampler | None = None
+        _check_data_form(data)
         is_arrays = callable(data) or _is_arrays(data)
         if is_arrays:
             self._feeder = BatchFeeder(data, config.num_examples, None, config.data_axis)
@@ -723,6 +725,35 @@ def _indices(value: Any) -> np.ndarray:
             f"AdaptiveBatches state: `put_back` must hold lists of sample indices, got {value!r}"
         )
     return indices.astype(np.int64)
+
+
+def _check_data_form(data: Any) -> None:
+    """Refuses the forms of ``data`` that would be read as something else than meant.
+
+    Raises:
+      TypeError: a generator function (it would be called as ``indices -> batch``), or a list
+        of arrays of one leading size and different shapes (``[x, y]``, read as a stream of
+        two batches where a tuple ``(x, y)`` of samples was meant).
+    """
+    if inspect.isgeneratorfunction(data):
+        raise TypeError(
+            "`data` is a generator function, which would be called as `indices -> batch`: pass "
+            "an iterable of batches that starts again each epoch (an object whose __iter__ "
+            "returns your generator), or a function of an array of sample indices"
+        )
+    if (
+        isinstance(data, list)
+        and len(data) >= 2
+        and all(isinstance(x, np.ndarray | jax.Array) and np.ndim(x) > 0 for x in data)
+        and len({np.shape(x)[0] for x in data}) == 1
+        and len({np.shape(x) for x in data}) > 1
+    ):
+        shapes = ", ".join(str(np.shape(x)) for x in data)
+        raise TypeError(
+            f"`data` is a list of arrays of one leading size and different shapes ({shapes}): "
+            "a list is read as a stream of batches. For arrays of samples, such as inputs and "
+            "labels, pass a tuple (x, y) or a dict"
+        )
 
 
 def _is_arrays(data: Any) -> bool:
