@@ -169,6 +169,16 @@ def test_metadata_must_be_json(tmp_path):
         assert checkpointer.latest_step() is None
 
 
+def test_the_saved_state_of_your_own_loops_batches_comes_back_under_the_name_it_was_saved_by(
+    tmp_path,
+):
+    batches_state = {"format": "AdaptiveBatches", "step": 3, "bucket": {"micro_batch": 32}}
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(3, {"w": jnp.ones(2)}, controller=batches_state)
+        _, meta = checkpointer.restore({"w": jnp.zeros(2)})
+    assert meta["controller"] == batches_state
+
+
 def test_a_folder_that_cannot_be_created_is_reported(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

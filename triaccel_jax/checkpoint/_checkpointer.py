@@ -157,7 +157,7 @@ class Checkpointer:
         state: Any,
         *,
         policy: policy_lib.PrecisionPolicy | None = None,
-        controller_state: Mapping[str, Any] | None = None,
+        controller: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> bool:
         """Writes checkpoint ``step``; without asynchronous ``options``, waits until it is on disk.
@@ -166,7 +166,10 @@ class Checkpointer:
           step: the step number (the sub-folder's name); after every step already saved.
           state: a pytree of arrays (e.g. a Flax train state).
           policy: the precision policy to save (taken from ``state.policy`` when None).
-          controller_state: :meth:`triaccel_jax.Controller.state_dict`'s output.
+          controller: the batch decisions' saved state,
+            :meth:`triaccel_jax.Controller.state_dict`'s or
+            :meth:`triaccel_jax.controller.AdaptiveBatches.state_dict`'s output; :meth:`restore`
+            gives it back under the same name, ``meta["controller"]``.
           metadata: JSON-serialisable user data.
 
         Returns:
@@ -177,7 +180,7 @@ class Checkpointer:
         Raises:
           CheckpointError: ``step`` is not after the latest checkpoint in the folder (orbax
             would skip it without a word, and the caller would believe it saved).
-          TypeError: ``metadata`` or ``controller_state`` is not JSON-serialisable.
+          TypeError: ``metadata`` or ``controller`` is not JSON-serialisable.
         """
         try:
             number = operator.index(step)  # ints, numpy and JAX integer scalars
@@ -202,7 +205,7 @@ class Checkpointer:
             "version": META_VERSION,
             "step": step,
             "policy": None if policy is None else json.loads(policy.to_json()),
-            "controller": None if controller_state is None else dict(controller_state),
+            "controller": None if controller is None else dict(controller),
             "metadata": None if metadata is None else dict(metadata),
             "arrays": records_lib.array_records(state, checksums=self.verify),
         }
@@ -239,7 +242,7 @@ class Checkpointer:
             checkpoint.step,
             checkpoint.arrays,
             policy=checkpoint.policy,
-            controller_state=checkpoint.state,
+            controller=checkpoint.state,
             metadata=metadata,
         )
 
