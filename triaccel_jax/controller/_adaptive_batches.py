@@ -263,7 +263,9 @@ class AdaptiveBatches:
         loop (``replan_every``, ``steps_in_flight``, ...) are refused, each saying what to do.
 
     Raises:
-      TypeError, ValueError: a setting is unknown, refused or invalid (named).
+      TypeError, ValueError: a setting is unknown, refused or invalid (named); ``data`` would
+        be read as something else than meant (a list ``[x, y]`` of arrays, a generator
+        function), or is a one-shot iterator iterated a second epoch (the fix named).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -378,7 +380,7 @@ class AdaptiveBatches:
         self._events: list[events_lib.Event] = []
         self._rescale_said = False
         self._no_noise_said = False  # whether a report without the noise norms was warned about
-        self._no_limit_said = False  # whether a check without memory figures was warned about
+        self._cannot_grow_said = False  # whether a check without memory figures was warned about
         self._log(
             "start",
             None,
@@ -594,9 +596,9 @@ class AdaptiveBatches:
 
     def _say_cannot_grow(self, micro: int, missing: str) -> None:
         """Warns once that the batch cannot grow: memory allows no growth without figures."""
-        if self._no_limit_said or micro >= self._buckets[-1]:
+        if self._cannot_grow_said or micro >= self._buckets[-1]:
             return
-        self._no_limit_said = True
+        self._cannot_grow_said = True
         known = (
             "no memory limit (a CPU reports none)"
             if missing == "a memory limit"
