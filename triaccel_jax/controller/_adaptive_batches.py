@@ -576,7 +576,7 @@ class AdaptiveBatches:
                     "peak_bytes(batch)", known, 1, description="a positive number of bytes"
                 )
         if limit is None or (peak is None and not self._peaks):
-            self._say_cannot_grow(micro, "a memory limit" if limit is None else "a peak")
+            self._say_cannot_grow(micro, limit_known=limit is not None)
         decision = self._bucket.check(peak, limit, compiled_peaks=self._peaks, fixed_bytes=0)
         figures: dict[str, Any] = {"peak_bytes": peak, "limit_bytes": limit}
         if self._config.moves_by_goodput and decision.kind != "shrink":
@@ -594,15 +594,15 @@ class AdaptiveBatches:
         self._log(decision.kind, micro, decision.bucket, decision.reason, **figures)
         self._bucket.move_to(decision.bucket)
 
-    def _say_cannot_grow(self, micro: int, missing: str) -> None:
+    def _say_cannot_grow(self, micro: int, *, limit_known: bool) -> None:
         """Warns once that the batch cannot grow: memory allows no growth without figures."""
         if self._cannot_grow_said or micro >= self._buckets[-1]:
             return
         self._cannot_grow_said = True
         known = (
-            "no memory limit (a CPU reports none)"
-            if missing == "a memory limit"
-            else "no peak for any batch size (a CPU measures none)"
+            "no peak for any batch size (a CPU measures none)"
+            if limit_known
+            else "no memory limit (a CPU reports none)"
         )
         caller.warn(
             f"AdaptiveBatches cannot grow the batch beyond {micro}: its memory probe reports "

@@ -885,7 +885,7 @@ class Controller:
 
         def attempt_at(
             attempt: step_records.PendingStep,
-        ) -> tuple[Any, tuple[dict[str, float], training.NoiseNorms]]:
+        ) -> tuple[Any, tuple[dict[str, float], tuple[float, float] | None]]:
             out = self._dispatch_step(attempt)
             return out, self._read(attempt._replace(metrics=out.metrics, noise=out.noise))
 
@@ -936,17 +936,19 @@ class Controller:
         finally:
             self._timings["step"] += self._clock() - start
 
-    def _read(self, step: step_records.PendingStep) -> tuple[dict[str, float], training.NoiseNorms]:
-        """``step``'s metrics and noise norms as floats: a transfer that waits for the step to
-        finish."""
+    def _read(
+        self, step: step_records.PendingStep
+    ) -> tuple[dict[str, float], tuple[float, float] | None]:
+        """``step``'s metrics as floats, and its noise norms ``(|G_big|^2, |G_small|^2)``, None
+        where the step measured no estimate (the curvature weights before the optimizer's first
+        curvature estimate are 0): a transfer that waits for the step to finish."""
         start = self._clock()
         try:
             if self._faults is not None:
                 self._faults(out_of_memory.FaultSite("read", step.step, step.micro, step.num_micro))
             metrics, noise = jax.device_get((step.metrics, step.noise))
-            return {k: float(v) for k, v in metrics.items()}, training.NoiseNorms(
-                *map(float, noise)
-            )
+            norms = (float(noise.batch_sq_norm), float(noise.micro_sq_norm))
+            return {k: float(v) for k, v in metrics.items()}, norms if norms[1] > 0.0 else None
         finally:
             self._timings["step"] += self._clock() - start
 
@@ -954,7 +956,7 @@ class Controller:
         self,
         step: step_records.PendingStep,
         metrics: dict[str, float],
-        noise: training.NoiseNorms,
+        norms: tuple[float, float] | None,
     ) -> None:
         """The bookkeeping of a step whose metrics are read: loss, measurements, :class:`StepInfo`,
         callback."""
@@ -967,11 +969,6 @@ class Controller:
         begin, end = flight.event_span(step, len(self._events))
         events = tuple(self._events[begin:end])
         seconds = start - flight.last_finish
-        # The step weighs the norms as noise_estimator asks (curvature-weighted for "hessian",
-        # 0 until the optimizer's first curvature estimate: no estimate then).
-        norms = None
-        if noise.micro_sq_norm > 0.0:
-            norms = (float(noise.batch_sq_norm), float(noise.micro_sq_norm))
         self._goodput.observe_noise(
             step.step, norms, batch=len(step.indices), micro=self._measured_micro(step)
         )

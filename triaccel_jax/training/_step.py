@@ -58,8 +58,7 @@ class NoiseNorms(NamedTuple):
     step's noise takes these two and never picks metric names by the weighting.
 
     Attributes:
-      batch_sq_norm: ``|G_big|^2`` of the step's averaged gradient (a float32 scalar in the
-        step's output; a float once read on the host).
+      batch_sq_norm: ``|G_big|^2`` of the step's averaged gradient (a float32 scalar).
       micro_sq_norm: ``|G_small|^2``: the mean over the micro-batches (or the two halves of a
         split step) of each one's squared norm; 0 where the step measured no estimate (the
         curvature weights before the first curvature estimate).
@@ -72,8 +71,8 @@ class NoiseNorms(NamedTuple):
       2.0
     """
 
-    batch_sq_norm: jax.Array | float
-    micro_sq_norm: jax.Array | float
+    batch_sq_norm: jax.Array
+    micro_sq_norm: jax.Array
 
 
 class StepOutput(NamedTuple):
@@ -637,12 +636,12 @@ def make_train_step(
             "grad_sq_norm": norms["grad_sq_norm"],
             "micro_grad_sq_norm": micro_norms["grad_sq_norm"],
         }
-        noise = NoiseNorms(norms["grad_sq_norm"], micro_norms["grad_sq_norm"])
+        read = "grad_sq_norm"  # the pair the noise estimate reads
         if weights is not None:
-            weighted = f"{noise_weights}_grad_sq_norm"
-            metrics[weighted] = norms[weighted]
-            metrics[f"{noise_weights}_micro_grad_sq_norm"] = micro_norms[weighted]
-            noise = NoiseNorms(norms[weighted], micro_norms[weighted])
+            read = f"{noise_weights}_grad_sq_norm"
+            metrics[read] = norms[read]
+            metrics[f"{noise_weights}_micro_grad_sq_norm"] = micro_norms[read]
+        noise = NoiseNorms(norms[read], micro_norms[read])
         return StepOutput(out.params, out.opt_state, out.carry, out.loss_scale, metrics, noise)
 
     return controller_step
