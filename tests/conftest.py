@@ -99,6 +99,18 @@ def _dtype_promotion(request: pytest.FixtureRequest):
         yield
 
 
+# A worker runs hundreds of test modules and compiles thousands of functions. Kept in JAX's caches,
+# their executables hold memory mappings until the process reaches the kernel's limit on them
+# (vm.max_map_count, 65530 by default), and XLA's CPU compiler then fails with "LLVM compilation
+# error: Cannot allocate memory" in whichever test compiles next. Each module's compiled functions
+# are released when the module ends; a module that compiles the same function twice still hits
+# the cache.
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_functions():
+    yield
+    jax.clear_caches()
+
+
 class CompileCounter:
     """Counts XLA backend compilations inside a ``with`` block (measured, not assumed)."""
 
