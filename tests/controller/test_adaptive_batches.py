@@ -21,6 +21,7 @@ from triaccel_jax.controller import OutOfMemoryError
 from triaccel_jax.controller import simulated_out_of_memory
 from triaccel_jax.controller._learning_rate import adascale_gain
 from triaccel_jax.controller._learning_rate import round_gain
+from triaccel_jax.precision import step_peak_bytes
 from triaccel_jax.training import value_and_grad_with_noise
 
 PROBE = BudgetMemoryProbe(2**30)
@@ -158,7 +159,7 @@ def test_a_batch_that_cannot_grow_for_want_of_memory_figures_is_said_once():
     # The default probe on a CPU: no memory figures at all.
     batches = AdaptiveBatches(data, tx.init(w), min_batch=16, max_batch=64, check_every=2)
     with pytest.warns(
-        UserWarning, match=r"cannot grow the batch beyond 16.*BudgetMemoryProbe"
+        UserWarning, match=r"cannot grow the batch beyond 16.*step_peak_bytes\(train_step"
     ) as said:
         train(batches, make_step(loss, tx), w, tx.init(w))
     assert len([w for w in said if "cannot grow" in str(w.message)]) == 1
@@ -170,6 +171,61 @@ def test_a_batch_that_cannot_grow_for_want_of_memory_figures_is_said_once():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*cannot grow")
         train(batches, make_step(loss, tx), w, tx.init(w))
+
+
+def test_the_jitted_steps_compiled_peaks_let_the_batch_grow_on_a_cpu_with_the_default_probe():
+    data, loss = regression(num=512)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05)
+    w = jnp.zeros(8)
+    step = make_step(loss, tx)
+    batches = AdaptiveBatches(
+        data,
+        tx.init(w),
+        min_batch=16,
+        max_batch=64,
+        check_every=2,
+        batch_rule="memory",
+        lr_scaling="none",
+        peak_bytes=step_peak_bytes(step, w, tx.init(w), data),  # the whole data set as example
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*cannot grow")
+        _, _, trained = train(batches, step, w, tx.init(w))
+    assert [len(ids) for ids in trained][:2] == [16, 16]
+    assert batches.batch_size == 64
+    assert any(e.kind == "grow" and e.new == 64 for e in batches.events)
+
+
+def test_a_forgotten_settings_apply_is_said_once_from_the_state_reported():
+    data, loss = regression(num=256)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05)
+    w = jnp.zeros(8)
+    step = make_step(loss, tx)
+
+    def run(apply):
+        batches = AdaptiveBatches(
+            data,
+            tx.init(w),
+            batch_size=32,
+            reference_batch=16,
+            batch_rule="memory",
+            lr_scaling="sqrt",
+            probe=PROBE,
+        )
+        params, opt_state = w, tx.init(w)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for batch, settings in batches:
+                if apply:
+                    opt_state = settings.apply(opt_state)
+                params, opt_state, metrics = step(params, opt_state, batch)
+                batches.report(metrics, opt_state=opt_state)
+        return [str(w.message) for w in said if "settings.apply" in str(w.message)]
+
+    forgot = run(apply=False)
+    assert len(forgot) == 1
+    assert "learning_rate=0.05, not the 0.0707107" in forgot[0]
+    assert run(apply=True) == []
 
 
 def test_data_that_would_be_read_as_something_else_is_refused_naming_the_fix():

@@ -1,5 +1,7 @@
 """Your own Flax loop (linen TrainState, nnx.Optimizer) under the controller's decisions."""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import triaccel_jax
 from triaccel_jax.controller import AdaptiveBatches
 from triaccel_jax.controller import BudgetMemoryProbe
 from triaccel_jax.data import load_digits
+from triaccel_jax.precision import step_peak_bytes
 from triaccel_jax.training import value_and_grad_with_noise
 
 pytestmark = pytest.mark.standard_promotion("Flax's layers and optax's Muon promote inside")
@@ -78,15 +81,21 @@ def test_a_linen_train_state_loop_trains_under_the_batch_and_rate_decisions():
         value, grads, norms = value_and_grad_with_noise(loss)(state.params, batch)
         return state.apply_gradients(grads=grads), {"loss": value, **norms}
 
-    batches = AdaptiveBatches((x, y), state.opt_state, **settings())
+    # XLA's compiled peaks of this very step, in place of the settings' stand-in figures.
+    peak_bytes = step_peak_bytes(train_step, state, (x, y))
+    batches = AdaptiveBatches((x, y), state.opt_state, **{**settings(), "peak_bytes": peak_bytes})
     rates = {}
-    with pytest.warns(UserWarning, match="rescales the learning rate"):
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         for _ in range(3):
             for batch, step in batches:
                 state = state.replace(opt_state=step.apply(state.opt_state))
                 state, metrics = train_step(state, batch)
-                batches.report(metrics)
+                batches.report(metrics, opt_state=state.opt_state)
                 rates[step.batch_size] = step.learning_rate
+    said = [str(warning.message) for warning in said]
+    assert any("rescales the learning rate" in message for message in said), said
+    assert not any("settings.apply" in message or "cannot grow" in message for message in said)
     assert max(rates) > 32 and rates[max(rates)] > rates[32]
     # The rate the state last trained with is the one its batch was given.
     assert float(state.opt_state.hyperparams["learning_rate"]) == pytest.approx(step.learning_rate)

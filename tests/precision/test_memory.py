@@ -251,3 +251,37 @@ def test_step_fn_and_batch_come_together():
         memory_report(params, (), None, step_fn=loss)
     with pytest.raises(ValueError, match="both `step_fn` and `batch`"):
         memory_report(params, (), None, batch=jnp.ones(3))
+
+
+def test_step_peak_bytes_is_the_compiled_steps_figure_at_each_size_compiled_once(count_compiles):
+    @jax.jit
+    def step(w, opt_state, batch):
+        x, y = batch
+        grads = jax.grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+        return w - 0.1 * grads, opt_state
+
+    w = jnp.zeros((32, 4))
+    data = (np.zeros((1000, 32), np.float32), np.zeros((1000, 4), np.float32))
+    peak = triaccel_jax.precision.step_peak_bytes(step, w, {"m": jnp.zeros(4)}, data)
+    with count_compiles() as compiles:
+        figures = [peak(size) for size in (16, 256, 16, 256)]
+    assert compiles.count == 2  # once a size
+    batch_256 = (jnp.zeros((256, 32)), jnp.zeros((256, 4)))
+    expected = triaccel_jax.precision.compiled_peak_bytes(
+        step.lower(w, {"m": jnp.zeros(4)}, batch_256).compile()
+    )
+    assert figures[1] == figures[3] == expected
+    # The batch's bytes alone grow by (256 - 16) rows of 36 floats.
+    assert figures[1] - figures[0] >= (256 - 16) * 36 * 4
+    # A plain function is jitted for the caller.
+    plain = triaccel_jax.precision.step_peak_bytes(step.__wrapped__, w, {"m": jnp.zeros(4)}, data)
+    assert plain(256) == expected
+
+
+def test_step_peak_bytes_names_what_it_cannot_resize():
+    with pytest.raises(TypeError, match="needs the step's arguments"):
+        triaccel_jax.precision.step_peak_bytes(lambda b: b)
+    with pytest.raises(TypeError, match="a callable"):
+        triaccel_jax.precision.step_peak_bytes(3, jnp.zeros(2))
+    with pytest.raises(ValueError, match=r"leading axis of samples to resize; got 1\.0"):
+        triaccel_jax.precision.step_peak_bytes(lambda w, b: w, jnp.zeros(2), (jnp.zeros(3), 1.0))

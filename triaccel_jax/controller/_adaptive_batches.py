@@ -240,12 +240,12 @@ class AdaptiveBatches:
       opt_state: the optimizer state: where the injected learning rate (and weight decay) the
         batch rule scales is found, the tuned values read from it.
       probe: the memory probe; default :func:`triaccel_jax.controller.default_memory_probe`.
-      peak_bytes: your step's peak device bytes at a batch size, or None where unknown, e.g.
-        XLA's compiled figure (``lambda b: compiled_peak_bytes(train_step.lower(params,
-        opt_state, batch_of(b)).compile())``, :func:`triaccel_jax.precision.compiled_peak_bytes`);
-        asked once per batch size, for the bucket in force at a check. A bigger bucket's peak is
-        predicted from the known ones, so without any (and a probe that measures none, as on a
-        CPU) memory allows no growth.
+      peak_bytes: your step's peak device bytes at a batch size, or None where unknown:
+        ``triaccel_jax.precision.step_peak_bytes(train_step, params, opt_state, batch)`` gives
+        XLA's compiled figure for your jitted step (any batch of the right structure). Asked once
+        per batch size, for the bucket in force at a check. A bigger bucket's peak is predicted
+        from the known ones, so without any (and a probe that measures none, as on a CPU) memory
+        allows no growth, which a warning says once.
       callback: called with each :class:`Event` as it is logged (a decision, a rate change).
       clock: a monotonic clock in seconds, read when a batch is yielded and when its step is
         reported: the step's seconds (goodput's throughput) are the difference; default
@@ -379,6 +379,9 @@ class AdaptiveBatches:
         self._put_back: collections.deque[np.ndarray] = collections.deque()
         self._events: list[events_lib.Event] = []
         self._rescale_said = False
+        self._unapplied_said = (
+            False  # whether a state without the settings' values was warned about
+        )
         self._no_noise_said = False  # whether a report without the noise norms was warned about
         self._cannot_grow_said = False  # whether a check without memory figures was warned about
         self._log(
@@ -494,6 +497,7 @@ class AdaptiveBatches:
         metrics: Mapping[str, Any] | None = None,
         *,
         error: BaseException | None = None,
+        opt_state: Any = None,
     ) -> None:
         """Reads the step of the last batch yielded: its metrics, or the error it raised.
 
@@ -508,6 +512,9 @@ class AdaptiveBatches:
           error: the error the step raised instead: an out-of-memory error makes the batch
             size's bucket a ceiling and moves below it, and the batch's samples come again
             first, in batches of the smaller size.
+          opt_state: optionally, the optimizer state the step returned: its injected values are
+            compared with the ones this step's settings gave, and a difference (the rate of a
+            forgotten ``settings.apply(opt_state)``) is warned about once. Nothing else reads it.
 
         Raises:
           RuntimeError: no batch is waiting for its report.
@@ -544,6 +551,8 @@ class AdaptiveBatches:
                 ceiling=decision.ceiling,
             )
             return
+        if opt_state is not None:
+            self._check_applied(settings, opt_state)
         values = {k: float(v) for k, v in jax.device_get(dict(metrics or {})).items()}
         seconds = self._clock() - pending.started
         norms = None
@@ -607,10 +616,29 @@ class AdaptiveBatches:
         caller.warn(
             f"AdaptiveBatches cannot grow the batch beyond {micro}: its memory probe reports "
             f"{known}, and a batch grows only where its peak is predicted to fit the limit. Pass "
-            "peak_bytes=<batch size -> your step's compiled peak bytes> (e.g. from "
-            "triaccel_jax.precision.compiled_peak_bytes), and, where the probe knows no limit, "
-            "probe=triaccel_jax.BudgetMemoryProbe(limit_bytes). Said once."
+            "peak_bytes=triaccel_jax.precision.step_peak_bytes(train_step, *its_arguments) (your "
+            "jitted step and its arguments, the batch last: XLA's compiled peak at each size), "
+            "and, where the probe knows no limit, probe=triaccel_jax.BudgetMemoryProbe("
+            "limit_bytes). Said once."
         )
+
+    def _check_applied(self, settings: StepSettings, opt_state: Any) -> None:
+        """Warns once where ``opt_state`` holds another value than ``settings`` wrote."""
+        if self._unapplied_said:
+            return
+        for name, value in settings.hyperparams.items():
+            found = learning_rate.find_hyperparam(opt_state, name)
+            # A scheduled value is the schedule's to write; float32 holds the value to ~1e-7.
+            if found is None or found.scheduled or math.isclose(found.value, value, rel_tol=1e-5):
+                continue
+            self._unapplied_said = True
+            caller.warn(
+                f"the optimizer state reported for step {settings.step} holds {name}="
+                f"{found.value:.6g}, not the {value:.6g} its settings gave: the step trained at "
+                "another rate than AdaptiveBatches decided (and its warnings say). Write them "
+                "before each step: opt_state = settings.apply(opt_state). Said once."
+            )
+            return
 
     def _say_no_noise(self) -> None:
         """Warns once that goodput, which should move the batch, gets no noise to move it by."""

@@ -10,7 +10,8 @@ this stage sits above the optimizer, whose signals it reads:
   (a :class:`MemoryReport`), with :func:`compute_copy_dtype`, the dtype a compute copy is
   carried in;
 * :func:`compiled_peak_bytes`, XLA's predicted peak of a compiled function, which the report and
-  the controller's bucket decisions read.
+  the controller's bucket decisions read, and :func:`step_peak_bytes`, your own step's peak at
+  any batch size (``AdaptiveBatches(peak_bytes=...)``).
 
 See ``docs/design.md`` (sections 3.6, 3.7 and 7).
 """
@@ -19,6 +20,7 @@ from triaccel_jax.precision._memory import MemoryReport
 from triaccel_jax.precision._memory import compiled_peak_bytes
 from triaccel_jax.precision._memory import compute_copy_dtype
 from triaccel_jax.precision._memory import memory_report
+from triaccel_jax.precision._memory import step_peak_bytes
 from triaccel_jax.precision._planner import PlannerConfig
 from triaccel_jax.precision._planner import plan_precision
 from triaccel_jax.precision._state_formats import StateFormatPlan
@@ -33,4 +35,5 @@ __all__ = (
     "memory_report",
     "plan_precision",
     "plan_state_formats",
+    "step_peak_bytes",
 )

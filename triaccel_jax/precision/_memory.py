@@ -286,6 +286,76 @@ def compiled_peak_bytes(compiled: Any) -> int | None:
     )
 
 
+def step_peak_bytes(step: Callable[..., Any], *args: Any) -> Callable[[int], int | None]:
+    """``batch size -> XLA's compiled peak bytes`` of your training step, for
+    :class:`triaccel_jax.controller.AdaptiveBatches`'s ``peak_bytes``.
+
+    The step is lowered and compiled at each batch size asked for, on abstract arguments (nothing
+    is allocated or run): ``step(*args)`` with every leaf of the last argument, the batch, given
+    that many rows on its leading axis. Any batch of the right structure will do as the example,
+    the whole data set included. Each size is compiled once and remembered; this compile is apart
+    from the one ``jax.jit`` makes when the step first runs at that size, so a batch size costs
+    two compiles (the persistent compilation cache, where it is on, serves the second).
+
+    Args:
+      step: your step, ``jax.jit``-ed or not (it is jitted here otherwise).
+      *args: its arguments as your loop passes them, the batch last: arrays or
+        ``jax.ShapeDtypeStruct``.
+
+    Returns:
+      A callable from a batch size to the compiled step's peak bytes (temp + arguments + outputs
+      - aliased, :func:`compiled_peak_bytes`), or None where the backend gives no analysis.
+
+    Raises:
+      TypeError: ``step`` is not callable, or no batch is given.
+      ValueError: a leaf of the batch has no leading axis to resize.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from triaccel_jax.precision import step_peak_bytes
+      >>> @jax.jit
+      ... def step(w, batch):
+      ...     x, y = batch
+      ...     return w - 0.1 * jax.grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+      >>> x, y = np.zeros((1000, 64), np.float32), np.zeros(1000, np.float32)
+      >>> peak = step_peak_bytes(step, jnp.zeros(64), (x, y))
+      >>> peak(512) > peak(64) > 64 * 64 * 4
+      True
+
+    References:
+      AdaptDL (Qiao et al., 2021) profiles the step's memory at each batch size it may take;
+      here XLA's memory analysis predicts it without running the step.
+    """
+    if not callable(step):
+        raise TypeError(f"`step` must be your training step, a callable; got {type(step).__name__}")
+    if not args:
+        raise TypeError("step_peak_bytes(step, *args) needs the step's arguments, the batch last")
+    lower = getattr(step, "lower", None)
+    if not callable(lower):
+        lower = jax.jit(step).lower
+    *before, batch = args
+    fixed = arrays.abstract_tree(tuple(before))
+    leaves, treedef = jax.tree.flatten(arrays.abstract_tree(batch))
+    for leaf in leaves:
+        if not getattr(leaf, "shape", ()):
+            raise ValueError(
+                "every leaf of the batch (the last argument) needs a leading axis of samples to "
+                f"resize; got {leaf!r}"
+            )
+    peaks: dict[int, int | None] = {}
+
+    def peak(batch_size: int) -> int | None:
+        if batch_size not in peaks:
+            resized = [
+                jax.ShapeDtypeStruct((batch_size, *leaf.shape[1:]), leaf.dtype) for leaf in leaves
+            ]
+            compiled = lower(*fixed, jax.tree.unflatten(treedef, resized)).compile()
+            peaks[batch_size] = compiled_peak_bytes(compiled)
+        return peaks[batch_size]
+
+    return peak
+
+
 def _compiled_bytes(step_fn: Callable[[Any, Any], Any], params: Any, batch: Any) -> int | None:
     """XLA's temp + argument + output - alias bytes of ``jit(value_and_grad(step_fn))``."""
     grad_fn = jax.value_and_grad(step_fn, allow_int=True)
