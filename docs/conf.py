@@ -38,7 +38,16 @@ extensions = [
 ]
 mathjax_path = "mathjax/tex-chtml.js"
 
-exclude_patterns = ["_build", "jupyter_execute", "Thumbs.db", ".DS_Store", "notebooks/README.md"]
+# docs/reference/ is the reference as plain Markdown for readers without a build
+# (tools/api_reference.py); the site has the built one (api/).
+exclude_patterns = [
+    "_build",
+    "jupyter_execute",
+    "Thumbs.db",
+    ".DS_Store",
+    "notebooks/README.md",
+    "reference",
+]
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
 
 # Docstrings are Google style (Args/Returns/Raises/Example), as in optax.
