@@ -16,6 +16,8 @@
 #    or with TRIACCEL_KERNEL_TESTS=1; TRIACCEL_KERNEL_TESTS=0 skips it. Where no Python can install
 #    the extra, it says so and the exit status is that of step 1, unless TRIACCEL_KERNEL_TESTS=require
 #    (as .ci/run sets), which makes that a failure. It does not take ARGS (they name tests of step 1).
+#    Where it runs and no ARGS are given, step 1 leaves tests/kernels to it (--ignore), so that
+#    folder's pure-JAX tests run once, not in both steps.
 #
 # The exit status is non-zero when either step fails; both run even if the first fails.
 #
@@ -39,10 +41,29 @@ if [[ -z "$run_kernel_tests" ]]; then
 fi
 
 ensure_venv test
+main_py="$VENV_PY"
 ensure_fashion_mnist
+
+# The kernel venv is made first: where it can run tests/kernels (all of them, the pure-JAX ones
+# included), step 1 leaves that folder to it instead of running it twice.
+kernels_ready=0
+kernel_py=""
+if [[ "$run_kernel_tests" == "1" || "$run_kernel_tests" == "require" ]]; then
+    _log "kernel tests: tests/kernels under the Triton interpreter in .venv-kernels"
+    if ensure_kernels_venv; then
+        kernels_ready=1
+        kernel_py="$VENV_PY"
+    fi
+    VENV_PY="$main_py"
+fi
+leave_kernels=()
+if (( kernels_ready && $# == 0 )); then
+    leave_kernels=(--ignore=tests/kernels)
+fi
+
 status=0
 start=$SECONDS
-"$VENV_PY" -m pytest -n 2 "${fast[@]}" "$@" || status=$?
+"$main_py" -m pytest -n 2 "${fast[@]}" "${leave_kernels[@]}" "$@" || status=$?
 if (( ${#fast[@]} )); then
     _log "fast tier: $((SECONDS - start)) s (the whole suite and the kernel tests: bash tools/test.sh)"
 else
@@ -50,11 +71,10 @@ else
 fi
 
 if [[ "$run_kernel_tests" == "1" || "$run_kernel_tests" == "require" ]]; then
-    _log "kernel tests: tests/kernels under the Triton interpreter in .venv-kernels"
     kernel_status=0
-    if ensure_kernels_venv; then
+    if (( kernels_ready )); then
         kernel_start=$SECONDS
-        TRITON_INTERPRET=1 "$VENV_PY" -m pytest -n 2 tests/kernels || kernel_status=$?
+        TRITON_INTERPRET=1 "$kernel_py" -m pytest -n 2 tests/kernels || kernel_status=$?
         _log "kernel tests: $((SECONDS - kernel_start)) s"
     else
         _log "kernel tests NOT RUN: no Python here could install the kernels-dev extra (torch and"
