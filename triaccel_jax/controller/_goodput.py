@@ -11,20 +11,24 @@ averages (:mod:`._noise_scale`), each with an uncertainty. The rule:
   supports; AdaptDL never goes below its initial batch either), and no larger than
   ``critical_multiple * B_noise`` (about the critical batch, beyond which more samples buy
   little: McCandlish et al., 2018, §2.2). The batch in force is always a candidate.
-* **Measure first.** While the batch in force's own throughput is not *known* (a relative
-  standard deviation above ``margin / (2 z)``, 1.5% by default: two known sizes whose goodputs
-  differ by twice the margin are then told apart by the lower bound), nothing moves: every gain
-  is relative to it.
+* **Gate scaled to the gain.** Every gain is relative to the batch in force, so its timing's
+  noise enters every bound. A size is *known* once its throughput's relative standard deviation
+  is at most ``margin / (2 z)``, 1.5% by default (two known sizes whose goodputs differ by twice
+  the margin are then told apart by the lower bound); the batch in force need not be known
+  before a decision whose bounds already clear the margin: a large gain moves on a rough
+  timing, a small one waits for a fine one. Nothing moves before the batch in force has a
+  timed step.
 * **Move** to the candidate of the highest goodput when the lower confidence bound of its gain
   over the batch in force beats ``margin``: its throughput at the lower end, the present one at
   the upper end, and the noise scale at the end of its interval least favourable to the move.
-* **Explore** otherwise: the nearest candidate whose throughput is not yet known (never
-  measured, or measured over too few blocks of steps for its spread) is tried
-  when the upper bound of its gain beats ``margin`` (the optimistic prior of :mod:`._throughput`
-  makes an unmeasured larger size hopeful). Its measurement then decides the trial: once known,
-  it is kept if its goodput beats the size it left by the margin, and the run goes back
-  otherwise. A size once known is not explored again, so on steady figures the batch changes
-  direction at most once.
+* **Explore** otherwise: the nearest candidate never timed is tried when its gain may beat
+  ``margin``. Once the batch in force is known, "may" is the gain's upper bound; before, both
+  throughputs are taken at their optimistic ends (the optimistic prior of :mod:`._throughput`
+  makes an unmeasured larger size hopeful), so a rough timing of the present holds back only
+  explorations of a small gain. The trial is decided as soon as the bounds of its gain over the
+  size it left lie on one side of the margin (kept above, back below), and on the estimate once
+  the trial is known. A size once timed is not explored again, so on steady figures the batch
+  changes direction at most once.
 
 The rule never shrinks the batch because the noise scale fell: shrinking is for memory (the
 controller's memory rule and out-of-memory retries).
@@ -152,17 +156,10 @@ def decide_batch(
         own = times.get(batch, StepTimes())
         return own.steps > 0 and math.sqrt(own.variance_of_mean) <= known * own.mean
 
+    if times.get(current, StepTimes()).steps == 0:
+        return BatchDecision(current, "stay", f"measuring {current}: no step timed yet", {})
     rate_now, sd_now = step_time.throughput(current)
-    if not is_known(current):
-        # Every comparison is against the batch in force: it is measured first, so that no move
-        # (an exploration's return included) rests on a few steps' timing.
-        return BatchDecision(
-            current,
-            "stay",
-            f"measuring {current}: its {times.get(current, StepTimes()).steps} timed steps do "
-            f"not yet give its throughput within {known:.1%}",
-            {},
-        )
+    current_known = is_known(current)
     figures: dict[int, dict[str, float]] = {}
     for batch in sorted(candidates):
         rate, sd = step_time.throughput(batch)
@@ -181,23 +178,46 @@ def decide_batch(
             "gain": gain,
             "gain_low": rate / rate_now * (1.0 - z * spread) * min(ratios) - 1.0,
             "gain_high": rate / rate_now * (1.0 + z * spread) * max(ratios) - 1.0,
+            # Both throughputs at their optimistic ends: what exploring may find, against a
+            # batch in force that may be faster than its rough timing says.
+            "gain_hopeful": rate
+            * (1.0 + z * sd / rate)
+            / (rate_now * (1.0 + z * sd_now / rate_now))
+            * max(ratios)
+            - 1.0,
         }
     if trial_from is not None and trial_from in figures:
-        gain = 1.0 / (1.0 + figures[trial_from]["gain"]) - 1.0  # the trial's over where it left
-        if gain > margin:
+        # The trial's gain over where it left, and its bounds: decided as soon as the bounds
+        # lie on one side of the margin, and on the estimate once the trial is known.
+        left = figures[trial_from]
+        gain = 1.0 / (1.0 + left["gain"]) - 1.0
+        worst = 1.0 / (1.0 + left["gain_high"]) - 1.0
+        best = 1.0 / (1.0 + left["gain_low"]) - 1.0
+        if worst > margin or (current_known and gain > margin):
             return BatchDecision(
                 current,
                 "keep",
-                f"goodput of the trial of {current} beats {trial_from}'s by {gain:.0%}: kept",
+                f"goodput of the trial of {current} beats {trial_from}'s by {gain:.0%} (at least "
+                f"{worst:.0%}): kept",
+                figures,
+            )
+        if best <= margin or current_known:
+            return BatchDecision(
+                trial_from,
+                "revert",
+                f"goodput of the trial of {current} is {gain:+.0%} over {trial_from}'s (at most "
+                f"{best:+.0%}), not {margin:.0%}: back",
                 figures,
             )
         return BatchDecision(
-            trial_from,
-            "revert",
-            f"goodput of the trial of {current} is {gain:+.0%} over {trial_from}'s, not "
-            f"{margin:.0%}: back",
+            current,
+            "stay",
+            f"measuring the trial of {current}: its gain over {trial_from}, {gain:+.0%} in "
+            f"[{worst:+.0%}, {best:+.0%}], is not yet on one side of {margin:.0%}",
             figures,
         )
+    # A move needs the gain's lower bound to clear the margin, the batch in force's own timing
+    # noise included: a large gain moves on a rough timing, a small one waits for a fine one.
     movable = [b for b in figures if b != current and figures[b]["gain_low"] > margin]
     if movable:
         best = max(movable, key=lambda b: figures[b]["goodput"])
@@ -210,16 +230,31 @@ def decide_batch(
             figures,
         )
     # The nearest first, the larger on a tie: growth is what an unmeasured size may offer.
+    # Before the batch in force is known, an exploration needs the gain the candidate may offer
+    # (its optimistic end) to clear the margin even against the batch in force's optimistic end:
+    # a rough timing of the present then holds back only explorations of a small gain.
     for batch in sorted((b for b in figures if b != current), key=lambda b: (abs(b - current), -b)):
         f = figures[batch]
-        if not is_known(batch) and f["gain_high"] > margin:
+        hopeful = f["gain_high"] if current_known else f["gain_hopeful"]
+        # A size timed before (a trial decided, a batch left) is not explored again: its own
+        # figures now speak for it through the lower bound, so the direction changes once.
+        if times.get(batch, StepTimes()).steps == 0 and hopeful > margin:
             return BatchDecision(
                 batch,
                 "explore",
-                f"goodput at {batch} may beat {current}'s by up to {f['gain_high']:.0%}, and its "
-                f"throughput is not known within {known:.1%}: trying it",
+                f"goodput at {batch} may beat {current}'s by up to {hopeful:.0%}, and its "
+                "throughput is not measured yet: trying it",
                 figures,
             )
+    if not current_known:
+        return BatchDecision(
+            current,
+            "stay",
+            f"measuring {current}: its {times[current].steps} timed steps give its throughput "
+            f"within {z * sd_now / rate_now:.1%}, too rough for any gain in sight "
+            f"(noise scale {noise_scale:.4g} in [{low:.4g}, {high:.4g}])",
+            figures,
+        )
     return BatchDecision(
         current,
         "stay",
