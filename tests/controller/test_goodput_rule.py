@@ -108,6 +108,11 @@ def test_a_trial_is_decided_as_soon_as_its_bounds_lie_on_one_side_of_the_margin(
     undecided = decide_batch(64, (32, 64), trial_from=32, **args)
     assert (undecided.batch, undecided.kind) == (64, "stay")
     assert "measuring the trial of 64" in undecided.reason
+    # A trial timed so roughly that its gain has no upper bound is measured on, not reverted.
+    times[64] = rough(64, 0.00045, steps=3, relative_sd=2.0)[64]
+    unbounded = decide_batch(64, (32, 64), trial_from=32, **args)
+    assert (unbounded.batch, unbounded.kind) == (64, "stay"), unbounded.reason
+    assert "+inf%]" in unbounded.reason
 
 
 def test_a_gain_inside_the_noise_does_not_move_the_batch():

@@ -192,7 +192,8 @@ def decide_batch(
         left = figures[trial_from]
         gain = 1.0 / (1.0 + left["gain"]) - 1.0
         worst = 1.0 / (1.0 + left["gain_high"]) - 1.0
-        best = 1.0 / (1.0 + left["gain_low"]) - 1.0
+        # A lower bound at or below -100% bounds nothing: a timing that rough allows any gain.
+        best = 1.0 / (1.0 + left["gain_low"]) - 1.0 if left["gain_low"] > -1.0 else math.inf
         if worst > margin or (current_known and gain > margin):
             return BatchDecision(
                 current,
