@@ -16,7 +16,9 @@ of the machine falls on both):
 * **noiseless**: no label noise: the noise scale is near zero, and no batch beats the start.
 
 Figures per run: the median batch over the last 100 of ``--steps`` steps, the step of the first
-move, the moves and direction changes, and the median step time. Target (issue 42): the median
+move, the moves and direction changes, and the median step time. Then the cost: the same loop
+at a fixed batch of 64 with and without AdaptiveBatches, in turns (:func:`cost`). Target
+(issue 42): the median
 over seeds of the noisy runs' median batch is at least 4x the noiseless runs'. It is a report,
 not a test: it exits 0 whatever the figures ("met" or "MISSED" is printed), 1 only where a run
 fails. ``--quick`` runs 150 steps on one seed, a smoke test whose figures mean little.
@@ -131,6 +133,66 @@ def run(twin: str, seed: int, steps: int) -> dict[str, Any]:
     }
 
 
+def cost(rounds: int, steps: int, batch_size: int = 64) -> dict[str, float]:
+    """A step of your loop under AdaptiveBatches over the same loop without it, at one batch.
+
+    Both loops train the noisy regression at ``batch_size`` for ``steps`` steps a round, taking
+    turns for ``rounds`` rounds (the first one rotating). The plain loop slices a permutation's
+    batches out of the arrays and syncs once a round; under AdaptiveBatches (min = max = the
+    batch, so nothing moves) each step is yielded, applied and reported, and ``report`` reads
+    the step's metrics: it waits for each step, where the plain loop queues them. Returns the
+    median over rounds of the ratio of the two rounds' times, and each loop's median step time.
+    """
+    x, y = make_data(LABEL_NOISE["noisy"], 0)
+    w0 = jnp.zeros(FEATURES)
+    rng = np.random.default_rng(0)
+
+    def plain() -> float:
+        w, opt_state = w0, TX.init(w0)
+        order = rng.permutation(NUM_EXAMPLES)
+        start = time.perf_counter()
+        for i in range(steps):
+            rows = order[(i * batch_size) % NUM_EXAMPLES :][:batch_size]
+            w, opt_state, _ = train_step(w, opt_state, (x[rows], y[rows]))
+        jax.block_until_ready(w)
+        return time.perf_counter() - start
+
+    def adaptive() -> float:
+        w, opt_state = w0, TX.init(w0)
+        batches = AdaptiveBatches(
+            (x, y), opt_state, min_batch=batch_size, max_batch=batch_size, batch_size=batch_size
+        )
+        start, done = time.perf_counter(), 0
+        while done < steps:
+            for batch, settings in batches:
+                opt_state = settings.apply(opt_state)
+                w, opt_state, metrics = train_step(w, opt_state, batch)
+                batches.report(metrics)
+                done += 1
+                if done == steps:
+                    break
+        jax.block_until_ready(w)
+        return time.perf_counter() - start
+
+    loops = {"plain": plain, "adaptive": adaptive}
+    for loop in loops.values():
+        loop()  # compiled and warm
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    names = list(loops)
+    for r in range(rounds):
+        for name in names[r % 2 :] + names[: r % 2]:
+            times[name].append(loops[name]())
+    ratios = [a / p for a, p in zip(times["adaptive"], times["plain"], strict=True)]
+    return {
+        "ratio": statistics.median(ratios),
+        "plain_step_ms": 1e3 * statistics.median(times["plain"]) / steps,
+        "adaptive_step_ms": 1e3 * statistics.median(times["adaptive"]) / steps,
+        "batch": batch_size,
+        "rounds": rounds,
+        "steps": steps,
+    }
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     final = {
         twin: statistics.median(r["final_batch"] for r in runs if r["twin"] == twin)
@@ -160,13 +222,19 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['twin']} | {r['seed']} | {r['final_batch']:g} | {r['first_move'] or '—'} | "
             f"{r['moves']} | {r['direction_changes']} | {r['median_step_ms']:.3f} | {noise} |"
         )
-    s = report["summary"]
+    s, c = report["summary"], report["cost"]
     lines += [
         "",
         f"Median over seeds of the final batch: noisy {s['median_final_batch']['noisy']:g}, "
         f"noiseless {s['median_final_batch']['noiseless']:g}: ratio {s['ratio']:.2f} "
         f"(target >= {s['target']:g}x): **{s['verdict']}**. Most direction changes in a run: "
         f"{s['most_direction_changes']}.",
+        "",
+        f"Cost, at a fixed batch of {c['batch']} ({c['rounds']} rounds of {c['steps']} steps, "
+        f"taking turns): a step under AdaptiveBatches {c['adaptive_step_ms']:.3f} ms against "
+        f"{c['plain_step_ms']:.3f} ms in the same loop without it: **{c['ratio']:.2f}x** "
+        "(median of the rounds' ratios; report() waits for each step, the plain loop queues "
+        "them).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -201,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": runs,
     }
     report["summary"] = summarize(runs)
+    report["cost"] = cost(rounds=3 if args.quick else 15, steps=50 if args.quick else 200)
     text = markdown(report)
     print(text)
     if args.out is not None:

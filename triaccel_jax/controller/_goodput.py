@@ -22,10 +22,11 @@ averages (:mod:`._noise_scale`), each with an uncertainty. The rule:
   over the batch in force beats ``margin``: its throughput at the lower end, the present one at
   the upper end, and the noise scale at the end of its interval least favourable to the move.
 * **Explore** otherwise: the nearest candidate never timed is tried when its gain may beat
-  ``margin``. Once the batch in force is known, "may" is the gain's upper bound; before, both
-  throughputs are taken at their optimistic ends (the optimistic prior of :mod:`._throughput`
-  makes an unmeasured larger size hopeful), so a rough timing of the present holds back only
-  explorations of a small gain. The trial is decided as soon as the bounds of its gain over the
+  ``margin``. Once the batch in force is known, "may" is the gain's upper bound; before, the
+  predicted gain (the optimistic prior of :mod:`._throughput` makes an unmeasured larger size
+  hopeful) must clear the margin against the fast end of the present's timing, which stops
+  improving once the run leaves it: a gain the trial could then show. So a rough timing of the
+  present holds back only explorations of a small gain. The trial is decided as soon as the bounds of its gain over the
   size it left lie on one side of the margin (kept above, back below), and on the estimate once
   the trial is known. A size once timed is not explored again, so on steady figures the batch
   changes direction at most once.
@@ -178,13 +179,10 @@ def decide_batch(
             "gain": gain,
             "gain_low": rate / rate_now * (1.0 - z * spread) * min(ratios) - 1.0,
             "gain_high": rate / rate_now * (1.0 + z * spread) * max(ratios) - 1.0,
-            # Both throughputs at their optimistic ends: what exploring may find, against a
-            # batch in force that may be faster than its rough timing says.
-            "gain_hopeful": rate
-            * (1.0 + z * sd / rate)
-            / (rate_now * (1.0 + z * sd_now / rate_now))
-            * max(ratios)
-            - 1.0,
+            # The gain a trial could be shown to have once it is timed: the predicted gain with
+            # the batch in force at the fast end of its timing, which stops improving when the
+            # run leaves it.
+            "gain_reachable": (1.0 + gain) / (1.0 + z * sd_now / rate_now) - 1.0,
         }
     if trial_from is not None and trial_from in figures:
         # The trial's gain over where it left, and its bounds: decided as soon as the bounds
@@ -231,12 +229,13 @@ def decide_batch(
             figures,
         )
     # The nearest first, the larger on a tie: growth is what an unmeasured size may offer.
-    # Before the batch in force is known, an exploration needs the gain the candidate may offer
-    # (its optimistic end) to clear the margin even against the batch in force's optimistic end:
-    # a rough timing of the present then holds back only explorations of a small gain.
+    # Before the batch in force is known, an exploration needs a gain the trial could show:
+    # the predicted gain must clear the margin even against the fast end of the present's
+    # timing, so that the trial's bounds can clear it once the trial is timed. A rough present
+    # then holds back only explorations of a small gain.
     for batch in sorted((b for b in figures if b != current), key=lambda b: (abs(b - current), -b)):
         f = figures[batch]
-        hopeful = f["gain_high"] if current_known else f["gain_hopeful"]
+        hopeful = f["gain_high"] if current_known else f["gain_reachable"]
         # A size timed before (a trial decided, a batch left) is not explored again: its own
         # figures now speak for it through the lower bound, so the direction changes once.
         if times.get(batch, StepTimes()).steps == 0 and hopeful > margin:
