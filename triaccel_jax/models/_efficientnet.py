@@ -51,8 +51,8 @@ class SqueezeExcitation(nn.Module):
         >>> from triaccel_jax.models._efficientnet import SqueezeExcitation
         >>> se = SqueezeExcitation(reduced_features=4)
         >>> x = jnp.ones((2, 8, 8, 16))
-        >>> variables = se.init(jax.random.key(0), x)
-        >>> se.apply(variables, x).shape
+        >>> variables = jax.jit(se.init)(jax.random.key(0), x)
+        >>> jax.jit(se.apply)(variables, x).shape
         (2, 8, 8, 16)
     """
 
@@ -99,8 +99,8 @@ class MBConv(nn.Module):
         >>> from triaccel_jax.models._efficientnet import MBConv
         >>> block = MBConv(features=24, expand_ratio=6, kernel_size=3, strides=2)
         >>> x = jnp.zeros((2, 8, 8, 16))
-        >>> variables = block.init(jax.random.key(0), x, train=False)
-        >>> block.apply(variables, x, train=False).shape
+        >>> variables = jax.jit(lambda key: block.init(key, x, train=False))(jax.random.key(0))
+        >>> jax.jit(lambda v: block.apply(v, x, train=False))(variables).shape
         (2, 4, 4, 24)
     """
 

@@ -35,8 +35,8 @@ class BasicBlock(nn.Module):
         >>> from triaccel_jax.models._resnet import BasicBlock
         >>> block = BasicBlock(features=32, strides=2)
         >>> x = jnp.zeros((2, 8, 8, 16))
-        >>> variables = block.init(jax.random.key(0), x, train=False)
-        >>> block.apply(variables, x, train=False).shape
+        >>> variables = jax.jit(lambda key: block.init(key, x, train=False))(jax.random.key(0))
+        >>> jax.jit(lambda v: block.apply(v, x, train=False))(variables).shape
         (2, 4, 4, 32)
     """
 
@@ -100,8 +100,10 @@ class ResNet(nn.Module):
         >>> from triaccel_jax.models._resnet import ResNet
         >>> model = ResNet(stage_sizes=(1, 1), num_filters=8, num_classes=5)
         >>> x = jnp.zeros((2, 16, 16, 3))
-        >>> variables = model.init(jax.random.key(0), x, train=False)
-        >>> model.apply(variables, x, train=False).shape
+        >>> # Shapes only (nothing is computed); jax.jit(init)(key) draws the variables.
+        >>> init = lambda key: model.init(key, x, train=False)
+        >>> variables = jax.eval_shape(init, jax.random.key(0))
+        >>> jax.eval_shape(lambda v: model.apply(v, x, train=False), variables).shape
         (2, 5)
     """
 
@@ -153,8 +155,11 @@ class ResNet20(ResNet):
         >>> from triaccel_jax.models import ResNet20
         >>> model = ResNet20(num_classes=10)
         >>> x = jnp.zeros((2, 32, 32, 3))
-        >>> variables = model.init(jax.random.key(0), x, train=False)
-        >>> logits, updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
+        >>> # Shapes only (nothing is computed); jax.jit(init)(key) draws the variables.
+        >>> init = lambda key: model.init(key, x, train=False)
+        >>> variables = jax.eval_shape(init, jax.random.key(0))
+        >>> train = lambda v: model.apply(v, x, train=True, mutable=["batch_stats"])
+        >>> logits, updates = jax.eval_shape(train, variables)
         >>> logits.shape
         (2, 10)
     """

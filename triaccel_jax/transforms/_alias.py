@@ -153,9 +153,12 @@ def triaccel(
       >>> loss = lambda p: jnp.sum((p["w"] - jnp.array([1.0, 2.0, 3.0])) ** 2)
       >>> tx = triaccel_jax.triaccel(learning_rate=0.1)
       >>> state = tx.init(params)
-      >>> for _ in range(200):
+      >>> @jax.jit
+      ... def step(params, state):
       ...     updates, state = tx.update(jax.grad(loss)(params), state, params)
-      ...     params = optax.apply_updates(params, updates)
+      ...     return optax.apply_updates(params, updates), state
+      >>> for _ in range(200):
+      ...     params, state = step(params, state)
       >>> bool(loss(params) < 1e-2)
       True
 
