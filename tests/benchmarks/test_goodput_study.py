@@ -10,8 +10,11 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+import triaccel_jax
 from triaccel_jax.data import fashion_mnist_not_found_message
 from triaccel_jax.data import find_fashion_mnist
 
@@ -141,6 +144,7 @@ def test_summary_reads_the_targets_met_or_missed():
         "chosen": {r.name: 1e-3 for r in rows},
         "best_static": "static64",
         "target": 0.855,
+        "protocol": {"optimizer": "adamw"},
     }
     summary = goodput.summarize(report)
     assert summary["best_static"] == "static64"
@@ -160,6 +164,24 @@ def test_summary_reads_the_targets_met_or_missed():
         ("goodput_gpu_like", "direction_changes"): True,
         ("static", "throughput"): False,  # 50% off
     }
+    # Over Muon the steps bound is 0.7 (issue 42).
+    muon = goodput.summarize({**report, "protocol": {"optimizer": "muon"}})
+    (steps,) = [t for t in muon["targets"] if t["figure"] == "steps"]
+    assert "<= 0.7" in steps["what"] and steps["met"]
+
+
+@pytest.mark.standard_promotion("optax's muon promotes its count inside")
+def test_the_muon_rows_train_the_recommended_configuration_with_an_injected_rate():
+    tx = goodput.make_optimizer("muon", 0.016)
+    params = {"kernel": jnp.ones((8, 4)), "bias": jnp.zeros(4)}
+    state = tx.init(params)
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.016)
+    updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    # Muon orthogonalises the kernel's update (all its singular values near one, so the update
+    # is far from the raw gradient's rank-one direction); Adam's part moves the bias.
+    assert set(triaccel_jax.signals(state)) == {"bias", "kernel"}
+    assert float(jnp.abs(updates["bias"]).max()) > 0
+    assert goodput.DEFAULT_GRIDS["muon"][0] < 0.016 < goodput.DEFAULT_GRIDS["muon"][-1]
 
 
 def test_the_rows_are_the_static_batches_then_the_elastic_ones():
