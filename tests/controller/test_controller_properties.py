@@ -55,8 +55,9 @@ BASE_LR = 0.02
 REFERENCE = 8
 DTYPES = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16)}
 
+# 100 examples of two runs of 200+ steps each: about 2 minutes of CI's 2 cores (200 took 7).
 PROPERTY = settings(
-    max_examples=200,
+    max_examples=100,
     deadline=None,
     derandomize=True,
     database=None,
