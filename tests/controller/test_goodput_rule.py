@@ -151,6 +151,21 @@ def test_an_unmeasured_size_is_explored_one_step_at_a_time():
     assert (decision.batch, decision.kind) == (64, "explore")
 
 
+def test_a_size_a_move_skipped_is_not_explored_so_the_batch_never_turns_back_to_it():
+    # The run moved 32 -> 128 (64 skipped) and 128 is known; 32's timing is rough. Throughput
+    # is flat, so the smaller batch's efficiency makes 64 look better than 128, but it lies below
+    # a timed size: the fitted model speaks for it, through the lower bound. Nothing moves.
+    times = {
+        **rough(32, 0.0032, steps=3, relative_sd=1.0),
+        128: exact(0.0, 1e-4, sizes=(128,), steps=400)[128],
+    }
+    decision = decide_batch(
+        128, BUCKETS, noise_scale=300.0, noise_interval=(250.0, 350.0), times=times, reference=32
+    )
+    assert decision.figures[64]["gain_high"] > 0.05  # hopeful, as an unmeasured size would be
+    assert (decision.batch, decision.kind) == (128, "stay"), decision.reason
+
+
 def test_bad_arguments_are_refused_by_name():
     with pytest.raises(ValueError, match="among the allowed"):
         decide_batch(48, BUCKETS, noise_scale=1.0, noise_interval=None, times={}, reference=32)

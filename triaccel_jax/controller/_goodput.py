@@ -21,15 +21,16 @@ averages (:mod:`._noise_scale`), each with an uncertainty. The rule:
 * **Move** to the candidate of the highest goodput when the lower confidence bound of its gain
   over the batch in force beats ``margin``: its throughput at the lower end, the present one at
   the upper end, and the noise scale at the end of its interval least favourable to the move.
-* **Explore** otherwise: the nearest candidate never timed is tried when its gain may beat
-  ``margin``. Once the batch in force is known, "may" is the gain's upper bound; before, the
-  predicted gain (the optimistic prior of :mod:`._throughput` makes an unmeasured larger size
-  hopeful) must clear the margin against the fast end of the present's timing, which stops
-  improving once the run leaves it: a gain the trial could then show. So a rough timing of the
-  present holds back only explorations of a small gain. The trial is decided as soon as the bounds of its gain over the
-  size it left lie on one side of the margin (kept above, back below), and on the estimate once
-  the trial is known. A size once timed is not explored again, so on steady figures the batch
-  changes direction at most once.
+* **Explore** otherwise: the nearest candidate above every timed size is tried when its gain
+  may beat ``margin``. Once the batch in force is known, "may" is the gain's upper bound;
+  before, the predicted gain (the optimistic prior of :mod:`._throughput` makes an unmeasured
+  larger size hopeful) must clear the margin against the fast end of the present's timing,
+  which stops improving once the run leaves it: a gain the trial could then show. So a rough
+  timing of the present holds back only explorations of a small gain. The trial is decided as
+  soon as the bounds of its gain over the size it left lie on one side of the margin (kept
+  above, back below), and on the estimate once the trial is known. A size once timed, or lying
+  below a timed size (skipped by a move: the fitted model predicts it), is not explored, so on
+  steady figures the batch changes direction at most once.
 
 The rule never shrinks the batch because the noise scale fell: shrinking is for memory (the
 controller's memory rule and out-of-memory retries).
@@ -233,12 +234,15 @@ def decide_batch(
     # the predicted gain must clear the margin even against the fast end of the present's
     # timing, so that the trial's bounds can clear it once the trial is timed. A rough present
     # then holds back only explorations of a small gain.
+    # Only sizes above every timed one are explored: a size timed before (a trial decided, a
+    # batch left) speaks through its own figures, and one below a timed size (skipped by a
+    # move) through the model fitted to them, both by the lower bound; so the direction
+    # changes at most once, and an exploration never shrinks the batch.
+    timed = [b for b, own in times.items() if own.steps > 0]
     for batch in sorted((b for b in figures if b != current), key=lambda b: (abs(b - current), -b)):
         f = figures[batch]
         hopeful = f["gain_high"] if current_known else f["gain_reachable"]
-        # A size timed before (a trial decided, a batch left) is not explored again: its own
-        # figures now speak for it through the lower bound, so the direction changes once.
-        if times.get(batch, StepTimes()).steps == 0 and hopeful > margin:
+        if batch > max(timed) and hopeful > margin:
             return BatchDecision(
                 batch,
                 "explore",
