@@ -17,9 +17,8 @@ of the machine falls on both):
 
 Figures per run: the median batch over the last 100 of ``--steps`` steps, the step of the first
 move, the moves and direction changes, and the median step time. Then the cost: the same loop
-at a fixed batch of 64 with and without AdaptiveBatches, in turns (:func:`cost`). Target
-(issue 42): the median
-over seeds of the noisy runs' median batch is at least 4x the noiseless runs'. It is a report,
+at a fixed batch of 64 with and without AdaptiveBatches, in turns (:func:`cost`). Target: the
+median over seeds of the noisy runs' median batch is at least 4x the noiseless runs'. It is a report,
 not a test: it exits 0 whatever the figures ("met" or "MISSED" is printed), 1 only where a run
 fails. ``--quick`` runs 150 steps on one seed, a smoke test whose figures mean little.
 

@@ -3,9 +3,9 @@
 At --quick's 150 steps the final batches are not the full run's, but one figure shows a
 regression on a loaded machine too: the noisy twin (noise scale about 170 at the start of the
 first seed, 2026-12-05) explores a larger batch at its first decision, step 20, where the gain the
-optimistic prior offers (up to 184%) dwarfs a rough timing of the present; before issue 42's gate
-it waited for its batch to be timed to 1.5%, which sub-millisecond steps never were (it stayed
-at 16). Bounded here at a first move within the 150 steps.
+optimistic prior offers (up to 184%) dwarfs a rough timing of the present; a gate that first
+waits for its batch to be timed to 1.5% never moves here, as sub-millisecond steps are not
+timed that finely (it stayed at 16). Bounded here at a first move within the 150 steps.
 """
 
 from __future__ import annotations

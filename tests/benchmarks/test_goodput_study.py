@@ -164,7 +164,7 @@ def test_summary_reads_the_targets_met_or_missed():
         ("goodput_gpu_like", "direction_changes"): True,
         ("static", "throughput"): False,  # 50% off
     }
-    # Over Muon the steps bound is 0.7 (issue 42).
+    # Over Muon the steps bound is 0.7.
     muon = goodput.summarize({**report, "protocol": {"optimizer": "muon"}})
     (steps,) = [t for t in muon["targets"] if t["figure"] == "steps"]
     assert "<= 0.7" in steps["what"] and steps["met"]
