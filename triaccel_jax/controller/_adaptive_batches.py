@@ -379,9 +379,10 @@ class AdaptiveBatches:
         self._put_back: collections.deque[np.ndarray] = collections.deque()
         self._events: list[events_lib.Event] = []
         self._rescale_said = False
-        self._unapplied_said = (
-            False  # whether a state without the settings' values was warned about
-        )
+        # Whether a state without the settings' values was warned about, and the values last
+        # found in a reported state (reading them waits on the device: once per change only).
+        self._unapplied_said = False
+        self._applied_seen: Mapping[str, float] | None = None
         self._no_noise_said = False  # whether a report without the noise norms was warned about
         self._cannot_grow_said = False  # whether a check without memory figures was warned about
         self._log(
@@ -624,8 +625,9 @@ class AdaptiveBatches:
 
     def _check_applied(self, settings: StepSettings, opt_state: Any) -> None:
         """Warns once where ``opt_state`` holds another value than ``settings`` wrote."""
-        if self._unapplied_said:
+        if self._unapplied_said or settings.hyperparams == self._applied_seen:
             return
+        self._applied_seen = settings.hyperparams
         for name, value in settings.hyperparams.items():
             found = learning_rate.find_hyperparam(opt_state, name)
             # A scheduled value is the schedule's to write; float32 holds the value to ~1e-7.
