@@ -14,7 +14,9 @@ import sys
 def device_env(devices: int = 1) -> dict[str, str]:
     """This process's environment, on the CPU, with ``devices`` simulated host devices."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # Kept beside the device count: the compile flags tests/conftest.py sets for every test.
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
     return env
 
 
