@@ -67,7 +67,9 @@ SCRIPT = textwrap.dedent(
         p8, s8 = step(p8, s8, xs, ys)
     difference = max(float(np.max(np.abs(np.asarray(p1[k]) - np.asarray(p8[k])))) for k in params)
     print(f"sharded vs one device, params after 5 steps: max abs difference {difference:.3g}")
-    chex.assert_trees_all_close(p1, p8, rtol=1e-5, atol=1e-6)
+    # The sharded gradient sums its rows in another order, and Adam's direction divides by a
+    # small root where a gradient is small: within 1e-5, a thousandth of one step of 1e-2.
+    chex.assert_trees_all_close(p1, p8, rtol=1e-5, atol=1e-5)
     for k in params:
         wanted = NamedSharding(mesh, specs[k])
         assert p8[k].sharding.is_equivalent_to(wanted, p8[k].ndim), (k, p8[k].sharding)
