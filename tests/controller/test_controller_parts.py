@@ -20,15 +20,16 @@ from triaccel_jax.controller import OutOfMemoryError
 from triaccel_jax.controller import replan
 from triaccel_jax.controller._bucket_tracker import BucketTracker
 from triaccel_jax.controller._compiling import StepCompiler
+from triaccel_jax.controller._controller import LossScaleRecord
 from triaccel_jax.controller._feeding import BatchFeeder
 from triaccel_jax.controller._goodput_tracker import GoodputTracker
 from triaccel_jax.controller._learning_rate import LearningRateScaling
 from triaccel_jax.controller._learning_rate import lr_factor
 from triaccel_jax.controller._out_of_memory import retry_after_out_of_memory
 from triaccel_jax.controller._precision_schedule import PrecisionSchedule
+from triaccel_jax.controller._state_record import decode
+from triaccel_jax.controller._state_record import encode
 from triaccel_jax.controller._state_record import from_state_dict
-from triaccel_jax.controller._state_record import loss_scale
-from triaccel_jax.controller._state_record import loss_scale_document
 from triaccel_jax.controller._state_record import to_state_dict
 from triaccel_jax.policy import PrecisionPlan
 from triaccel_jax.policy import PrecisionPolicy
@@ -273,9 +274,9 @@ def test_a_part_refuses_a_malformed_state_naming_the_field_and_keeps_its_own():
 
 def test_the_loss_scale_keeps_its_dtypes_through_json():
     scale = LossScaleState(jnp.float32(1024.0), jnp.int32(3), jnp.int32(1))
-    document = _through_json(loss_scale_document(scale))
+    document = _through_json(encode(LossScaleRecord.of(scale)))
     assert document == {"scale": 1024.0, "good_steps": 3, "skipped_steps": 1}
-    back = loss_scale(document)
+    back = decode(LossScaleRecord, document, "loss_scale").loss_scale_state()
     assert jax.tree.map(lambda x: (x.dtype, x.item()), back) == jax.tree.map(
         lambda x: (x.dtype, x.item()), scale
     )

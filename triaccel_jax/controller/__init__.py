@@ -33,7 +33,7 @@ object and its loop), ``_step_records`` (what a step depends on, restored whole 
 from), ``_precision_speed`` and ``_precision_schedule`` (the verdict on a speed trial, and the
 plan, trials and waiting re-plan), ``_out_of_memory`` (the retry rule and fault injection),
 ``_learning_rate`` (the learning rate's owner: tuned rate, batch rule, schedule clock),
-``_replan``, ``_state_record`` (the saved state's envelope and field readers), ``_feeding``
+``_replan``, ``_state_record`` (the saved state's envelope and its codec), ``_feeding``
 (batches on the devices),
 ``_sampler``, ``_config``, ``_events``, ``_logging``, ``_metric_writer``, ``_memory_probe`` and
 ``_agreement`` (memory figures agreed across processes).

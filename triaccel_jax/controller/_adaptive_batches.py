@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import inspect
 import math
 import time
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Iterator
 from collections.abc import Mapping
+from typing import Annotated
 from typing import Any
 from typing import NamedTuple
 
@@ -47,8 +49,11 @@ from triaccel_jax.controller import _logging as logging_lib
 from triaccel_jax.controller import _memory_probe as memory_probe
 from triaccel_jax.controller import _out_of_memory as out_of_memory
 from triaccel_jax.controller import _state_record as state_record
+from triaccel_jax.controller._bucket_tracker import BucketTrackerState
 from triaccel_jax.controller._feeding import BatchFeeder
+from triaccel_jax.controller._goodput_tracker import GoodputTrackerState
 from triaccel_jax.controller._sampler import ElasticSampler
+from triaccel_jax.controller._sampler import SamplerState
 
 STATE_FORMAT = "triaccel_jax.controller.AdaptiveBatches"
 
@@ -71,19 +76,6 @@ _LOOP_ONLY = {
 
 # Every setting of ControllerConfig that AdaptiveBatches reads or refuses.
 _DEFAULTS = config_lib.ControllerConfig()
-
-# The fields of AdaptiveBatches.state_dict().
-_STATE_FIELDS = (
-    "format",
-    "step",
-    "epoch",
-    "last_loss",
-    "bucket",
-    "goodput",
-    "learning_rate",
-    "sampler",
-    "put_back",
-)
 
 # The key step times are kept under: (batch, one micro-batch, your step).
 _YOUR_STEP = "your step"
@@ -694,18 +686,22 @@ class AdaptiveBatches:
                 "state_dict() between a batch and its report: report the step first, so that "
                 "the saved state is the one after it"
             )
-        put_back = [np.asarray(i).tolist() for i in self._put_back] if self._stream is None else []
-        return {
-            "format": STATE_FORMAT,
-            "step": self._step_count,
-            "epoch": self._epoch,
-            "last_loss": self._last_loss,
-            "bucket": self._bucket.state_dict(),
-            "goodput": self._goodput.state_dict(),
-            "learning_rate": self._lr.state_dict(),
-            "sampler": None if self._sampler is None else self._sampler.state_dict(),
-            "put_back": put_back,
-        }
+        return state_record.encode(self._saved_state())
+
+    def _saved_state(self) -> AdaptiveBatchesState:
+        """What :meth:`state_dict` encodes (call it between a report and the next batch)."""
+        put_back = self._put_back if self._stream is None else ()
+        return AdaptiveBatchesState(
+            format=STATE_FORMAT,
+            step=self._step_count,
+            epoch=self._epoch,
+            last_loss=self._last_loss,
+            bucket=self._bucket.saved_state(),
+            goodput=self._goodput.saved_state(),
+            learning_rate=self._lr.saved_state(),
+            sampler=None if self._sampler is None else self._sampler.saved_state(),
+            put_back=tuple(tuple(np.asarray(i).tolist()) for i in put_back),
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from :meth:`state_dict`'s output (after a restart, with the same settings
@@ -714,27 +710,35 @@ class AdaptiveBatches:
         Raises:
           ValueError: the state is malformed or of another object (the field named).
         """
-        fields = state_record.fields(state, "AdaptiveBatches", dict.fromkeys(_STATE_FIELDS))
-        if fields["format"] != STATE_FORMAT:
-            raise ValueError(f"not an AdaptiveBatches state: format {fields['format']!r}")
-        step = state_record.integer(fields["step"], "step", 0)
-        epoch = state_record.integer(fields["epoch"], "epoch", 0)
-        last_loss = state_record.optional(fields["last_loss"], float, "last_loss")
+        if isinstance(state, Mapping) and state.get("format", STATE_FORMAT) != STATE_FORMAT:
+            raise ValueError(f"not an AdaptiveBatches state: format {state['format']!r}")
+        what = "AdaptiveBatches state"
+        saved = state_record.decode(AdaptiveBatchesState, state, "", what=what)
+        if any(not indices for indices in saved.put_back):
+            raise ValueError(
+                f"{what}: `put_back` must hold lists of sample indices, got an empty one"
+            )
+        # Copies take the saved fields; they are kept once all have checked theirs.
         bucket, goodput = copy.copy(self._bucket), copy.copy(self._goodput)
         lr = copy.copy(self._lr)
-        bucket.load_state_dict(fields["bucket"])
-        goodput.load_state_dict(fields["goodput"])
-        lr.load_state_dict(fields["learning_rate"])
-        put_back = [_indices(i) for i in fields["put_back"]]
+        bucket.load_saved_state(saved.bucket)
+        goodput.load_saved_state(saved.goodput)
+        lr.load_saved_state(saved.learning_rate)
         sampler = None
         if self._sampler is not None:
+            if saved.sampler is None:
+                raise ValueError(
+                    f"{what}: `sampler` is null, but these batches are drawn from array data"
+                )
             sampler = copy.copy(self._sampler)
-            sampler.load_state_dict(fields["sampler"])
+            sampler.load_saved_state(saved.sampler)
         self._bucket, self._goodput, self._lr = bucket, goodput, lr
         if sampler is not None:
             self._sampler = sampler
-        self._step_count, self._epoch, self._last_loss = step, epoch, last_loss
-        self._put_back = collections.deque(put_back)
+        self._step_count, self._epoch, self._last_loss = saved.step, saved.epoch, saved.last_loss
+        self._put_back = collections.deque(
+            np.asarray(indices, dtype=np.int64) for indices in saved.put_back
+        )
 
 
 def _finite(values: Mapping[str, float], name: str) -> float:
@@ -747,16 +751,6 @@ def _finite(values: Mapping[str, float], name: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"metric {name!r} must be a finite number >= 0, got {value!r}")
     return value
-
-
-def _indices(value: Any) -> np.ndarray:
-    """A saved list of sample indices, checked."""
-    indices = np.asarray(value)
-    if indices.ndim != 1 or indices.size == 0 or not np.issubdtype(indices.dtype, np.integer):
-        raise ValueError(
-            f"AdaptiveBatches state: `put_back` must hold lists of sample indices, got {value!r}"
-        )
-    return indices.astype(np.int64)
 
 
 def _check_data_form(data: Any) -> None:
@@ -795,3 +789,28 @@ def _is_arrays(data: Any) -> bool:
         return False
     leaves = jax.tree.leaves(data)
     return bool(leaves) and all(isinstance(leaf, np.ndarray | jax.Array) for leaf in leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveBatchesState:
+    """What :class:`AdaptiveBatches` saves (:meth:`AdaptiveBatches.state_dict`).
+
+    Attributes:
+      format: ``"triaccel_jax.AdaptiveBatches"``.
+      step: steps reported.
+      epoch: the epoch being served.
+      last_loss: the last loss reported, or None.
+      bucket, goodput, learning_rate: the parts' saved states.
+      sampler: the sampler's position (array data), or None (an iterable).
+      put_back: the sample indices of steps that ran out of memory, still to come.
+    """
+
+    format: str
+    step: Annotated[int, state_record.AtLeast(0)]
+    epoch: Annotated[int, state_record.AtLeast(0)]
+    last_loss: float | None
+    bucket: BucketTrackerState
+    goodput: GoodputTrackerState
+    learning_rate: learning_rate.LearningRateState
+    sampler: SamplerState | None
+    put_back: tuple[tuple[int, ...], ...]

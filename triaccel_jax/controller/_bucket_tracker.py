@@ -10,6 +10,7 @@ part of the controller's saved state.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -160,42 +161,62 @@ class BucketTracker:
         self._grow_streak = self._shrink_streak = 0
         return decision
 
+    def saved_state(self) -> BucketTrackerState:
+        """The tracker's saved state (:meth:`state_dict` encodes it)."""
+        return BucketTrackerState(
+            micro_batch=self._micro,
+            ceiling=self._ceiling,
+            grow_streak=self._grow_streak,
+            shrink_streak=self._shrink_streak,
+            measured_peaks=dict(self._measured),
+            limit_bytes=self._limit,
+        )
+
+    def load_saved_state(self, saved: BucketTrackerState) -> None:
+        """Continues from :meth:`saved_state`'s output; everything is checked before anything
+        is taken.
+
+        Raises:
+          ValueError: the state names a bucket this tracker does not have.
+        """
+        for name, bucket in (("micro_batch", saved.micro_batch), ("ceiling", saved.ceiling)):
+            if bucket is not None and bucket not in self._buckets:
+                raise ValueError(f"controller state: {name} {bucket!r} is not a bucket")
+        self._micro, self._ceiling = saved.micro_batch, saved.ceiling
+        self._measured, self._limit = dict(saved.measured_peaks), saved.limit_bytes
+        self._grow_streak, self._shrink_streak = saved.grow_streak, saved.shrink_streak
+
     def state_dict(self) -> dict[str, Any]:
         """The tracker's state as JSON-ready data: the bucket, ceiling, streaks, measured peaks
         (``{"bucket": bytes}``) and the last limit."""
-        return {
-            "micro_batch": self._micro,
-            "ceiling": self._ceiling,
-            "grow_streak": self._grow_streak,
-            "shrink_streak": self._shrink_streak,
-            "measured_peaks": {str(b): v for b, v in self._measured.items()},
-            "limit_bytes": self._limit,
-        }
+        return state_record.encode(self.saved_state())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from :meth:`state_dict`'s output; everything is checked before anything is
         taken.
 
         Raises:
-          ValueError: the state is malformed, or names a bucket this tracker does not have.
+          ValueError: the state is malformed (the field named), or names a bucket this tracker
+            does not have.
         """
-        fields = state_record.fields(state, "bucket", self.state_dict())
-        micro = state_record.integer(fields["micro_batch"], "micro_batch")
-        ceiling = state_record.optional(fields["ceiling"], int, "ceiling")
-        for name, bucket in (("micro_batch", micro), ("ceiling", ceiling)):
-            if bucket is not None and bucket not in self._buckets:
-                raise ValueError(f"controller state: {name} {bucket!r} is not a bucket")
-        measured = state_record.mapping(fields["measured_peaks"], "measured_peaks")
-        peaks = {
-            state_record.integer(b, "measured_peaks bucket"): state_record.integer(
-                v, "measured_peaks"
-            )
-            for b, v in measured.items()
-        }
-        streaks = (
-            state_record.integer(fields["grow_streak"], "grow_streak"),
-            state_record.integer(fields["shrink_streak"], "shrink_streak"),
-        )
-        limit = state_record.optional(fields["limit_bytes"], int, "limit_bytes")
-        self._micro, self._ceiling, self._measured, self._limit = micro, ceiling, peaks, limit
-        self._grow_streak, self._shrink_streak = streaks
+        self.load_saved_state(state_record.decode(BucketTrackerState, state, "bucket"))
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketTrackerState:
+    """What a :class:`BucketTracker` saves, the ``"bucket"`` part of the controller's state.
+
+    Attributes:
+      micro_batch: the bucket in force.
+      ceiling: the smallest bucket that ran out of memory, or None.
+      grow_streak, shrink_streak: the hysteresis streaks.
+      measured_peaks: the measured peak bytes by bucket (saved with the buckets as strings).
+      limit_bytes: the last memory limit read, or None.
+    """
+
+    micro_batch: int
+    ceiling: int | None
+    grow_streak: int
+    shrink_streak: int
+    measured_peaks: dict[int, int]
+    limit_bytes: int | None

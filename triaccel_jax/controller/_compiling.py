@@ -151,12 +151,13 @@ class StepCompiler:
         """``{bucket: compiled peak bytes}`` under policy ``signature`` (a copy)."""
         return dict(self._peaks.get(signature, {}))
 
-    def peaks_record(self) -> dict[str, dict[str, int]]:
-        """The compiled peaks as JSON-ready data (bucket keys as strings)."""
-        return {sig: {str(b): v for b, v in peaks.items()} for sig, peaks in self._peaks.items()}
+    def peaks_record(self) -> dict[str, dict[int, int]]:
+        """The compiled peaks ``{signature: {bucket: bytes}}`` (a copy)."""
+        return {sig: dict(peaks) for sig, peaks in self._peaks.items()}
 
-    def load_peaks_record(self, record: Mapping[str, Mapping[str, int]]) -> None:
-        """Replaces the compiled peaks with :meth:`peaks_record`'s output."""
+    def load_peaks_record(self, record: Mapping[str, Mapping[Any, int]]) -> None:
+        """Replaces the compiled peaks with :meth:`peaks_record`'s output (its bucket keys
+        integers, or the decimal strings JSON writes them as)."""
         self._peaks = {
             sig: {int(b): int(v) for b, v in peaks.items()} for sig, peaks in record.items()
         }

@@ -20,16 +20,19 @@ the event log. Every time it measures is read from its ``clock``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 import time
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
+from typing import Annotated
 from typing import Any
 from typing import TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -55,6 +58,9 @@ from triaccel_jax.controller import _replan as replan_lib
 from triaccel_jax.controller import _sampler as sampler_lib
 from triaccel_jax.controller import _state_record as state_record
 from triaccel_jax.controller import _step_records as step_records
+from triaccel_jax.controller._bucket_tracker import BucketTrackerState
+from triaccel_jax.controller._goodput_tracker import GoodputTrackerState
+from triaccel_jax.controller._learning_rate import LearningRateState
 from triaccel_jax.policy import PrecisionPlan
 from triaccel_jax.policy import PrecisionPolicy
 from triaccel_jax.policy import check_policy
@@ -68,18 +74,6 @@ from triaccel_jax.transforms import unfused_reason
 StepInfo = events_lib.StepInfo
 ControllerCheckpoint = state_record.ControllerCheckpoint
 _T = TypeVar("_T")
-# What a saved state holds besides the identity: the controller's own fields and its parts'.
-_TOP_FIELDS = (
-    "step",
-    "last_loss",
-    "loss_scale",
-    "sampler",
-    "compiled_peaks",
-    "bucket",
-    "goodput",
-    "precision",
-    "learning_rate",
-)
 
 
 class Controller:
@@ -640,19 +634,22 @@ class Controller:
         controller restored with :meth:`load_state_dict` (and the params and optimizer state of
         the same step) takes the same decisions.
         """
+        return state_record.to_state_dict(self._saved_state(), self._identity())
+
+    def _saved_state(self) -> ControllerState:
+        """The controller's saved state, less the envelope :meth:`state_dict` puts it in."""
         self._flush()  # the state of the last step read, params and all
-        fields = {
-            "step": self._step_count,
-            "last_loss": self._last_loss,
-            "loss_scale": state_record.loss_scale_document(self._loss_scale),
-            "sampler": self._sampler.state_dict(),
-            "compiled_peaks": self._compiler.peaks_record(),
-            "bucket": self._bucket.state_dict(),
-            "goodput": self._goodput.state_dict(),
-            "precision": self._precision.state_dict(),
-            "learning_rate": self._lr.state_dict(),
-        }
-        return state_record.to_state_dict(fields, self._identity())
+        return ControllerState(
+            step=self._step_count,
+            last_loss=self._last_loss,
+            loss_scale=LossScaleRecord.of(self._loss_scale),
+            sampler=self._sampler.saved_state(),
+            compiled_peaks=self._compiler.peaks_record(),
+            bucket=self._bucket.saved_state(),
+            goodput=self._goodput.saved_state(),
+            precision=self._precision.saved_state(),
+            learning_rate=self._lr.saved_state(),
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from :meth:`state_dict`'s output (same data, seed and buckets), with the
@@ -712,18 +709,16 @@ class Controller:
         """Loads ``state`` (and ``arrays``, when given): every part reads its own fields into a
         copy of itself, and the copies are taken only when all of them have read theirs."""
         self._flush()
-        state = state_record.from_state_dict(state, self._identity())
-        fields = state_record.fields(state, None, dict.fromkeys(_TOP_FIELDS))
-        step = state_record.integer(fields["step"], "step", 0)
-        last_loss = state_record.optional(fields["last_loss"], float, "last_loss")
-        loss_scale = self._place(state_record.loss_scale(fields["loss_scale"]))
-        # Copies read the saved fields; the controller takes them once all have read theirs.
+        fields = state_record.from_state_dict(state, self._identity())
+        saved = state_record.decode(ControllerState, fields, "")
+        loss_scale = self._place(saved.loss_scale.loss_scale_state())
+        # Copies take the saved fields; the controller takes them once all have checked theirs.
         bucket, goodput_part = copy.copy(self._bucket), copy.copy(self._goodput)
         precision, lr = copy.copy(self._precision), copy.copy(self._lr)
-        bucket.load_state_dict(fields["bucket"])
-        goodput_part.load_state_dict(fields["goodput"])
-        precision.load_state_dict(fields["precision"])
-        lr.load_state_dict(fields["learning_rate"])
+        bucket.load_saved_state(saved.bucket)
+        goodput_part.load_saved_state(saved.goodput)
+        precision.load_saved_state(saved.precision)
+        lr.load_saved_state(saved.learning_rate)
         params = self._params if arrays is None else self._place(arrays["params"])
         opt_state = self._opt_state if arrays is None else arrays["opt_state"]
         policy = precision.policy
@@ -733,24 +728,13 @@ class Controller:
             # checkpoint's, saved under that policy).
             opt_state = convert_state(opt_state, policy)
         opt_state = self._place(opt_state)
-        compiled_peaks = {
-            str(signature): {
-                str(state_record.integer(b, "compiled_peaks bucket")): state_record.integer(
-                    v, "compiled_peaks"
-                )
-                for b, v in state_record.mapping(peaks, "compiled_peaks").items()
-            }
-            for signature, peaks in state_record.mapping(
-                fields["compiled_peaks"], "compiled_peaks"
-            ).items()
-        }
         # Everything is read and checked (the sampler checks its own state before taking it):
         # nothing below raises.
-        self._sampler.load_state_dict(fields["sampler"])
-        self._compiler.load_peaks_record(compiled_peaks)
+        self._sampler.load_saved_state(saved.sampler)
+        self._compiler.load_peaks_record(saved.compiled_peaks)
         self._call_off_background()
         self._bucket, self._goodput, self._precision, self._lr = bucket, goodput_part, precision, lr
-        self._step_count, self._last_loss = step, last_loss
+        self._step_count, self._last_loss = saved.step, saved.last_loss
         self._params, self._opt_state, self._loss_scale = params, opt_state, loss_scale
         if arrays is not None:
             self._model_state = self._place(arrays["model_state"])
@@ -1395,3 +1379,61 @@ def _holds_signals(opt_state: Any) -> bool:
     except (ValueError, TypeError):
         return False
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleRecord:
+    """The dynamic loss scale as the controller saves it: :class:`LossScaleState`'s fields as
+    numbers.
+
+    Attributes:
+      scale: the loss scale.
+      good_steps: finite steps since the scale last changed.
+      skipped_steps: steps skipped for non-finite gradients.
+
+    Example:
+      >>> from triaccel_jax.controller._controller import LossScaleRecord
+      >>> from triaccel_jax.transforms import LossScaling
+      >>> LossScaleRecord.of(LossScaling().init())
+      LossScaleRecord(scale=32768.0, good_steps=0, skipped_steps=0)
+    """
+
+    scale: float
+    good_steps: int
+    skipped_steps: int
+
+    @classmethod
+    def of(cls, state: LossScaleState) -> LossScaleRecord:
+        """``state``'s arrays as numbers."""
+        return cls(*(np.asarray(v).item() for v in state))
+
+    def loss_scale_state(self) -> LossScaleState:
+        """The record as the arrays the step expects (float32 and int32)."""
+        return LossScaleState(
+            jnp.float32(self.scale), jnp.int32(self.good_steps), jnp.int32(self.skipped_steps)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerState:
+    """What a :class:`Controller` saves beside the envelope (format, version and the settings
+    a state must share to be loaded): its own fields and each deciding part's saved state.
+
+    Attributes:
+      step: steps completed.
+      last_loss: the last step's loss, or None before the first.
+      loss_scale: the dynamic loss scale.
+      sampler: the sampler's position.
+      compiled_peaks: the compiled peak bytes ``{policy signature: {bucket: bytes}}``.
+      bucket, goodput, precision, learning_rate: the parts' saved states.
+    """
+
+    step: Annotated[int, state_record.AtLeast(0)]
+    last_loss: float | None
+    loss_scale: LossScaleRecord
+    sampler: sampler_lib.SamplerState
+    compiled_peaks: dict[str, dict[int, int]]
+    bucket: BucketTrackerState
+    goodput: GoodputTrackerState
+    precision: precision_schedule.PrecisionScheduleState
+    learning_rate: LearningRateState

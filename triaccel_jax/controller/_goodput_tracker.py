@@ -15,10 +15,13 @@ controller's state), so that a resumed run decides as the uninterrupted one woul
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
+from typing import Annotated
 from typing import Any
 from typing import NamedTuple
 
@@ -344,38 +347,69 @@ class GoodputTracker:
             times[bucket] = own.scaled(slower)
         return times
 
+    def saved_state(self) -> GoodputTrackerState:
+        """The tracker's saved state (:meth:`state_dict` encodes it); each process times its own
+        steps, so every process saves process 0's step-time sums."""
+        keys = list(self._times)
+        width = len(StepTimes._fields)
+        flat = agreement.agree_on_figures(
+            [f for key in keys for f in self._times[key]] + list(self._pending)
+        )
+        step_times = tuple(
+            (
+                *key,
+                int(flat[width * i]),
+                flat[width * i + 1],
+                flat[width * i + 2],
+                int(flat[width * i + 3]),
+            )
+            for i, key in enumerate(keys)
+        )
+        return GoodputTrackerState(
+            noise=self._noise,
+            recent_noise=tuple((step, *noise) for step, noise in self._recent),
+            step_times=step_times,
+            last_key=self._last_key,
+            trial=self._trial,
+            clock=(self._samples, self._decided_at),
+            block=(int(flat[-2]), flat[-1]),
+        )
+
+    def load_saved_state(self, saved: GoodputTrackerState) -> None:
+        """Continues from :meth:`saved_state`'s output.
+
+        Raises:
+          ValueError: the recent noise estimates' steps do not increase, or the clock's last
+            decision is past the samples read; nothing is changed then.
+        """
+        steps = [entry[0] for entry in saved.recent_noise]
+        if any(later <= earlier for earlier, later in itertools.pairwise(steps)):
+            raise ValueError(
+                f"controller state: `goodput.recent_noise` steps must be increasing, got {steps}"
+            )
+        samples, decided_at = saved.clock
+        if decided_at > samples:
+            raise ValueError(
+                "controller state: `goodput.clock` must be [samples read, samples at the last "
+                f"decision], the second no larger, got {list(saved.clock)}"
+            )
+        self._noise = NoiseScaleEstimate(*saved.noise)
+        self._times = {entry[:3]: StepTimes(*entry[3:]) for entry in saved.step_times}
+        self._last_key, self._trial = saved.last_key, saved.trial
+        self._samples, self._decided_at = samples, decided_at
+        self._pending = saved.block
+        self._recent = collections.deque(
+            ((entry[0], NoiseScaleEstimate(*entry[1:])) for entry in saved.recent_noise),
+            maxlen=self._lag + 1,
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """The noise averages, the recent ones ``[step, *averages]``, the step-time sums
         ``[micro, micro-batches, policy, steps, seconds, seconds_sq, blocks]``, the block being
         timed ``[steps, seconds]``, the last key timed and
         the trial ``[from, to]`` (or null) and the sample clock ``[samples read, samples at the
         last decision]``, JSON-ready."""
-        # Each process times its own steps: every process saves process 0's sums.
-        keys = list(self._times)
-        width = len(StepTimes._fields)
-        flat = agreement.agree_on_figures(
-            [f for key in keys for f in self._times[key]] + list(self._pending)
-        )
-        step_times = [
-            [
-                *key,
-                int(flat[width * i]),
-                flat[width * i + 1],
-                flat[width * i + 2],
-                int(flat[width * i + 3]),
-            ]
-            for i, key in enumerate(keys)
-        ]
-        pending = [int(flat[-2]), flat[-1]]
-        return {
-            "noise": list(self._noise),
-            "recent_noise": [[step, *noise] for step, noise in self._recent],
-            "step_times": step_times,
-            "last_key": None if self._last_key is None else list(self._last_key),
-            "trial": None if self._trial is None else list(self._trial),
-            "clock": [self._samples, self._decided_at],
-            "block": pending,
-        }
+        return state_record.encode(self.saved_state())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from :meth:`state_dict`'s output.
@@ -383,108 +417,38 @@ class GoodputTracker:
         Raises:
           ValueError: the state is malformed (the field named); nothing is changed then.
         """
-        # The keys alone: state_dict() would agree the step times across processes for nothing.
-        fields = state_record.fields(state, "goodput", dict.fromkeys(_STATE_KEYS))
-        noise = _noise(fields["noise"], "noise")
-        recent = _recent_noise(fields["recent_noise"])
-        times = _step_times(fields["step_times"])
-        last_key = None if fields["last_key"] is None else _key(fields["last_key"], "last_key")
-        trial = fields["trial"]
-        if trial is not None:
-            if not isinstance(trial, list | tuple) or len(trial) != 2:
-                raise ValueError(f"controller state: `trial` must be [from, to], got {trial!r}")
-            trial = (
-                state_record.integer(trial[0], "trial", 1),
-                state_record.integer(trial[1], "trial", 1),
-            )
-        clock = fields["clock"]
-        if (
-            not isinstance(clock, list | tuple)
-            or len(clock) != 2
-            or state_record.integer(clock[1], "clock", 0)
-            > state_record.integer(clock[0], "clock", 0)
-        ):
-            raise ValueError(
-                "controller state: `clock` must be [samples read, samples at the last decision], "
-                f"the second no larger, got {clock!r}"
-            )
-        self._noise, self._times, self._last_key, self._trial = noise, times, last_key, trial
-        block = fields["block"]
-        if not isinstance(block, list | tuple) or len(block) != 2:
-            raise ValueError(f"controller state: `block` must be [steps, seconds], got {block!r}")
-        pending = (
-            state_record.integer(block[0], "block", 0),
-            state_record.number(block[1], "block", finite_at_least=0.0),
-        )
-        self._samples, self._decided_at = int(clock[0]), int(clock[1])
-        self._pending = pending
-        self._recent = collections.deque(recent, maxlen=self._lag + 1)
+        self.load_saved_state(state_record.decode(GoodputTrackerState, state, "goodput"))
 
 
-_STATE_KEYS = ("noise", "recent_noise", "step_times", "last_key", "trial", "clock", "block")
-_NOISE_FIELDS = len(NoiseScaleEstimate._fields)
+_Count = Annotated[int, state_record.AtLeast(0)]
+_Size = Annotated[int, state_record.AtLeast(1)]
+_Seconds = Annotated[float, state_record.AtLeast(0.0)]
+# NoiseScaleEstimate's fields in order: seven weighted sums, then the samples.
+NoiseRecord = tuple[float, float, float, float, float, float, float, _Count]
+# [step, *NoiseScaleEstimate].
+RecentNoiseRecord = tuple[int, float, float, float, float, float, float, float, _Count]
+# [micro, micro-batches, policy signature, *StepTimes].
+StepTimesRecord = tuple[_Size, _Size, str, _Count, _Seconds, _Seconds, _Count]
 
 
-def _noise(value: Any, name: str) -> NoiseScaleEstimate:
-    if not isinstance(value, list | tuple) or len(value) != _NOISE_FIELDS:
-        raise ValueError(
-            f"controller state: `{name}` must hold {_NOISE_FIELDS} numbers "
-            f"({', '.join(NoiseScaleEstimate._fields)}), got {value!r}"
-        )
-    *floats, samples = value
-    g, t, gg, tt, cross, weight, weight_sq = (state_record.number(v, name) for v in floats)
-    return NoiseScaleEstimate(
-        g, t, gg, tt, cross, weight, weight_sq, state_record.integer(samples, name, 0)
-    )
+@dataclasses.dataclass(frozen=True)
+class GoodputTrackerState:
+    """What a :class:`GoodputTracker` saves, the ``"goodput"`` part of the controller's state.
 
+    Attributes:
+      noise: the noise averages (a :class:`NoiseScaleEstimate`'s fields in order).
+      recent_noise: the recent ones, ``(step, *averages)``, the steps increasing.
+      step_times: the step-time sums, ``(micro, micro-batches, policy, *StepTimes)``.
+      last_key: the last ``(micro, micro-batches, policy)`` timed, or None.
+      trial: the goodput trial ``(from, to)``, or None.
+      clock: ``(samples read, samples at the last decision)``.
+      block: the block being timed, ``(steps, seconds)``.
+    """
 
-def _recent_noise(value: Any) -> list[tuple[int, NoiseScaleEstimate]]:
-    """Saved recent noise estimates: ``[step, *averages]`` entries, the steps increasing."""
-    if not isinstance(value, list | tuple):
-        raise ValueError(f"controller state: `recent_noise` must be a list, got {value!r}")
-    entries: list[tuple[int, NoiseScaleEstimate]] = []
-    for entry in value:
-        if not isinstance(entry, list | tuple) or not entry or isinstance(entry[0], bool):
-            raise ValueError(
-                f"controller state: each `recent_noise` entry must be [step, *averages], got "
-                f"{entry!r}"
-            )
-        step = state_record.integer(entry[0], "recent_noise step")
-        if entries and step <= entries[-1][0]:
-            raise ValueError(
-                f"controller state: `recent_noise` steps must be increasing integers, got {value!r}"
-            )
-        entries.append((step, _noise(list(entry[1:]), "recent_noise")))
-    return entries
-
-
-def _key(value: Any, name: str) -> ThroughputKey:
-    if not isinstance(value, list | tuple) or len(value) != 3 or not isinstance(value[2], str):
-        raise ValueError(
-            f"controller state: `{name}` must be [micro, micro-batches, policy], got {value!r}"
-        )
-    return (
-        state_record.integer(value[0], name, 1),
-        state_record.integer(value[1], name, 1),
-        value[2],
-    )
-
-
-def _step_times(value: Any) -> dict[ThroughputKey, StepTimes]:
-    if not isinstance(value, list | tuple):
-        raise ValueError(f"controller state: `step_times` must be a list, got {value!r}")
-    times = {}
-    for entry in value:
-        if not isinstance(entry, list | tuple) or len(entry) != 7:
-            raise ValueError(
-                "controller state: each `step_times` entry must be [micro, micro-batches, "
-                f"policy, steps, seconds, seconds_sq, blocks], got {entry!r}"
-            )
-        key = _key(entry[:3], "step_times")
-        steps = state_record.integer(entry[3], "step_times steps", 0)
-        seconds, squares = (state_record.number(v, "step_times seconds") for v in entry[4:6])
-        blocks = state_record.integer(entry[6], "step_times blocks", 0)
-        if seconds < 0.0 or squares < 0.0:
-            raise ValueError(f"controller state: `step_times` seconds must be >= 0, got {entry!r}")
-        times[key] = StepTimes(steps, seconds, squares, blocks)
-    return times
+    noise: NoiseRecord
+    recent_noise: tuple[RecentNoiseRecord, ...]
+    step_times: tuple[StepTimesRecord, ...]
+    last_key: tuple[_Size, _Size, str] | None
+    trial: tuple[_Size, _Size] | None
+    clock: tuple[_Count, _Count]
+    block: tuple[_Count, Annotated[float, state_record.AtLeast(0.0, finite=True)]]

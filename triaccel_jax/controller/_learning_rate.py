@@ -43,7 +43,9 @@ own ``scale_by_schedule`` count, which advances one per step: the controller can
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Annotated
 from typing import Any
 from typing import NamedTuple
 
@@ -580,39 +582,41 @@ class LearningRateScaling:
         self._progress = progress
         self._stale = True
 
-    def state_dict(self) -> dict[str, Any]:
-        """The tuned rate (None when the state holds no injected constant rate), the factor in
-        force (for reading: it follows the batch) and the schedule progress, JSON-ready."""
-        return {
-            "tuned_learning_rate": self._base_lr,
-            "tuned_weight_decay": self._base_decay,
-            "factor": self._factor,
-            "schedule_progress": self._progress,
-        }
+    def saved_state(self) -> LearningRateState:
+        """The scaling's saved state (:meth:`state_dict` encodes it)."""
+        return LearningRateState(
+            tuned_learning_rate=self._base_lr,
+            tuned_weight_decay=self._base_decay,
+            factor=self._factor,
+            schedule_progress=self._progress,
+        )
 
-    def load_state_dict(self, state: Any) -> None:
-        """Continues from :meth:`state_dict`'s output.
+    def load_saved_state(self, saved: LearningRateState) -> None:
+        """Continues from :meth:`saved_state`'s output.
 
         The saved tuned rate is the one scaled from here on, when this owner writes an injected
         constant rate: the optimizer state given with the saved state holds that rate already
         scaled for the saved batch, and scaling it again would compound.
+        """
+        if saved.tuned_learning_rate is not None and self._base_lr is not None:
+            self._base_lr = saved.tuned_learning_rate
+        if saved.tuned_weight_decay is not None and self._base_decay is not None:
+            self._base_decay = saved.tuned_weight_decay
+        self._progress = saved.schedule_progress
+        self._stale = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The tuned rate (None when the state holds no injected constant rate), the factor in
+        force (for reading: it follows the batch) and the schedule progress, JSON-ready."""
+        return state_record.encode(self.saved_state())
+
+    def load_state_dict(self, state: Any) -> None:
+        """Continues from :meth:`state_dict`'s output (see :meth:`load_saved_state`).
 
         Raises:
           ValueError: the state is malformed (the field named); nothing is changed then.
         """
-        fields = state_record.fields(state, "learning_rate", self.state_dict())
-        tuned = state_record.optional(fields["tuned_learning_rate"], float, "tuned_learning_rate")
-        state_record.number(fields["factor"], "factor")
-        progress = state_record.number(
-            fields["schedule_progress"], "schedule_progress", finite_at_least=0.0
-        )
-        decay = state_record.optional(fields["tuned_weight_decay"], float, "tuned_weight_decay")
-        if tuned is not None and self._base_lr is not None:
-            self._base_lr = tuned
-        if decay is not None and self._base_decay is not None:
-            self._base_decay = decay
-        self._progress = progress
-        self._stale = True
+        self.load_saved_state(state_record.decode(LearningRateState, state, "learning_rate"))
 
     def tuned(self, opt_state: Any) -> Any:
         """``opt_state`` holding the tuned (reference-batch) rate, for handing the state back."""
@@ -623,3 +627,22 @@ class LearningRateScaling:
             return opt_state
         assert self._hyperparam is not None  # base_lr is only found under a named hyperparam
         return set_hyperparam(opt_state, self._hyperparam, self._base_lr)
+
+
+@dataclasses.dataclass(frozen=True)
+class LearningRateState:
+    """What a :class:`LearningRateScaling` saves, the ``"learning_rate"`` part of the
+    controller's state.
+
+    Attributes:
+      tuned_learning_rate: the rate tuned at the reference batch, or None when the optimizer
+        state holds no injected constant rate.
+      tuned_weight_decay: the weight decay tuned with it, or None.
+      factor: the factor in force (for reading: it follows the batch).
+      schedule_progress: the samples-based schedule progress, in steps at the reference batch.
+    """
+
+    tuned_learning_rate: float | None
+    tuned_weight_decay: float | None
+    factor: float
+    schedule_progress: Annotated[float, state_record.AtLeast(0.0, finite=True)]

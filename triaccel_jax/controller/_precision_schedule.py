@@ -15,7 +15,7 @@ trial and a waiting re-plan are not: a restore calls them off.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -25,7 +25,6 @@ from triaccel_jax.controller import _precision_speed as precision_speed
 from triaccel_jax.controller import _state_record as state_record
 from triaccel_jax.policy import PrecisionPlan
 from triaccel_jax.policy import PrecisionPolicy
-from triaccel_jax.policy import pending_from_document
 
 
 def signature_of(plan: PrecisionPlan | None) -> str:
@@ -209,26 +208,44 @@ class PrecisionSchedule:
             self._lower_is_slower = True
         return trial, verdict
 
+    def saved_state(self) -> PrecisionScheduleState:
+        """The schedule's saved state (:meth:`state_dict` encodes it)."""
+        plan = self._plan
+        return PrecisionScheduleState(
+            policy=None if plan is None else plan.policy,
+            pending={} if plan is None else dict(plan.pending),
+        )
+
+    def load_saved_state(self, saved: PrecisionScheduleState) -> None:
+        """Continues from :meth:`saved_state`'s output; a saved state without a policy keeps the
+        plan in force. A trial or waiting re-plan is called off."""
+        if saved.policy is not None:
+            self._plan = PrecisionPlan(saved.policy, dict(saved.pending))
+        self.call_off()
+
     def state_dict(self) -> dict[str, Any]:
         """The policy in force (its JSON document, or None) and the planner's pending streaks
         ``{path: [compute dtype, count]}``, JSON-ready."""
-        plan = self._plan
-        return {
-            "policy": None if plan is None else json.loads(plan.policy.to_json()),
-            "pending": {} if plan is None else {p: list(v) for p, v in plan.pending.items()},
-        }
+        return state_record.encode(self.saved_state())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continues from :meth:`state_dict`'s output; a saved state without a policy keeps the
-        plan in force. A trial or waiting re-plan is called off.
+        """Continues from :meth:`state_dict`'s output (see :meth:`load_saved_state`).
 
         Raises:
-          ValueError: the state is malformed; nothing is changed then.
+          ValueError: the state is malformed (the field named); nothing is changed then.
         """
-        fields = state_record.fields(state, "precision", self.state_dict())
-        document = fields["policy"]
-        policy = None if document is None else PrecisionPolicy.from_json(json.dumps(document))
-        pending = pending_from_document({"pending": fields["pending"]})
-        if policy is not None:
-            self._plan = PrecisionPlan(policy, pending)
-        self.call_off()
+        self.load_saved_state(state_record.decode(PrecisionScheduleState, state, "precision"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionScheduleState:
+    """What a :class:`PrecisionSchedule` saves, the ``"precision"`` part of the controller's
+    state.
+
+    Attributes:
+      policy: the policy in force (saved as its JSON document), or None.
+      pending: the planner's pending streaks ``{path: (compute dtype, count)}``.
+    """
+
+    policy: PrecisionPolicy | None
+    pending: dict[str, tuple[str, int]]

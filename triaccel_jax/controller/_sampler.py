@@ -8,13 +8,16 @@ on ``(seed, e)``, so the sampler's whole state is three integers, saved as JSON.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+from typing import Annotated
 from typing import Any
 
 import numpy as np
 
 from triaccel_jax._src import validation
 from triaccel_jax._src.readonly import ReadOnly
+from triaccel_jax.controller import _state_record as state_record
 
 STATE_FORMAT = "triaccel_jax.controller.ElasticSampler"
 
@@ -77,23 +80,62 @@ class ElasticSampler:
                 self._order = self.order(self._epoch)
         return np.concatenate(parts).astype(np.int64)
 
+    def saved_state(self) -> SamplerState:
+        """The sampler's saved state (:meth:`state_dict` encodes it).
+
+        Example:
+          >>> from triaccel_jax.controller import ElasticSampler
+          >>> sampler = ElasticSampler(10, seed=0)
+          >>> _ = sampler.take(4)
+          >>> saved = sampler.saved_state()
+          >>> saved.epoch, saved.cursor
+          (0, 4)
+          >>> again = ElasticSampler(10, seed=0)
+          >>> again.load_saved_state(saved)
+          >>> again.cursor
+          4
+        """
+        return SamplerState(
+            format=STATE_FORMAT,
+            num_examples=self._num_examples,
+            seed=self._seed,
+            shuffle=self._shuffle,
+            epoch=self._epoch,
+            cursor=self._cursor,
+        )
+
+    def load_saved_state(self, saved: SamplerState) -> None:
+        """Continues from :meth:`saved_state`'s output, which must come from the same data set.
+
+        Raises:
+          ValueError: the state was saved for another data set or seed, or its cursor is past
+            the data set.
+        """
+        self._check_saved_for_me(dataclasses.asdict(saved))
+        if saved.cursor >= self._num_examples:
+            raise ValueError(
+                f"sampler cursor {saved.cursor} is past the data set ({self._num_examples})"
+            )
+        self._epoch, self._cursor = saved.epoch, saved.cursor
+        self._order = self.order(saved.epoch)
+
     def state_dict(self) -> dict[str, Any]:
         """The sampler's position as JSON-ready data."""
-        return {
-            "format": STATE_FORMAT,
-            "num_examples": self._num_examples,
-            "seed": self._seed,
-            "shuffle": self._shuffle,
-            "epoch": self._epoch,
-            "cursor": self._cursor,
-        }
+        return state_record.encode(self.saved_state())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from :meth:`state_dict`'s output, which must come from the same data set.
 
         Raises:
-          ValueError: the state is malformed or was saved for another data set or seed.
+          ValueError: the state is malformed (the field named) or was saved for another data
+            set or seed.
         """
+        # Which data set first: a state of another one is named as such, whatever it holds.
+        self._check_saved_for_me(state)
+        saved = state_record.decode(SamplerState, state, "sampler", what="sampler state")
+        self.load_saved_state(saved)
+
+    def _check_saved_for_me(self, state: Any) -> None:
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise ValueError(
                 f"not a sampler state: expected a mapping with format {STATE_FORMAT!r}"
@@ -105,15 +147,29 @@ class ElasticSampler:
                     f"the sampler state was saved with {key}={state.get(key)!r}, this sampler "
                     f"has {key}={mine!r}"
                 )
-        epoch = validation.check_integer("epoch", state.get("epoch"), 0, strict=True)
-        cursor = validation.check_integer("cursor", state.get("cursor"), 0, strict=True)
-        if cursor >= self._num_examples:
-            raise ValueError(f"sampler cursor {cursor} is past the data set ({self._num_examples})")
-        self._epoch, self._cursor = epoch, cursor
-        self._order = self.order(epoch)
 
     def __repr__(self) -> str:
         return (
             f"ElasticSampler(num_examples={self._num_examples}, seed={self._seed}, "
             f"epoch={self._epoch}, cursor={self._cursor})"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerState:
+    """What an :class:`ElasticSampler` saves: its data set and seed (checked on loading) and
+    its position.
+
+    Attributes:
+      format: ``"triaccel_jax.controller.ElasticSampler"``.
+      num_examples, seed, shuffle: the sampler's settings.
+      epoch: the epoch being served.
+      cursor: the position in that epoch's permutation.
+    """
+
+    format: str
+    num_examples: int
+    seed: int
+    shuffle: bool
+    epoch: Annotated[int, state_record.AtLeast(0)]
+    cursor: Annotated[int, state_record.AtLeast(0)]

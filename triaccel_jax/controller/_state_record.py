@@ -1,28 +1,31 @@
-"""The controller's saved state: its envelope, the checkpoint it hands over, and field readers.
+"""The controller's saved state: its envelope, the checkpoint it hands over, and the codec.
 
-:meth:`Controller.state_dict` composes JSON-ready data from its own fields (step, last loss,
-loss scale, the sampler's cursor, compiled peaks) and the ``state_dict()`` of each part that
-decides (``"bucket"``: :class:`._bucket_tracker.BucketTracker`; ``"goodput"``:
-:class:`._goodput_tracker.GoodputTracker`; ``"precision"``:
-:class:`._precision_schedule.PrecisionSchedule`; ``"learning_rate"``:
-:class:`._learning_rate.LearningRateScaling`); params and optimizer state are saved beside it.
-Reading one checks that it was written by a controller configured the same way, so a resumed run
-takes the same decisions (docs/design.md §5). Each part reads its own fields with the readers
-here, so every malformed field is refused with a message that names it.
+Each part that saves state defines what it saves as a frozen dataclass beside itself
+(:class:`._bucket_tracker.BucketTrackerState`, :class:`._goodput_tracker.GoodputTrackerState`,
+:class:`._precision_schedule.PrecisionScheduleState`, :class:`._learning_rate.LearningRateState`,
+:class:`._sampler.SamplerState`), and :class:`._controller.ControllerState` holds the
+controller's own fields and those. :func:`encode` writes such a dataclass as JSON-ready data and
+:func:`decode` reads it back, checking every field against its annotation, so a malformed field
+is refused with a message that names it by its dotted path (``goodput.step_times[3]``) before any
+part takes anything. :func:`to_state_dict` puts the controller's fields in an envelope (format,
+version, and the settings a state must share with the controller loading it), and
+:func:`from_state_dict` checks the envelope: a resumed run takes the same decisions
+(docs/design.md §5); params and optimizer state are saved beside it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import re
+import types
+import typing
 from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
-import jax.numpy as jnp
-import numpy as np
-
 from triaccel_jax.policy import PrecisionPolicy
-from triaccel_jax.transforms import LossScaleState
 
 STATE_FORMAT = "triaccel_jax.Controller"
 # 2: each deciding part saves its own fields under its own key.
@@ -45,22 +48,22 @@ class ControllerCheckpoint(NamedTuple):
     state: dict[str, Any]
 
 
-def to_state_dict(fields: Mapping[str, Any], identity: Mapping[str, Any]) -> dict[str, Any]:
-    """``fields`` (JSON-ready already) in the envelope, with ``identity`` (seed, buckets,
-    keep_global_batch).
+def to_state_dict(fields: Any, identity: Mapping[str, Any]) -> dict[str, Any]:
+    """``fields`` (a saved state, :func:`encode`-d here) in the envelope, with ``identity``
+    (seed, buckets, keep_global_batch).
 
     Example:
       >>> from triaccel_jax.controller._state_record import from_state_dict, to_state_dict
       >>> state = to_state_dict({"step": 3}, {"seed": 0})
-      >>> state["format"], from_state_dict(state, {"seed": 0})["step"]
-      ('triaccel_jax.Controller', 3)
+      >>> state["format"], from_state_dict(state, {"seed": 0})
+      ('triaccel_jax.Controller', {'step': 3})
     """
-    return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity, **fields}
+    return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity, **encode(fields)}
 
 
-def from_state_dict(state: Any, identity: Mapping[str, Any]) -> Mapping[str, Any]:
+def from_state_dict(state: Any, identity: Mapping[str, Any]) -> dict[str, Any]:
     """Checks :func:`to_state_dict`'s envelope and that it matches this controller's
-    ``identity``; returns the state for the parts to read their fields from.
+    ``identity``; returns the fields inside it (the envelope's keys left out).
 
     Raises:
       ValueError: the state is not a controller state, of another version, or was saved by a
@@ -79,83 +82,183 @@ def from_state_dict(state: Any, identity: Mapping[str, Any]) -> Mapping[str, Any
                 f"the controller state was saved with {key}={state.get(key)!r}, this "
                 f"controller has {key}={mine!r}"
             )
-    return state
+    envelope = {"format", "version", *identity}
+    return {key: value for key, value in state.items() if key not in envelope}
 
 
-def fields(state: Any, part: str | None, names: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``state`` checked to be a mapping holding every key of ``names`` (a part's
-    ``state_dict()``, or any mapping with its keys).
+# -- the codec --------------------------------------------------------------------------------------
+# Written here rather than taken from a library: none of the project's dependencies reads JSON data
+# back into annotated dataclasses (dacite, cattrs and pydantic are not among them), and the
+# refusals must name the field by its dotted path and keep the controller's rules (a bool is not
+# an int, an int is a float, NaN and infinities are numbers), which a general converter would
+# each need configuring for.
 
-    Raises:
-      ValueError: ``state`` is not a mapping, or lacks a key (named).
+
+@dataclasses.dataclass(frozen=True)
+class AtLeast:
+    """A bound on a saved number, written ``Annotated[int, AtLeast(0)]`` in a saved state.
+
+    Attributes:
+      low: the smallest value read.
+      finite: whether NaN and the infinities are refused too (otherwise NaN passes the bound,
+        as a comparison with it is false).
+
+    Example:
+      >>> from typing import Annotated
+      >>> from triaccel_jax.controller._state_record import AtLeast, decode
+      >>> decode(Annotated[int, AtLeast(1)], 3, "trial[0]")
+      3
     """
-    where = "not a controller state" if part is None else f"controller state `{part}`"
-    if not isinstance(state, Mapping):
-        raise ValueError(f"{where}: expected a mapping, got {state!r}")
-    for name in names:
-        if name not in state:
-            raise ValueError(f"not a controller state: it has no {name!r}")
-    return state
+
+    low: float
+    finite: bool = False
 
 
-def integer(value: Any, name: str, low: int | None = None) -> int:
-    """``value`` as an int (a bool or a fraction refused), at least ``low`` when given."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError(f"controller state: `{name}` must be an integer, got {value!r}")
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"controller state: `{name}` must be an integer, got {value!r}") from None
-    if not isinstance(value, str) and number != value:
-        raise ValueError(f"controller state: `{name}` must be an integer, got {value!r}")
-    if low is not None and number < low:
-        raise ValueError(f"controller state: `{name}` must be >= {low}, got {value!r}")
-    return number
+def encode(value: Any) -> Any:
+    """A saved state (a frozen dataclass of the kinds :func:`decode` reads) as JSON-ready data.
 
+    Dataclasses become mappings of their fields, tuples lists, an int-keyed mapping's keys
+    decimal strings and a :class:`PrecisionPolicy` its JSON document; numbers, strings, bools
+    and None are kept.
 
-def number(value: Any, name: str, *, finite_at_least: float | None = None) -> float:
-    """``value`` as a float (a bool refused); with ``finite_at_least``, finite and at least it."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"controller state: `{name}` must be a number, got {value!r}")
-    if finite_at_least is not None and not (math.isfinite(value) and value >= finite_at_least):
-        raise ValueError(
-            f"controller state: `{name}` must be finite and >= {finite_at_least:g}, got {value!r}"
-        )
-    return float(value)
+    Args:
+      value: a saved state, or any value one holds.
 
+    Returns:
+      Data that ``json.dumps`` writes and :func:`decode` reads back to an equal value.
 
-def optional(value: Any, kind: type, name: str) -> Any:
-    """``value`` as ``kind`` (None kept), or a ValueError naming the field."""
-    if value is None:
-        return None
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"controller state: `{name}` must be a number or null, got {value!r}"
-        ) from None
-
-
-def mapping(value: Any, name: str) -> Mapping[str, Any]:
-    """``value``, checked to be a mapping."""
-    if not isinstance(value, Mapping):
-        raise ValueError(f"controller state: `{name}` must be a mapping, got {value!r}")
+    Example:
+      >>> from triaccel_jax.controller._state_record import encode
+      >>> encode({"measured_peaks": {16: 1000}, "trial": (8, 16), "ceiling": None})
+      {'measured_peaks': {'16': 1000}, 'trial': [8, 16], 'ceiling': None}
+    """
+    if isinstance(value, PrecisionPolicy):  # a dataclass too, saved as its own document
+        return json.loads(value.to_json())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple | list):
+        return [encode(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): encode(v) for k, v in value.items()}
     return value
 
 
-def loss_scale_document(state: LossScaleState) -> dict[str, Any]:
-    """The dynamic loss scale's state as JSON-ready numbers."""
-    return {k: np.asarray(v).item() for k, v in state._asdict().items()}
+def decode(kind: Any, data: Any, path: str, *, what: str = "controller state") -> Any:
+    """``data`` (JSON-ready, as :func:`encode` writes it) read as ``kind``, every field checked.
 
+    ``kind`` is an annotation: ``int`` (a bool refused), ``float`` (an int taken; NaN and the
+    infinities kept), ``bool``, ``str``, ``X | None``, ``tuple[X, ...]``, ``tuple[X, Y]``,
+    ``dict[str, X]``, ``dict[int, X]`` (keys written as decimal strings), a
+    :class:`PrecisionPolicy`, ``Annotated[X, AtLeast(...)]`` or a dataclass of these, whose
+    fields must all be present and no other.
 
-def loss_scale(document: Any) -> LossScaleState:
-    """Reads :func:`loss_scale_document`'s output (the dtypes the step expects)."""
-    document = fields(document, "loss_scale", dict.fromkeys(LossScaleState._fields))
-    try:
-        return LossScaleState(
-            jnp.float32(document["scale"]),
-            jnp.int32(document["good_steps"]),
-            jnp.int32(document["skipped_steps"]),
+    Args:
+      kind: the annotation to read ``data`` as.
+      data: the saved data.
+      path: the field's dotted path, named in the refusals (``"goodput"``).
+      what: what the data is a state of, the start of each refusal.
+
+    Returns:
+      The value read (a tuple for a tuple annotation, a dict for a mapping).
+
+    Raises:
+      ValueError: a field is missing, unknown, of another type or out of its bounds; the
+        message names it by its dotted path (``goodput.step_times[3]``).
+
+    Example:
+      >>> from triaccel_jax.controller._state_record import decode
+      >>> decode(tuple[int, float], [3, 2], "block")
+      (3, 2.0)
+      >>> decode(tuple[int, float], [True, 2], "block")
+      Traceback (most recent call last):
+      ...
+      ValueError: controller state: `block[0]` must be an integer, got True
+    """
+
+    def refuse(where: str, wanted: str, value: Any) -> ValueError:
+        field = f": `{where}`" if where else ""
+        return ValueError(f"{what}{field} must be {wanted}, got {value!r}")
+
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Annotated:
+        value = decode(args[0], data, path, what=what)
+        for bound in args[1:]:
+            if isinstance(bound, AtLeast) and (
+                (bound.finite and not math.isfinite(value)) or value < bound.low
+            ):
+                finite = "finite and " if bound.finite else ""
+                raise refuse(path, f"{finite}>= {bound.low:g}", data)
+        return value
+    if origin in (types.UnionType, typing.Union):
+        options = [a for a in args if a is not type(None)]
+        if len(options) != 1 or len(args) != 2:
+            raise TypeError(f"decode reads only `X | None` unions, not {kind!r}")
+        return None if data is None else decode(options[0], data, path, what=what)
+    if kind is bool:
+        if not isinstance(data, bool):
+            raise refuse(path, "true or false", data)
+        return data
+    if kind is int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            raise refuse(path, "an integer", data)
+        return int(data)
+    if kind is float:
+        if isinstance(data, bool) or not isinstance(data, int | float):
+            raise refuse(path, "a number", data)
+        return float(data)
+    if kind is str:
+        if not isinstance(data, str):
+            raise refuse(path, "a string", data)
+        return data
+    if origin is tuple:
+        if not isinstance(data, list | tuple):
+            raise refuse(path, "a list", data)
+        if len(args) == 2 and args[1] is Ellipsis:
+            args = (args[0],) * len(data)
+        elif len(data) != len(args):
+            raise refuse(path, f"a list of {len(args)}", data)
+        return tuple(
+            decode(a, v, f"{path}[{i}]", what=what)
+            for i, (a, v) in enumerate(zip(args, data, strict=True))
         )
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"controller state: `loss_scale` is malformed: {error}") from None
+    if origin is dict:
+        if not isinstance(data, Mapping) or not all(isinstance(k, str) for k in data):
+            raise refuse(path, "a mapping with string keys", data)
+        key_kind, value_kind = args
+        read = {}
+        for key, value in data.items():
+            where = f"{path}[{key!r}]"
+            if key_kind is int:
+                if not _DECIMAL.fullmatch(key):
+                    raise refuse(where, "keyed by an integer", key)
+                read[int(key)] = decode(value_kind, value, where, what=what)
+            else:
+                read[key] = decode(value_kind, value, where, what=what)
+        return read
+    if kind is PrecisionPolicy:
+        if not isinstance(data, Mapping):
+            raise refuse(path, "a precision policy's JSON document", data)
+        try:
+            return PrecisionPolicy.from_json(json.dumps(data))
+        except (TypeError, ValueError, KeyError) as error:
+            raise ValueError(f"{what}: `{path}` is not a precision policy: {error}") from None
+    if dataclasses.is_dataclass(kind) and isinstance(kind, type):
+        if not isinstance(data, Mapping):
+            raise refuse(path, "a mapping", data)
+        hints = typing.get_type_hints(kind, include_extras=True)
+        names = [f.name for f in dataclasses.fields(kind)]
+        prefix = f"{path}." if path else ""
+        for name in names:
+            if name not in data:
+                raise ValueError(f"{what}: it has no {name!r} (`{prefix}{name}`)")
+        unknown = sorted(str(k) for k in data if k not in names)
+        if unknown:
+            raise ValueError(
+                f"{what}: `{prefix}{unknown[0]}` is not a field of {kind.__name__} "
+                f"(its fields: {', '.join(names)})"
+            )
+        return kind(**{n: decode(hints[n], data[n], f"{prefix}{n}", what=what) for n in names})
+    raise TypeError(f"decode cannot read {kind!r}")
+
+
+_DECIMAL = re.compile(r"-?[0-9]+")
