@@ -300,7 +300,8 @@ def test_triaccel_jit_agrees_with_eager(example, name):
 
 
 def comparable(
-    state: triaccel_jax.transforms.CurvatureSignalsState, scale: float
+    state: triaccel_jax.transforms.CurvatureSignalsState | triaccel_jax.transforms.AdamSignalsState,
+    scale: float,
 ) -> dict[str, Any]:
     """What jit and eager must agree on, scaled to about 1.
 

@@ -19,6 +19,7 @@ import triaccel_jax
 from triaccel_jax import training
 from triaccel_jax.controller._noise_scale import NoiseScaleEstimate
 from triaccel_jax.controller._noise_scale import observe_noise
+from triaccel_jax.transforms import AdamSignalsState
 from triaccel_jax.transforms import CurvatureSignalsState
 from triaccel_jax.transforms import LossScaling
 from triaccel_jax.transforms import TriAccelConfig
@@ -48,18 +49,22 @@ def mse(params, batch):
     return jnp.mean((prediction - batch["y"]) ** 2)
 
 
+def is_signal_state(node):
+    return isinstance(node, CurvatureSignalsState | AdamSignalsState)
+
+
 def with_curvature(state, curvature):
     """``state`` with every triaccel leaf's mean curvature set to ``curvature[leaf name]``."""
 
     def set_state(node):
-        if not isinstance(node, CurvatureSignalsState):
+        if not is_signal_state(node):
             return node
         # The signals are vectors over the observed leaves, in the order of their paths.
         means = [curvature[path.split("/")[-1]] for path in node.leaf_paths()]
         signals = node.leaf_signals._replace(mean_curvature=jnp.asarray(means, jnp.float32))
         return node._replace(leaf_signals=signals)
 
-    return jax.tree.map(set_state, state, is_leaf=lambda x: isinstance(x, CurvatureSignalsState))
+    return jax.tree.map(set_state, state, is_leaf=is_signal_state)
 
 
 def make_step(loss, tx, *, num_micro, split=False, loss_scaling=None, fused=None, weights=True):

@@ -104,6 +104,20 @@ def test_state_types_stable_through_cond(variant):
 
 
 @variants
+def test_the_signals_state_holds_the_second_moment_its_type_says(variant):
+    params = make_params()
+    (signals,) = triaccel_jax.transforms.find_signal_states(variant.make(1e-2).init(params))
+    if isinstance(signals, triaccel_jax.transforms.AdamSignalsState):
+        # Adam's, element-wise: shaped like the params.
+        chex.assert_trees_all_equal_shapes(signals.nu, params)
+    else:
+        # The observer's: one float32 mean per observed leaf.
+        assert type(signals) is triaccel_jax.transforms.CurvatureSignalsState
+        assert signals.nu.shape == (len(jax.tree.leaves(params)),)
+        assert signals.nu.dtype == jnp.float32
+
+
+@variants
 def test_no_recompilation_on_second_call(variant, count_compiles):
     tx = variant.make(1e-2)
     params = make_params()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import triaccel_jax
-from triaccel_jax.transforms._refresh import bounded_scale
+from triaccel_jax.transforms._step_scale import bounded_scale
 
 RATIOS = jnp.array([1e-4, 0.01, 0.1, 0.25, 0.9, 1.0, 1.1, 4.0, 10.0, 100.0, 1e4])
 

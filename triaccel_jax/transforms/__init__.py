@@ -12,9 +12,10 @@ model):
   :func:`expand_diagonal`, with :func:`block_counts` and :func:`uses_channel_pairs` for its
   layout), updated without gathering sharded leaves, and :class:`CurvatureStores`, every
   leaf's store laid end to end as the signals' state keeps them;
-* :func:`curvature_signals` (state :class:`CurvatureSignalsState`, the one state that keeps
-  curvature and noise signals), an observer that keeps them beside any optax optimizer,
-  leaving its updates untouched, and :func:`scale_by_curvature`, Tri-Accel's per-leaf
+* :func:`curvature_signals` (state :class:`CurvatureSignalsState`), an observer that keeps
+  the curvature and noise signals beside any optax optimizer, leaving its updates untouched
+  (beside Adam's direction, in :func:`triaccel`, they keep Adam's moments: state
+  :class:`AdamSignalsState`), and :func:`scale_by_curvature`, Tri-Accel's per-leaf
   step scale over any direction (SGD, Muon, a whole optax optimizer), with
   :func:`muon_dimension_numbers`, which has ``optax.contrib.muon`` train every kernel (conv
   kernels folded into matrices) and leave the rest to Adam;
@@ -74,6 +75,7 @@ from triaccel_jax.transforms._loss_scaling import needs_loss_scaling
 from triaccel_jax.transforms._loss_scaling import select_tree
 from triaccel_jax.transforms._loss_scaling import unscale
 from triaccel_jax.transforms._muon import muon_dimension_numbers
+from triaccel_jax.transforms._observer import AdamSignalsState
 from triaccel_jax.transforms._observer import CurvatureSignalsState
 from triaccel_jax.transforms._observer import curvature_signals
 from triaccel_jax.transforms._observer import find_signal_states
@@ -93,6 +95,7 @@ from triaccel_jax.transforms._state_precision import quantize_state
 from triaccel_jax.transforms._state_precision import to_quantized_state
 
 __all__ = (
+    "AdamSignalsState",
     "Bfloat16Leaf",
     "CenteredState",
     "CompressedDiagonal",

@@ -4,13 +4,15 @@ As optax's ``alias.py`` builds ``adamw`` from ``scale_by_adam`` and ``optax.cont
 from ``scale_by_muon``, each optimizer here only composes (docs/design.md §3):
 
 * :func:`scale_by_triaccel`: the curvature signals keeping Adam's moments, which return Adam's
-  direction (:func:`._observer.keep_signals`), then Tri-Accel's step scale
+  direction (:func:`._observer.adam_with_signals`), then Tri-Accel's step scale
   (:func:`._step_scale.scale_by_step_scale`);
 * :func:`triaccel`: the same, then decoupled weight decay and the learning rate;
-* :func:`scale_by_curvature`: the observer, any given direction, then the step scale.
+* :func:`scale_by_curvature`: the observer (:func:`._observer.observe`), any given direction,
+  then the step scale.
 
-The signals' settings are one record (:class:`._config.CurvatureSettings`); the factories take
-them as keyword arguments so that ``optax.inject_hyperparams`` can trace every number.
+:func:`with_signals` composes them. The signals' settings and the step scale's are one record
+each (:class:`._config.CurvatureSettings`, :class:`._config.StepScaleSettings`); the factories
+take them as keyword arguments so that ``optax.inject_hyperparams`` can trace every number.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from triaccel_jax._src import validation
 from triaccel_jax.transforms import _observer as observer
 from triaccel_jax.transforms import _step_scale as step_scale_lib
 from triaccel_jax.transforms._config import CurvatureSettings
+from triaccel_jax.transforms._config import StepScaleSettings
 from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._config import resolve_config
 
@@ -89,10 +92,9 @@ def scale_by_triaccel(
       Tri-Accel, arXiv 2508.16905. Kingma & Ba, 2015, "Adam". Yao et al., 2021, "ADAHESSIAN".
     """
     validation.check_in_range("eps", eps, 0.0, float("inf"))
-    settings = CurvatureSettings(
-        b1, b2, curvature_every, curvature_decay, alpha, min_scale, max_scale, seed
-    )
-    return _in_gradient_dtype(_adam_with_step_scale(settings, resolve_config(config), eps))
+    settings = CurvatureSettings(b1, b2, curvature_every, curvature_decay, seed)
+    scale = StepScaleSettings(alpha, min_scale, max_scale)
+    return _in_gradient_dtype(_adam_with_step_scale(settings, scale, resolve_config(config), eps))
 
 
 def triaccel(
@@ -169,9 +171,8 @@ def triaccel(
     validation.check_learning_rate(learning_rate)
     validation.check_in_range("weight_decay", weight_decay, 0.0, float("inf"))
     validation.check_in_range("eps", eps, 0.0, float("inf"))
-    settings = CurvatureSettings(
-        b1, b2, curvature_every, curvature_decay, alpha, min_scale, max_scale, seed
-    )
+    settings = CurvatureSettings(b1, b2, curvature_every, curvature_decay, seed)
+    scale = StepScaleSettings(alpha, min_scale, max_scale)
     # Weight decay and the learning rate would turn integer leaves into floats; the mask keeps
     # them untouched, as the direction does.
     step = optax.chain(
@@ -179,20 +180,23 @@ def triaccel(
         optax.scale_by_learning_rate(learning_rate),
     )
     return _in_gradient_dtype(
-        _adam_with_step_scale(settings, resolve_config(config), eps, _masked_to_trainable(step))
+        _adam_with_step_scale(
+            settings, scale, resolve_config(config), eps, _masked_to_trainable(step)
+        )
     )
 
 
 def _adam_with_step_scale(
     settings: CurvatureSettings,
+    scale: StepScaleSettings,
     config: TriAccelConfig,
     eps: Any,
     *after: optax.GradientTransformation,
 ) -> optax.GradientTransformationExtraArgs:
     """The signals keeping Adam's moments (Adam's direction), the step scale, then ``after``."""
-    return step_scale_lib.with_signals(
-        observer.keep_signals(settings, config, adam_eps=eps),
-        step_scale_lib.scale_by_step_scale(settings, config),
+    return with_signals(
+        observer.adam_with_signals(settings, scale, config, eps),
+        step_scale_lib.scale_by_step_scale(scale, config),
         *after,
     )
 
@@ -238,7 +242,8 @@ def scale_by_curvature(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is the tuple of the signals'
-      :class:`CurvatureSignalsState`, the direction's state and the step scale's (empty);
+      :class:`triaccel_jax.transforms.CurvatureSignalsState`, the direction's state and the
+      step scale's (empty);
       ``update`` takes ``loss_fn`` (or ``obj_fn``, ``value_fn``; Hutchinson's estimator needs
       it) and passes every extra argument on.
 
@@ -275,14 +280,52 @@ def scale_by_curvature(
             "scale_by_curvature scales each leaf by one number: TriAccelConfig(scale='block') "
             "is scale_by_triaccel's (Adam's direction) only"
         )
-    settings = CurvatureSettings(
-        b1, b2, curvature_every, curvature_decay, alpha, min_scale, max_scale, seed
-    )
-    return step_scale_lib.with_signals(
-        observer.keep_signals(settings, config),
+    settings = CurvatureSettings(b1, b2, curvature_every, curvature_decay, seed)
+    scale = StepScaleSettings(alpha, min_scale, max_scale)
+    return with_signals(
+        observer.observe(settings, config, scale),
         direction,
-        step_scale_lib.scale_by_step_scale(settings, config),
+        step_scale_lib.scale_by_step_scale(scale, config),
     )
+
+
+def with_signals(
+    signals_tx: optax.GradientTransformation, *rest: optax.GradientTransformation
+) -> optax.GradientTransformationExtraArgs:
+    """``optax.chain(signals_tx, *rest)`` in which ``rest`` reads the signals' new state.
+
+    Each transform of ``rest`` gets, besides the caller's extra arguments, the extra argument
+    ``curvature_signals``: the signals' state (:func:`._observer.find_signal_states`, by type)
+    in the state ``signals_tx`` returned this step. The state is the tuple of the members'
+    states, as ``optax.chain``'s is.
+
+    Args:
+      signals_tx: a transform whose state holds exactly one curvature-signals state.
+      *rest: the transforms that follow (plain optax transforms too: ``optax.chain`` gives them
+        extra-argument support).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+    """
+    # optax.chain hands every member the caller's extra arguments, never what an earlier member
+    # returned: the step scale needs the signals' state of this step, so the signals run first
+    # here and ``rest`` is an optax.chain given that state as one more extra argument.
+    after = optax.chain(*rest)
+
+    def init_fn(params: Any) -> tuple[Any, ...]:
+        return (signals_tx.init(params), *after.init(params))
+
+    def update_fn(
+        updates: Any, state: tuple[Any, ...], params: Any = None, **extra_args: Any
+    ) -> tuple[Any, tuple[Any, ...]]:
+        updates, first = signals_tx.update(updates, state[0], params, **extra_args)
+        (kept,) = observer.find_signal_states(first)
+        updates, rest_state = after.update(
+            updates, tuple(state[1:]), params, **{**extra_args, "curvature_signals": kept}
+        )
+        return updates, (first, *rest_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _in_gradient_dtype(inner: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -76,7 +76,7 @@ class TriAccelConfig:
         ``clip((kappa_ref / kappa_l) ** alpha)``) or ``"block"`` (one per block of the
         curvature store, ``clip((kappa_ref / kappa_b) ** alpha)`` from the block means it
         already holds, against the same median reference; see
-        :mod:`triaccel_jax.transforms._block_scale`). The signals' ``step_scale`` stays the
+        :mod:`triaccel_jax.transforms._step_scale`). The signals' ``step_scale`` stays the
         per-leaf scale either way.
       bound: how ``min_scale`` and ``max_scale`` hold the step scale: ``"clip"`` (default,
         Tri-Accel's hard clip, where a leaf far from the median curvature sits at a bound; the
@@ -143,22 +143,19 @@ def resolve_config(config: TriAccelConfig | None) -> TriAccelConfig:
 
 
 class CurvatureSettings(NamedTuple):
-    """The numeric settings of the curvature signals and the step scale, declared once.
+    """The numeric settings of the curvature signals, declared once.
 
     :func:`triaccel_jax.curvature_signals`, :func:`triaccel_jax.scale_by_triaccel`,
     :func:`triaccel_jax.triaccel` and :func:`triaccel_jax.scale_by_curvature` take these as
     keyword arguments (so that ``optax.inject_hyperparams`` can trace every number) and hand
-    them on as this one record, checked once by :meth:`checked`. The observer alone keeps
-    ``alpha=0`` with bounds 1: a step scale of 1.
+    them on as this one record, checked once by :meth:`checked`. The step scale's own numbers
+    are :class:`StepScaleSettings`, which the observer alone does not take.
 
     Attributes:
       b1: decay of the gradient's first-moment EMA, in [0, 1).
       b2: decay of the second-moment EMA, in [0, 1).
       curvature_every: steps between curvature estimates, >= 1.
       curvature_decay: EMA decay of the curvature estimates, in [0, 1).
-      alpha: exponent of the step scale, >= 0.
-      min_scale: lower bound of the step scale, > 0.
-      max_scale: upper bound of the step scale, >= ``min_scale``.
       seed: seed of the stochastic rounding and of Hutchinson's probes.
     """
 
@@ -166,9 +163,6 @@ class CurvatureSettings(NamedTuple):
     b2: Any = 0.999
     curvature_every: Any = 10
     curvature_decay: Any = 0.95
-    alpha: Any = 0.5
-    min_scale: Any = 0.5
-    max_scale: Any = 2.0
     seed: Any = 0
 
     def checked(self) -> CurvatureSettings:
@@ -179,6 +173,29 @@ class CurvatureSettings(NamedTuple):
         validation.check_in_range(
             "curvature_decay", self.curvature_decay, 0.0, 1.0, high_inclusive=False
         )
+        return self
+
+
+class StepScaleSettings(NamedTuple):
+    """The numeric settings of Tri-Accel's step scale (docs/design.md §3.4), declared once.
+
+    Taken, beside :class:`CurvatureSettings`, by the transforms that scale the step
+    (:func:`triaccel_jax.scale_by_triaccel`, :func:`triaccel_jax.triaccel`,
+    :func:`triaccel_jax.scale_by_curvature`) as keyword arguments, and checked once by
+    :meth:`checked`.
+
+    Attributes:
+      alpha: exponent of the step scale, >= 0.
+      min_scale: lower bound of the step scale, > 0.
+      max_scale: upper bound of the step scale, >= ``min_scale``.
+    """
+
+    alpha: Any = 0.5
+    min_scale: Any = 0.5
+    max_scale: Any = 2.0
+
+    def checked(self) -> StepScaleSettings:
+        """The settings, or a ValueError naming the first one out of range."""
         validation.check_in_range("alpha", self.alpha, 0.0, float("inf"))
         validation.check_in_range(
             "min_scale", self.min_scale, 0.0, float("inf"), low_inclusive=False

@@ -36,7 +36,9 @@ from triaccel_jax.kernels import fused_update as fused_kernel
 from triaccel_jax.transforms import _alias as alias
 from triaccel_jax.transforms import _observer as observer
 from triaccel_jax.transforms import _refresh as refresh_lib
+from triaccel_jax.transforms import _step_scale as step_scale_lib
 from triaccel_jax.transforms._config import CurvatureSettings
+from triaccel_jax.transforms._config import StepScaleSettings
 from triaccel_jax.transforms._config import TriAccelConfig
 from triaccel_jax.transforms._config import resolve_config
 
@@ -53,7 +55,8 @@ class FusedTriAccel(NamedTuple):
       weight_decay: the decoupled weight-decay rate.
       mask: which leaves get weight decay (as ``optax.adamw``'s ``mask``), or None.
       eps: added to ``sqrt(v_hat)``.
-      settings: the curvature signals' and step scale's settings.
+      settings: the curvature signals' settings.
+      scale: the step scale's settings.
       config: the shape options.
     """
 
@@ -63,6 +66,7 @@ class FusedTriAccel(NamedTuple):
     mask: Any
     eps: Any
     settings: CurvatureSettings
+    scale: StepScaleSettings
     config: TriAccelConfig
 
 
@@ -104,6 +108,7 @@ def fused_triaccel(learning_rate: optax.ScalarOrSchedule, **hyperparameters: Any
         mask=given["mask"],
         eps=given["eps"],
         settings=CurvatureSettings(**{name: given[name] for name in CurvatureSettings._fields}),
+        scale=StepScaleSettings(**{name: given[name] for name in StepScaleSettings._fields}),
         config=resolve_config(given["config"]),
     )
 
@@ -266,14 +271,14 @@ def _check_state_of(opt_state: Any) -> None:
     if not (
         isinstance(opt_state, tuple)
         and len(opt_state) == 3
-        and observer.is_signal_state(opt_state[0])
+        and isinstance(opt_state[0], observer.AdamSignalsState)
         and isinstance(opt_state[2], optax.MaskedState)
     ):
         kind = type(opt_state).__name__
         first = type(opt_state[0]).__name__ if isinstance(opt_state, tuple) and opt_state else "-"
         raise ValueError(
             "`opt_state` is not a state of `fused.tx` (another optimizer's, or one saved before "
-            "the state was (CurvatureSignalsState, EmptyState, MaskedState)?): got a "
+            "the state was (AdamSignalsState, EmptyState, MaskedState)?): got a "
             f"{kind} starting with {first}"
         )
 
@@ -306,6 +311,7 @@ def _fused(
         obj_fn=extra_args.get("obj_fn"),
         value_fn=extra_args.get("value_fn"),
     )
+    step = step._replace(nu=step.like_updates(step.nu))
     scalars = kernels.adam_scalars(count=step.count, b1=settings.b1, b2=settings.b2, eps=fused.eps)
 
     def moments() -> refresh_lib.NoiseMoments:
@@ -313,7 +319,14 @@ def _fused(
         return observer.noise_moments(observer.adam_moments(step, grads, scalars), scalars)
 
     refreshed = observer.refresh(
-        step, grads, signals_state, params, moments, settings=settings, config=config
+        step,
+        grads,
+        signals_state,
+        params,
+        moments,
+        settings=settings,
+        config=config,
+        step_scales=step_scale_lib.leaf_step_scales(fused.scale, config.bound),
     )
     # The step scale of each observed leaf (a vector over them in the state), None elsewhere.
     treedef: Any = jax.tree.structure(grads)  # a PyTreeDef: no stubs mypy can see
@@ -368,7 +381,7 @@ def _fused(
         lambda x: getattr(x, name), leaves, is_leaf=lambda x: isinstance(x, _Leaf)
     )
     new_signals_state = observer.advanced(
-        signals_state, step, refreshed, mu=pick("mu"), nu=pick("nu")
+        observer.AdamSignalsState, signals_state, step, refreshed, mu=pick("mu"), nu=pick("nu")
     )
     new_state = (
         new_signals_state,

@@ -1,9 +1,10 @@
 """The curvature refresh: fold an estimate into each leaf's EMA, then refresh the leaf signals.
 
 Every ``curvature_every`` steps the curvature signals fold a fresh diagonal curvature estimate
-into each leaf's compressed EMA, and from the bias-corrected EMA derive the leaf's step-size
-scale ``s_l = clip((kappa_ref / kappa_l) ** alpha, min_scale, max_scale)`` and its
-noise-to-signal ratio (docs/design.md §3.2 to §3.4). The whole tree is refreshed under one
+into each leaf's compressed EMA, and from the bias-corrected EMA derive the leaf's signals: its
+curvature figures, its noise-to-signal ratio and, where the transform scales the step, its
+step-size scale (computed by :func:`triaccel_jax.transforms._step_scale.leaf_step_scales`,
+handed in; docs/design.md §3.2 to §3.4). The whole tree is refreshed under one
 ``lax.cond``. The stores and the signals are kept laid end to end over the observed leaves
 (vectors with one entry per leaf), and when every leaf is known to be whole on its devices the
 refresh runs over flat buffers with segment reductions, so that the compiled program does not
@@ -49,7 +50,7 @@ class LeafSignals(NamedTuple):
       trace: sum of the curvature EMA over the leaf.
       noise_to_signal: ``mean(v_hat - m_hat**2) / mean(m_hat**2)``, the gradient noise.
       step_scale: the step-size multiplier ``s_l`` (1 for the observer alone, which scales
-        nothing).
+        nothing and is handed no step scale).
       dropped_estimates: int32 number of this leaf's curvature estimates left out of the EMA
         because they (or the EMA they would give) were not finite, saturating.
     """
@@ -89,48 +90,6 @@ def as_named_tuples(cls: type[Any], tree: Any) -> Any:
 def is_masked(node: Any) -> bool:
     """Whether ``node`` stands for a leaf the signals do not observe (an ``is_leaf``)."""
     return isinstance(node, optax.MaskedNode)
-
-
-def bounded_scale(
-    kappa_ref: jax.Array,
-    kappa: jax.Array,
-    *,
-    alpha: Any,
-    min_scale: Any,
-    max_scale: Any,
-    bound: str,
-) -> jax.Array:
-    """``(kappa_ref / kappa) ** alpha`` held within ``[min_scale, max_scale]`` (float32).
-
-    ``bound="clip"`` is Tri-Accel's hard clip: past the bounds the scale is constant, so a leaf
-    whose curvature is far from the median sits at a bound whatever it does. ``"smooth"`` bounds
-    the log of the scale with a tanh instead, ``log s = L tanh(x / L)`` with
-    ``x = alpha * log(kappa_ref / kappa)`` and ``L`` the log of the bound on that side: the same
-    slope as the clip at the median, always strictly inside the bounds and always moving with the
-    curvature (a soft clip, as in soft-capping of logits). NaN (no finite curvature) gives 1.
-    """
-    exponent = jnp.asarray(alpha, jnp.float32)
-    if bound == "clip":
-        scale = jnp.clip(((kappa_ref + _TINY) / (kappa + _TINY)) ** exponent, min_scale, max_scale)
-    else:
-        x = exponent * (jnp.log(kappa_ref + _TINY) - jnp.log(kappa + _TINY))
-        high = jnp.maximum(jnp.log(jnp.asarray(max_scale, jnp.float32)), _TINY)
-        low = jnp.maximum(-jnp.log(jnp.asarray(min_scale, jnp.float32)), _TINY)
-        side = jnp.where(x >= 0, high, low)
-        scale = jnp.clip(jnp.exp(side * jnp.tanh(x / side)), min_scale, max_scale)
-    return jnp.where(jnp.isnan(scale), 1.0, scale).astype(jnp.float32)
-
-
-def reference_curvature(mean_curvatures: Any) -> jax.Array:
-    """``kappa_ref``: the median of the finite mean curvatures (clipped at 0), NaN when none is.
-
-    The median, so that one leaf cannot poison the rest; Hutchinson's means can be negative.
-    """
-    stacked = jnp.maximum(
-        mean_curvatures if isinstance(mean_curvatures, jax.Array) else jnp.stack(mean_curvatures),
-        0.0,
-    )
-    return jnp.nanmedian(jnp.where(jnp.isfinite(stacked), stacked, jnp.nan))
 
 
 def per_leaf(vector: jax.Array, flags: list[bool]) -> list[jax.Array | None]:
@@ -236,7 +195,7 @@ def refresh_when_due(
     active: Any,
     moments: Callable[[], NoiseMoments],
     settings: CurvatureSettings,
-    bound: str,
+    step_scales: Callable[[jax.Array], jax.Array] | None,
     axis_name: str | None,
     fisher: bool = False,
 ) -> tuple[CurvatureStores, Any, jax.Array, LeafSignals]:
@@ -258,8 +217,10 @@ def refresh_when_due(
       active: a tree of the updates' structure, True where the leaf is observed.
       moments: ``() -> NoiseMoments`` of the observed leaves; called only on the steps that
         refresh.
-      settings: the decays, the step scale's exponent and bounds.
-      bound: ``"clip"`` or ``"smooth"`` (:func:`bounded_scale`).
+      settings: the decays.
+      step_scales: the leaves' mean curvatures -> their step scales (vectors over the
+        observed leaves; :func:`triaccel_jax.transforms._step_scale.leaf_step_scales`), or
+        None where nothing is scaled: every scale is then 1.
       axis_name: the mapped axis over which replicas average their estimates, or None.
       fisher: the estimate is the empirical Fisher diagonal, the squared updates: on the flat
         path it is squared once, after laying the updates end to end (the estimate's own
@@ -320,13 +281,10 @@ def refresh_when_due(
             trace=summary.trace,
             # m_hat can cancel to exactly 0 while v_hat > 0: keep the ratio finite.
             noise_to_signal=jnp.minimum(noise_level / (signal + _TINY), _HUGE),
-            step_scale=bounded_scale(
-                reference_curvature(summary.mean),
-                jnp.maximum(summary.mean, 0.0),
-                alpha=settings.alpha,
-                min_scale=settings.min_scale,
-                max_scale=settings.max_scale,
-                bound=bound,
+            step_scale=(
+                jnp.ones(jnp.shape(summary.mean), jnp.float32)
+                if step_scales is None
+                else step_scales(summary.mean)
             ),
             dropped_estimates=dropped,
         )

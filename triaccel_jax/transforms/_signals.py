@@ -1,9 +1,9 @@
 """``signals``: the per-leaf scalars of every state keeping curvature signals in an optimizer state.
 
 Those are the :class:`CurvatureSignalsState` of the observer :func:`triaccel_jax.curvature_signals`
-and of the optimizers composed from it (:func:`triaccel_jax.triaccel`,
-:func:`triaccel_jax.scale_by_triaccel`, :func:`triaccel_jax.scale_by_curvature`), found anywhere
-inside an optimizer state.
+(also inside :func:`triaccel_jax.scale_by_curvature`) and the :class:`AdamSignalsState` of the
+signals beside Adam's direction (:func:`triaccel_jax.triaccel`,
+:func:`triaccel_jax.scale_by_triaccel`), found anywhere inside an optimizer state.
 """
 
 from __future__ import annotations

@@ -57,8 +57,7 @@ def convert_state(opt_state: Any, policy: policy_lib.PrecisionPolicy) -> Any:
             return node
         # Adam's second moment is stored like the first (its tree, shapes and dtypes); the
         # observer's float32 vector of leaf means is left as it is.
-        nu_structure: Any = jax.tree.structure(node.nu)  # a PyTreeDef: no stubs mypy can see
-        adams = nu_structure == jax.tree.structure(node.mu)
+        adams = isinstance(node, observer.AdamSignalsState)
         return node._replace(
             mu=jax.tree_util.tree_map_with_path(recast, node.mu),
             nu=jax.tree_util.tree_map_with_path(recast, node.nu) if adams else node.nu,

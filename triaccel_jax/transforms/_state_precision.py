@@ -35,7 +35,7 @@ from triaccel_jax._src import tree as tree_lib
 from triaccel_jax._src import validation
 from triaccel_jax.kernels import cast as cast_kernel
 from triaccel_jax.kernels import quantize as quantize_lib
-from triaccel_jax.transforms._observer import CurvatureSignalsState
+from triaccel_jax.transforms._observer import is_signal_state
 
 FORMATS = tuple(policy_lib.STATE_FORMATS)  # "fp32", "bf16", "int8", "int8_dynamic", "int4"
 ROUNDINGS = ("nearest", "stochastic")
@@ -264,7 +264,7 @@ def _is_stored(node: Any) -> bool:
 
 def _is_opaque(node: Any) -> bool:
     # The curvature signals' state is read by signals() and the planner as it is: never converted.
-    return isinstance(node, CurvatureSignalsState)
+    return is_signal_state(node)
 
 
 def _check_format(value: Any, where: str) -> str:
