@@ -21,6 +21,9 @@ averages (:mod:`._noise_scale`), each with an uncertainty. The rule:
 * **Move** to the candidate of the highest goodput when the lower confidence bound of its gain
   over the batch in force beats ``margin``: its throughput at the lower end, the present one at
   the upper end, and the noise scale at the end of its interval least favourable to the move.
+  A candidate above every timed size is predicted by extrapolating the fitted step time, which
+  a step time growing faster than linearly there (caches, memory bandwidth) makes too hopeful:
+  it is *tried* instead (below), and its own timing keeps or reverts it.
 * **Explore** otherwise: the nearest candidate above every timed size is tried when its gain
   may beat ``margin``. Once the batch in force is known, "may" is the gain's upper bound;
   before, the predicted gain (the optimistic prior of :mod:`._throughput` makes an unmeasured
@@ -28,9 +31,11 @@ averages (:mod:`._noise_scale`), each with an uncertainty. The rule:
   which stops improving once the run leaves it: a gain the trial could then show. So a rough
   timing of the present holds back only explorations of a small gain. The trial is decided as
   soon as the bounds of its gain over the size it left lie on one side of the margin (kept
-  above, back below), and on the estimate once the trial is known. A size once timed, or lying
-  below a timed size (skipped by a move: the fitted model predicts it), is not explored, so on
-  steady figures the batch changes direction at most once.
+  above, back below), and on the estimate once the trial is known. Sizes are tried only from
+  the largest timed size and only above it: a size once timed, or lying below a timed size
+  (skipped by a move: the fitted model predicts it), speaks through the figures, and after a
+  trial is reverted nothing above it is tried until a move on measured figures brings the run
+  back there. So on steady figures the batch changes direction at most once.
 
 The rule never shrinks the batch because the noise scale fell: shrinking is for memory (the
 controller's memory rule and out-of-memory retries).
@@ -115,18 +120,19 @@ def decide_batch(
       >>> from triaccel_jax.controller._goodput import decide_batch
       >>> from triaccel_jax.controller._throughput import StepTimes
       >>> # A GPU-like device: 10 ms a step plus 0.01 ms a sample, timed over 100 steps at 32 and
-      >>> # 64 with no jitter; noise scale 500.
+      >>> # 64 with no jitter; noise scale 500. The run is at 64.
       >>> seconds = {b: 0.010 + 0.00001 * b for b in (32, 64)}
       >>> gpu = {b: StepTimes(100, 100 * t, 100 * t * t, 100) for b, t in seconds.items()}
-      >>> decide_batch(
-      ...     32,
+      >>> decision = decide_batch(
+      ...     64,
       ...     (32, 64, 128, 256, 512, 1024),
       ...     noise_scale=500.0,
       ...     noise_interval=(400.0, 600.0),
       ...     times=gpu,
       ...     reference=32,
-      ... ).batch
-      256
+      ... )
+      >>> decision.batch, decision.kind  # beyond every timed size: tried, kept on its own timing
+      (256, 'explore')
 
     References:
       Qiao et al., 2021, "Pollux", §3-4 (goodput, the fitted throughput model); McCandlish et al.,
@@ -218,10 +224,29 @@ def decide_batch(
         )
     # A move needs the gain's lower bound to clear the margin, the batch in force's own timing
     # noise included: a large gain moves on a rough timing, a small one waits for a fine one.
+    # Above every timed size the fitted model extrapolates, and a step time that grows faster
+    # than linearly there (caches, memory bandwidth) makes its bound too hopeful: such a gain is
+    # tried, and the trial's own timing keeps or reverts it. Sizes are tried only from the
+    # largest timed size, so after a trial is reverted nothing above it is tried again until a
+    # move on measured figures brings the run back there: the direction changes at most once on
+    # steady figures.
+    timed = [b for b, own in times.items() if own.steps > 0]
+    frontier = max(timed)
+    may_try = current >= frontier
     movable = [b for b in figures if b != current and figures[b]["gain_low"] > margin]
-    if movable:
-        best = max(movable, key=lambda b: figures[b]["goodput"])
+    beyond = [b for b in movable if b > frontier] if may_try else []
+    within = [b for b in movable if b <= frontier]
+    best = max([*beyond, *within], key=lambda b: figures[b]["goodput"], default=None)
+    if best is not None:
         f = figures[best]
+        if best > frontier:
+            return BatchDecision(
+                best,
+                "explore",
+                f"goodput at {best} is predicted to beat {current}'s by {f['gain']:.0%} (at "
+                f"least {f['gain_low']:.0%}), beyond every timed size: trying it",
+                figures,
+            )
         return BatchDecision(
             best,
             "move",
@@ -234,15 +259,14 @@ def decide_batch(
     # the predicted gain must clear the margin even against the fast end of the present's
     # timing, so that the trial's bounds can clear it once the trial is timed. A rough present
     # then holds back only explorations of a small gain.
-    # Only sizes above every timed one are explored: a size timed before (a trial decided, a
-    # batch left) speaks through its own figures, and one below a timed size (skipped by a
-    # move) through the model fitted to them, both by the lower bound; so the direction
-    # changes at most once, and an exploration never shrinks the batch.
-    timed = [b for b, own in times.items() if own.steps > 0]
+    # Only sizes above every timed one are explored, from the largest timed size: a size timed
+    # before (a trial decided, a batch left) speaks through its own figures, and one below a
+    # timed size (skipped by a move) through the model fitted to them, both by the lower bound;
+    # so the direction changes at most once, and an exploration never shrinks the batch.
     for batch in sorted((b for b in figures if b != current), key=lambda b: (abs(b - current), -b)):
         f = figures[batch]
         hopeful = f["gain_high"] if current_known else f["gain_reachable"]
-        if batch > max(timed) and hopeful > margin:
+        if may_try and batch > frontier and hopeful > margin:
             return BatchDecision(
                 batch,
                 "explore",
