@@ -236,21 +236,21 @@ def decide_batch(
     movable = [b for b in figures if b != current and figures[b]["gain_low"] > margin]
     beyond = [b for b in movable if b > frontier] if may_try else []
     within = [b for b in movable if b <= frontier]
-    best = max([*beyond, *within], key=lambda b: figures[b]["goodput"], default=None)
-    if best is not None:
-        f = figures[best]
-        if best > frontier:
+    choice = max([*beyond, *within], key=lambda b: figures[b]["goodput"], default=None)
+    if choice is not None:
+        f = figures[choice]
+        if choice > frontier:
             return BatchDecision(
-                best,
+                choice,
                 "explore",
-                f"goodput at {best} is predicted to beat {current}'s by {f['gain']:.0%} (at "
+                f"goodput at {choice} is predicted to beat {current}'s by {f['gain']:.0%} (at "
                 f"least {f['gain_low']:.0%}), beyond every timed size: trying it",
                 figures,
             )
         return BatchDecision(
-            best,
+            choice,
             "move",
-            f"goodput at {best} beats {current} by {f['gain']:.0%} (at least "
+            f"goodput at {choice} beats {current} by {f['gain']:.0%} (at least "
             f"{f['gain_low']:.0%}; noise scale {noise_scale:.4g} in [{low:.4g}, {high:.4g}])",
             figures,
         )
