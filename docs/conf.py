@@ -180,13 +180,21 @@ _PAGES, _REST, _HOME_PAGE, _LAYOUT_PROBLEMS = _read_layout()
 
 def _entry(module: str, name: str) -> str:
     obj = getattr(importlib.import_module(module), name)
+    options = ""
     if isinstance(obj, type):
         kind = "exception" if issubclass(obj, BaseException) else "class"
+        # A class's members from one of the library's private bases are its own to a reader
+        # (the two signals states share theirs); those of tuple and object are not.
+        if any(
+            base.__name__.startswith("_") and base.__module__.startswith("triaccel_jax")
+            for base in obj.__mro__[1:]
+        ):
+            options = "\n   :inherited-members: tuple, object"
     elif callable(obj):
         kind = "function"
     else:
         kind = "data"
-    return f".. auto{kind}:: {module}.{name}"
+    return f".. auto{kind}:: {module}.{name}{options}"
 
 
 def _entries(pairs, declare=()) -> str:

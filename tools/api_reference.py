@@ -63,11 +63,20 @@ def _doc(obj: Any) -> str:
 
 
 def _members(cls: type) -> list[tuple[str, Any]]:
-    """The public methods and properties ``cls`` defines itself (not those it inherits)."""
+    """The public methods and properties ``cls`` defines itself or takes from one of the
+    library's private bases (which no reader sees), not those it inherits from public classes."""
     members = []
-    for name, value in vars(cls).items():
-        if name.startswith("_") or name in getattr(cls, "_fields", ()):
+    own = [
+        klass
+        for klass in cls.__mro__
+        if klass is cls
+        or (klass.__name__.startswith("_") and klass.__module__.startswith("triaccel_jax"))
+    ]
+    seen: set[str] = set()
+    for name, value in (item for klass in own for item in vars(klass).items()):
+        if name.startswith("_") or name in getattr(cls, "_fields", ()) or name in seen:
             continue
+        seen.add(name)
         if isinstance(value, (staticmethod, classmethod)):
             value = getattr(cls, name)  # bound: a classmethod's signature without cls
         documented = inspect.getdoc(value) is not None

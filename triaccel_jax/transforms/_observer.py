@@ -395,7 +395,44 @@ def kept_where_unobserved(new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: o if n is None else n, new, old, is_leaf=_is_none_or_masked)
 
 
-class CurvatureSignalsState(NamedTuple):
+class _SignalFields(NamedTuple):
+    """The fields both signals states hold, and their readers by leaf; each state is a subclass
+    (:class:`CurvatureSignalsState`, :class:`AdamSignalsState`), so that its type says what its
+    ``nu`` is."""
+
+    # Shadows tuple.count, as optax's states do; the field name is part of the state's structure.
+    count: jax.Array  # type: ignore[assignment]
+    curvature_count: jax.Array
+    mu: Any
+    nu: Any
+    curvature: Any
+    leaf_signals: Any
+    estimator_state: Any
+    rounding_key: jax.Array
+
+    def leaf_paths(self) -> list[str]:
+        """The ``"a/b/kernel"`` paths of the observed leaves: the order of every per-leaf vector
+        in the state (the leaves of ``mu``; the others hold ``optax.MaskedNode``)."""
+        with_paths, _ = jax.tree_util.tree_flatten_with_path(self.mu)
+        return [tree_lib.path_string(path) for path, _ in with_paths]
+
+    def signals_by_leaf(self) -> dict[str, LeafSignals]:
+        """Each observed leaf's :class:`LeafSignals` (scalars), keyed by its path."""
+        paths = self.leaf_paths()
+        vectors = refresh_lib.as_named_tuple(LeafSignals, self.leaf_signals)
+        if any(jnp.shape(field) != (len(paths),) for field in vectors):
+            raise ValueError(
+                f"the state holds signals of shapes {[jnp.shape(f) for f in vectors]} for "
+                f"{len(paths)} observed leaves: it is not a state of this version of triaccel_jax"
+            )
+        return {path: LeafSignals(*(field[i] for field in vectors)) for i, path in enumerate(paths)}
+
+    def curvature_by_leaf(self) -> dict[str, compression.CompressedDiagonal]:
+        """Each observed leaf's curvature EMA (not bias-corrected), keyed by its path."""
+        return dict(zip(self.leaf_paths(), self.curvature.leaves(), strict=True))
+
+
+class CurvatureSignalsState(_SignalFields):
     """State of the observer :func:`curvature_signals` (also inside
     :func:`triaccel_jax.scale_by_curvature`); arrays only.
 
@@ -431,28 +468,8 @@ class CurvatureSignalsState(NamedTuple):
       Tri-Accel, arXiv 2508.16905.
     """
 
-    # Shadows tuple.count, as optax's states do; the field name is part of the state's structure.
-    count: jax.Array  # type: ignore[assignment]
-    curvature_count: jax.Array
-    mu: Any
-    nu: Any
-    curvature: Any
-    leaf_signals: Any
-    estimator_state: Any
-    rounding_key: jax.Array
-
-    def leaf_paths(self) -> list[str]:
-        """The ``"a/b/kernel"`` paths of the observed leaves: the order of every per-leaf vector
-        in the state (the leaves of ``mu``; the others hold ``optax.MaskedNode``)."""
-        return _leaf_paths(self)
-
-    def signals_by_leaf(self) -> dict[str, LeafSignals]:
-        """Each observed leaf's :class:`LeafSignals` (scalars), keyed by its path."""
-        return _signals_by_leaf(self)
-
-    def curvature_by_leaf(self) -> dict[str, compression.CompressedDiagonal]:
-        """Each observed leaf's curvature EMA (not bias-corrected), keyed by its path."""
-        return _curvature_by_leaf(self)
+    # The fields and readers are _SignalFields'; a type of its own says which nu it holds.
+    __slots__ = ()
 
 
 def curvature_signals(
@@ -614,7 +631,7 @@ def observe(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-class AdamSignalsState(NamedTuple):
+class AdamSignalsState(_SignalFields):
     """State of the curvature signals that keep Adam's moments and return Adam's direction
     (:func:`adam_with_signals`, inside :func:`triaccel_jax.scale_by_triaccel` and
     :func:`triaccel_jax.triaccel`); arrays only.
@@ -649,28 +666,8 @@ class AdamSignalsState(NamedTuple):
       Tri-Accel, arXiv 2508.16905; Kingma & Ba, 2015, "Adam".
     """
 
-    # Shadows tuple.count, as optax's states do; the field name is part of the state's structure.
-    count: jax.Array  # type: ignore[assignment]
-    curvature_count: jax.Array
-    mu: Any
-    nu: Any
-    curvature: Any
-    leaf_signals: Any
-    estimator_state: Any
-    rounding_key: jax.Array
-
-    def leaf_paths(self) -> list[str]:
-        """The ``"a/b/kernel"`` paths of the observed leaves: the order of every per-leaf vector
-        in the state (the leaves of ``mu``; the others hold ``optax.MaskedNode``)."""
-        return _leaf_paths(self)
-
-    def signals_by_leaf(self) -> dict[str, LeafSignals]:
-        """Each observed leaf's :class:`LeafSignals` (scalars), keyed by its path."""
-        return _signals_by_leaf(self)
-
-    def curvature_by_leaf(self) -> dict[str, compression.CompressedDiagonal]:
-        """Each observed leaf's curvature EMA (not bias-corrected), keyed by its path."""
-        return _curvature_by_leaf(self)
+    # The fields and readers are _SignalFields'; a type of its own says which nu it holds.
+    __slots__ = ()
 
 
 def adam_with_signals(
@@ -768,26 +765,6 @@ def adam_with_signals(
 
 # Either state that keeps curvature signals: what the planner, signals() and the step scale read.
 SignalsState = CurvatureSignalsState | AdamSignalsState
-
-
-def _leaf_paths(state: SignalsState) -> list[str]:
-    with_paths, _ = jax.tree_util.tree_flatten_with_path(state.mu)
-    return [tree_lib.path_string(path) for path, _ in with_paths]
-
-
-def _signals_by_leaf(state: SignalsState) -> dict[str, LeafSignals]:
-    paths = _leaf_paths(state)
-    vectors = refresh_lib.as_named_tuple(LeafSignals, state.leaf_signals)
-    if any(jnp.shape(field) != (len(paths),) for field in vectors):
-        raise ValueError(
-            f"the state holds signals of shapes {[jnp.shape(f) for f in vectors]} for "
-            f"{len(paths)} observed leaves: it is not a state of this version of triaccel_jax"
-        )
-    return {path: LeafSignals(*(field[i] for field in vectors)) for i, path in enumerate(paths)}
-
-
-def _curvature_by_leaf(state: SignalsState) -> dict[str, compression.CompressedDiagonal]:
-    return dict(zip(_leaf_paths(state), state.curvature.leaves(), strict=True))
 
 
 def _is_moments_or_none(node: Any) -> bool:
