@@ -2,7 +2,7 @@
 # Runs the test suite: bash tools/test.sh [--fast] [PYTEST ARGS...]   (e.g. -k adam, -n 0)
 #
 # --fast: the fast tier, the one to run all the time (about 7 minutes on 2 busy cores, where the whole
-#    suite takes about 27): step 1 only, without the tests marked `slow` (-m "not slow": end-to-end
+#    suite takes about 20 and the kernel tests 2 more): step 1 only, without the tests marked `slow` (-m "not slow": end-to-end
 #    runs, benchmark and notebook runs, the optimizer harness beyond harness.FAST_VARIANTS) and
 #    under the "fast" Hypothesis profile (at most 10 examples a property; tests/conftest.py). The
 #    kernel step runs only with TRIACCEL_KERNEL_TESTS=1. CI (.ci/run) runs everything.
