@@ -67,6 +67,7 @@ from triaccel_jax.controller._out_of_memory import simulated_out_of_memory
 from triaccel_jax.controller._replan import Replan
 from triaccel_jax.controller._replan import replan
 from triaccel_jax.controller._sampler import ElasticSampler
+from triaccel_jax.controller._sampler import SamplerState
 from triaccel_jax.controller._state_record import ControllerCheckpoint
 
 __all__ = (
@@ -88,6 +89,7 @@ __all__ = (
     "OutOfMemoryError",
     "OutOfMemoryFaults",
     "Replan",
+    "SamplerState",
     "StepInfo",
     "StepSettings",
     "TensorBoardWriter",

@@ -165,6 +165,18 @@ class SamplerState:
       num_examples, seed, shuffle: the sampler's settings.
       epoch: the epoch being served.
       cursor: the position in that epoch's permutation.
+
+    Example:
+      >>> from triaccel_jax.controller import ElasticSampler
+      >>> sampler = ElasticSampler(10, seed=0)
+      >>> _ = sampler.take(4)
+      >>> saved = sampler.saved_state()
+      >>> saved.epoch, saved.cursor
+      (0, 4)
+      >>> again = ElasticSampler(10, seed=0)
+      >>> again.load_saved_state(saved)
+      >>> again.take(6).tolist() == sampler.take(6).tolist()
+      True
     """
 
     format: str
