@@ -229,8 +229,8 @@ def test_each_part_saves_its_own_state_and_reads_it_back():
     for _ in range(30):
         goodput.observe_throughput((8, 1, "none"), seconds=0.01)
     keys = {b: (b, 1, "none") for b in (8, 16)}
-    move = goodput.decide(8, [8, 16], keys, measurable=True)
-    assert move.bucket == 16 and move.figures["decision"] == "explore"  # a trial, saved
+    move, figures = goodput.decide(8, [8, 16], keys, measurable=True)
+    assert move.batch == 16 and move.kind == figures["decision"] == "explore"  # a trial, saved
     restored = GoodputTracker(**options)
     restored.load_state_dict(_through_json(goodput.state_dict()))
     assert restored.state_dict() == goodput.state_dict()

@@ -387,11 +387,11 @@ def test_goodput_without_a_noise_scale_leaves_an_unmeasurable_bucket_for_the_nex
         return GoodputTracker(horizon=1000, lag=1, reference=1, margin=0.05, critical_multiple=1.0)
 
     keys = {b: (b, 1, "none") for b in (1, 2, 4)}
-    unmeasurable = tracker().decide(1, (1, 2, 4), keys, measurable=False)
-    assert unmeasurable.bucket == 2 and "cannot measure the noise scale" in unmeasurable.reason
+    unmeasurable, _ = tracker().decide(1, (1, 2, 4), keys, measurable=False)
+    assert unmeasurable.batch == 2 and "cannot measure the noise scale" in unmeasurable.reason
     # The largest allowed bucket has nowhere to go; a measurable one waits for its estimate.
-    assert tracker().decide(1, (1,), {1: keys[1]}, measurable=False).bucket == 1
-    assert tracker().decide(2, (1, 2, 4), keys, measurable=True).bucket == 2
+    assert tracker().decide(1, (1,), {1: keys[1]}, measurable=False)[0].batch == 1
+    assert tracker().decide(2, (1, 2, 4), keys, measurable=True)[0].batch == 2
 
 
 def test_a_throughput_flat_in_the_batch_keeps_the_reference_batch_however_large_the_noise():
@@ -423,7 +423,7 @@ def test_goodput_decides_on_a_sample_clock():
     reasons = []
     for step in range(4):
         tracker.observe_noise(step, (9.0, 17.0), batch=32, micro=16)
-        reasons.append(tracker.decide(32, [32, 64, 128], keys, measurable=True).reason)
+        reasons.append(tracker.decide(32, [32, 64, 128], keys, measurable=True)[0].reason)
     assert all("decides every 100 samples" in r for r in reasons[:3])
     assert "decides every" not in reasons[3]
     assert tracker.state_dict()["clock"] == [128, 128]

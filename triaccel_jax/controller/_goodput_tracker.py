@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Annotated
 from typing import Any
-from typing import NamedTuple
 
 from triaccel_jax.controller import _agreement as agreement
 from triaccel_jax.controller import _goodput as goodput
@@ -38,20 +37,6 @@ ThroughputKey = tuple[int, int, str]
 
 # Timed steps an assumed step-time model stands for at each size: enough to count as known.
 _ASSUMED_STEPS = 10_000
-
-
-class GoodputMove(NamedTuple):
-    """What :meth:`GoodputTracker.decide` decided.
-
-    Attributes:
-      bucket: the bucket to train at (the current one to stay).
-      reason: why, in words, for the event log.
-      figures: ``{"noise_scale", "noise_interval", "decision", "goodput"}`` for the event log.
-    """
-
-    bucket: int
-    reason: str
-    figures: dict[str, Any]
 
 
 class GoodputTracker:
@@ -90,8 +75,9 @@ class GoodputTracker:
       >>> round(tracker.noise_scale, 6)
       256.0
       >>> keys = {b: (b, 1, "none") for b in (32, 64, 128, 256)}
-      >>> tracker.decide(32, [32, 64, 128, 256], keys, measurable=True).bucket
-      256
+      >>> decision, figures = tracker.decide(32, [32, 64, 128, 256], keys, measurable=True)
+      >>> decision.batch, decision.kind
+      (256, 'move')
     """
 
     def __init__(
@@ -224,9 +210,11 @@ class GoodputTracker:
         keys: Mapping[int, ThroughputKey],
         *,
         measurable: bool,
-    ) -> GoodputMove:
+    ) -> tuple[goodput.BatchDecision, dict[str, Any]]:
         """The bucket of highest goodput among ``allowed`` that the figures' intervals support
-        (:func:`._goodput.decide_batch`).
+        (:func:`._goodput.decide_batch`), and the figures for the event log
+        (``{"noise_scale", "noise_interval", "decision", "goodput"}``; empty when nothing was
+        weighed).
 
         Args:
           current: the bucket in force (among ``allowed``).
@@ -239,20 +227,22 @@ class GoodputTracker:
             self._trial = None  # the trial's move was not taken (memory refused it)
         larger = [b for b in allowed if b > current]
         if self._noise.simple is None and not measurable and larger:
-            return GoodputMove(
+            return goodput.BatchDecision(
                 larger[0],
+                "move",
                 f"a step of micro-batch {current} cannot measure the noise scale (it cannot be "
                 f"halved on every device): to {larger[0]} to measure it",
                 {},
-            )
+            ), {}
         # A step that cannot measure waits for nothing: no evidence comes in at this bucket.
         if self._samples - self._decided_at < self._every:
-            return GoodputMove(
+            return goodput.BatchDecision(
                 current,
+                "stay",
                 f"goodput decides every {self._every} samples: next at "
                 f"{self._decided_at + self._every}, {self._samples} read",
                 {},
-            )
+            ), {}
         self._decided_at = self._samples
         times = self._agreed_times(keys)
         interval = self._noise.interval()
@@ -281,7 +271,7 @@ class GoodputTracker:
             "decision": decision.kind,
             "goodput": decision.figures,
         }
-        return GoodputMove(decision.batch, decision.reason, figures)
+        return decision, figures
 
     def within_memory(
         self,
@@ -314,11 +304,13 @@ class GoodputTracker:
         allowed = [b for b in buckets if b <= cap and (ceiling is None or b < ceiling)]
         if current not in allowed:
             allowed = sorted({*allowed, current})
-        move = self.decide(current, allowed, {b: key_of(b) for b in allowed}, measurable=measurable)
-        if move.bucket == current:
-            return memory._replace(kind="keep", bucket=current), move.figures
-        kind = "grow" if move.bucket > current else "shrink"
-        return memory._replace(kind=kind, bucket=move.bucket, reason=move.reason), move.figures
+        choice, figures = self.decide(
+            current, allowed, {b: key_of(b) for b in allowed}, measurable=measurable
+        )
+        if choice.batch == current:
+            return memory._replace(kind="keep", bucket=current), figures
+        kind = "grow" if choice.batch > current else "shrink"
+        return memory._replace(kind=kind, bucket=choice.batch, reason=choice.reason), figures
 
     def _agreed_times(self, keys: Mapping[int, ThroughputKey]) -> dict[int, StepTimes]:
         """The step times of each bucket, as every process agrees on them (the pace of the
