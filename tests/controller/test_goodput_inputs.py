@@ -70,11 +70,11 @@ def _always_shrink(original):
     """A goodput decision that always takes the bucket below (wrapping the tracker's own)."""
 
     def decide(tracker, current, allowed, *args, **kwargs):
-        move = original(tracker, current, allowed, *args, **kwargs)
+        move, figures = original(tracker, current, allowed, *args, **kwargs)
         below = [b for b in allowed if b < current]
         if not below:
-            return move
-        return move._replace(bucket=below[-1], reason="goodput chose a smaller batch")
+            return move, figures
+        return move._replace(batch=below[-1], reason="goodput chose a smaller batch"), figures
 
     return decide
 
