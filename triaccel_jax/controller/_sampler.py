@@ -168,15 +168,9 @@ class SamplerState:
 
     Example:
       >>> from triaccel_jax.controller import ElasticSampler
-      >>> sampler = ElasticSampler(10, seed=0)
-      >>> _ = sampler.take(4)
-      >>> saved = sampler.saved_state()
-      >>> saved.epoch, saved.cursor
-      (0, 4)
-      >>> again = ElasticSampler(10, seed=0)
-      >>> again.load_saved_state(saved)
-      >>> again.take(6).tolist() == sampler.take(6).tolist()
-      True
+      >>> ElasticSampler(10, seed=0).saved_state()  # doctest: +NORMALIZE_WHITESPACE
+      SamplerState(format='triaccel_jax.controller.ElasticSampler', num_examples=10, seed=0,
+                   shuffle=True, epoch=0, cursor=0)
     """
 
     format: str
