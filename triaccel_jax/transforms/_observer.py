@@ -347,6 +347,17 @@ def noise_moments(moments: Any, scalars: kernels.Scalars) -> refresh_lib.NoiseMo
     )
 
 
+def written_first_moment(moments: Any, step: Step, config: TriAccelConfig) -> Any:
+    """Adam's new first moment in each observed leaf's stored dtype (None on the others), with
+    the rounding key both signals transforms give it."""
+    return observed_moments(
+        lambda m, old, key: write_moment(m.mu, old, jax.random.fold_in(key, 0), config.impl),
+        moments,
+        step.mu,
+        step.keys,
+    )
+
+
 def write_moment(value: jax.Array, old: jax.Array, key: jax.Array, impl: str) -> jax.Array:
     """A freshly computed float32 moment in its stored dtype, stochastically rounded when
     narrower, through the cast kernel's dispatch (``impl``)."""
@@ -580,12 +591,7 @@ def observe(
         moments = adam_moments(
             step._replace(nu=jax.tree.map(jnp.zeros_like, step.mu)), updates, scalars
         )
-        mu = observed_moments(
-            lambda m, old, key: write_moment(m.mu, old, jax.random.fold_in(key, 0), config.impl),
-            moments,
-            step.mu,
-            step.keys,
-        )
+        mu = written_first_moment(moments, step, config)
         # The EMA of each leaf's mean(g**2): b2 * nu + (1 - b2) * mean(g**2), one segmented
         # mean over all observed leaves.
         observed = [
@@ -722,12 +728,7 @@ def adam_with_signals(
         step = step._replace(nu=step.like_updates(step.nu))
         scalars = kernels.adam_scalars(count=step.count, b1=settings.b1, b2=settings.b2, eps=eps)
         moments = adam_moments(step, updates, scalars)
-        mu = observed_moments(
-            lambda m, old, key: write_moment(m.mu, old, jax.random.fold_in(key, 0), config.impl),
-            moments,
-            step.mu,
-            step.keys,
-        )
+        mu = written_first_moment(moments, step, config)
         nu = observed_moments(
             lambda m, old, key: write_moment(m.nu, old, jax.random.fold_in(key, 1), config.impl),
             moments,
