@@ -226,10 +226,14 @@ def test_quick_mode_writes_the_table_and_the_raw_numbers(tmp_path):
     (workload,) = raw["workloads"]
     assert workload["workload"] == "fashion_mlp"
     assert list(workload["runs"]) == list(runs.ROWS)
+    # Bounds a broken optimizer would cross: the quick runs reach 0.59-0.75 on ten classes
+    # (2026-12-06), each row's mean within 0.04 of AdamW's; one that stops learning stays near 0.1.
+    mean = {row: np.mean([r["accuracy"] for r in rs]) for row, rs in workload["runs"].items()}
     for row, row_runs in workload["runs"].items():
         assert [r["seed"] for r in row_runs] == [0, 1], row
+        assert mean[row] >= max(0.45, mean["adamw"] - 0.15), (row, mean)
         for run in row_runs:
-            assert 0.0 <= run["accuracy"] <= 1.0 and run["memory_mib"] > 0
+            assert 0.35 <= run["accuracy"] <= 1.0 and run["memory_mib"] > 0, (row, run["accuracy"])
             assert run["evals"][-1]["accuracy"] == run["accuracy"]
             assert run["hyper"] == workload["chosen"][runs.base_row(row)], row
     # The same number of tuning trials for every optimizer, all four tuned.

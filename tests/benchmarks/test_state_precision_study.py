@@ -54,8 +54,12 @@ def test_quick_run_reports_every_optimizer_and_state_row(tmp_path):
         assert f"- fashion_mlp {label} int8: int8 target:" in table
         assert f"- fashion_mlp {label} int4: int4 target:" in table
     assert "Targets:" in table
-    for (_, state), row in rows.items():
-        assert row["n"] == 2 and 0 <= row["mean"] <= 100
+    # Bounds that a broken store would cross: the quick runs (2 seeds, a few hundred images)
+    # reach about 70% (AdamW) and 50% (Muon) in fp32, and every narrow format stays within a
+    # point of its fp32 row (2026-12-06); a format that loses its state falls towards 10%.
+    for (opt, state), row in rows.items():
+        assert row["n"] == 2 and row["mean"] >= 35.0, (opt, state, row["mean"])
+        assert row["mean"] >= rows[(opt, "fp32")]["mean"] - 5.0, (opt, state, row["mean"])
         assert math.isfinite(row["step_ratio"]) and row["step_ratio"] > 0
         if state == "fp32":
             assert row["verdict"] == "reference"
