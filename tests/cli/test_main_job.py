@@ -17,7 +17,7 @@ from triaccel_jax.cli import _main_job as main_job
 
 TINY = ["--dataset", "digits", "--epochs", "2", "--max-steps", "6", "--batch-size", "32"]
 TINY += ["--max-batch", "64", "--check-every", "2", "--replan-every", "3", "--no-progress"]
-TINY += ["--state-probe-steps", "3"]  # Tri-Accel's state plan from a short probe
+TINY += ["--state-plan-step", "3"]  # Tri-Accel's state planned from its own signals at step 3
 # The grow compiles synchronously here so that it happens within the six steps.
 TINY += ["--no-compile-in-background"]
 
@@ -135,7 +135,9 @@ def test_the_triaccel_row_holds_its_state_in_planned_low_bit_formats(tiny_job):
     plan = elastic["state_plan"]
     low = {f for f in plan["formats"].values() if f not in ("fp32", "bf16")}
     assert low and low <= set(elastic["state_bytes"])
-    assert plan["probe_steps"] == 3 and plan["meets_cap"] and plan["cap"] == 6.5
+    assert plan["plan_step"] == 3 and plan["meets_cap"] and plan["cap"] == 6.5
+    # Size alone chose the same formats at the start: the run kept its controller.
+    assert plan["formats"] == plan["initial_formats"] and not plan["switched"]
     # Its compiled state, and its compiled step at the common batch, are below FP32 AdamW's.
     assert elastic["state_compiled_bytes"] < 0.9 * fp32["state_compiled_bytes"]
     assert elastic["common_batch_compiled_mib"] < fp32["common_batch_compiled_mib"]
@@ -152,12 +154,46 @@ def test_the_triaccel_row_holds_its_state_in_planned_low_bit_formats(tiny_job):
     assert set(cells) == set(elastic["state_bytes"])
     for name, mib in cells.items():
         assert float(mib) == pytest.approx(elastic["state_bytes"][name] / 2**20, rel=5e-3)
-    seconds, steps = row["state plan probe s (steps)"].split()
-    assert steps == "(3)" and float(seconds) == pytest.approx(plan["probe_seconds"], abs=0.01)
-    # The probe's seconds are in the wall time, the evaluations' seconds too.
-    assert elastic["seconds"] >= plan["probe_seconds"] + elastic["compile_seconds"]
-    assert elastic["evals"][0]["seconds"] >= plan["probe_seconds"]
+    seconds, step = row["state plan s (at step)"].split()
+    assert step == "(3)" and float(seconds) == pytest.approx(plan["plan_seconds"], abs=0.01)
+    # The plan's seconds are in the wall time; it trains no step of its own.
+    assert elastic["seconds"] >= plan["plan_seconds"] + elastic["compile_seconds"]
+    assert elastic["steps"] == fp32["steps"] == 6
     assert "**Tri-Accel's state.** Adam's moments planned under a cap of 6.5 B/param" in out
+
+
+@pytest.mark.standard_promotion("Flax's avg_pool promotes internally")
+def test_a_plan_that_differs_converts_the_state_and_the_run_goes_on_from_the_same_step(
+    tmp_path,
+):
+    """Started with every moment in float32, the run's plan at step 3 lowers Dense_0/kernel: the
+    state is converted and a new controller carries on from step 3 with its samples, compiles
+    and events, to the same six steps as the fixed runs."""
+    from triaccel_jax.cli import _state as state_lib
+
+    by_size = state_lib.initial_state_formats
+
+    def all_fp32(params, *, learning_rate, cap):
+        return dict.fromkeys(by_size(params, learning_rate=learning_rate, cap=cap), "fp32")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(state_lib, "initial_state_formats", all_fp32)
+        _run_tiny_job(tmp_path, "--runs", "fp32", "triaccel")
+    record = {r["name"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    fp32, elastic = record["fp32"], record["triaccel"]
+    plan = elastic["state_plan"]
+    assert plan["switched"] and plan["plan_step"] == 3
+    assert set(plan["initial_formats"].values()) == {"fp32"}
+    assert plan["formats"]["Dense_0/kernel"] in ("int8", "int4")
+    # The moments are stored in the plan's formats at the end; no sample is trained twice.
+    assert plan["formats"]["Dense_0/kernel"] in elastic["state_bytes"]
+    assert elastic["steps"] == fp32["steps"] == 6
+    assert [h["step"] for h in elastic["history"]] == list(range(1, 7))
+    samples = [h["samples"] for h in elastic["history"]]
+    assert samples == sorted(samples) and len(set(samples)) == 6
+    # The first controller's compile counts with the second's: two steps compiled at least.
+    assert elastic["compile_seconds"] >= elastic["evals"][0]["compile_seconds"] > 0
+    assert elastic["state_compiled_bytes"] < 0.9 * fp32["state_compiled_bytes"]
 
 
 @pytest.mark.slow
@@ -231,7 +267,7 @@ def test_an_unwritable_output_dir_is_reported_before_training(tmp_path, capsys):
         ["--max-steps", "0"],
         ["--state-cap", "0"],
         ["--state-cap", "inf"],
-        ["--state-probe-steps", "0"],
+        ["--state-plan-step", "0"],
     ],
 )
 def test_bad_numbers_are_rejected(bad):

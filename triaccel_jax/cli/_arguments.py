@@ -138,12 +138,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "and the rest above; 12 or more keeps the state float32",
     )
     parser.add_argument(
-        "--state-probe-steps",
+        "--state-plan-step",
         type=int,
         default=20,
-        help="steps of the probe whose curvature and noise signals Tri-Accel's state plan reads "
-        "(trained with float32 state, then thrown away: the run starts from the same "
-        "initialisation; its seconds count in Tri-Accel's wall time)",
+        help="the step at which Tri-Accel's state plan reads the run's own curvature and noise "
+        "signals (until then the moments are stored in the formats their sizes give under "
+        "--state-cap; a plan that differs converts them, and the run goes on from that step)",
     )
     parser.add_argument(
         "--compile-in-background",
@@ -231,8 +231,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--budget-mib must be positive")
     if not (args.state_cap > 0 and math.isfinite(args.state_cap)):
         parser.error("--state-cap must be a positive number of bytes per parameter")
-    if args.state_probe_steps < 1:
-        parser.error("--state-probe-steps must be >= 1")
+    if args.state_plan_step < 1:
+        parser.error("--state-plan-step must be >= 1")
     if args.compilation_cache is not None and args.no_compilation_cache:
         parser.error("--compilation-cache and --no-compilation-cache contradict each other")
     return args

@@ -34,7 +34,7 @@ RESULT_COLUMNS = (
     "state vs FP32",
     "state B/param (XLA compiled)",
     "state MiB by format (stored leaves)",
-    "state plan probe s (steps)",
+    "state plan s (at step)",
     "test accuracy",
     "s to FP32's accuracy (less compiles)",
 )
@@ -94,11 +94,11 @@ def _state_total(run: Any) -> float | None:
     return sum(run.state_bytes.values()) or None
 
 
-def _probe(plan: dict[str, Any] | None) -> str:
-    """A state plan's probe as "seconds (steps)", "-" for a run without one."""
+def _plan_cost(plan: dict[str, Any] | None) -> str:
+    """A state plan's host seconds and the step it was taken at, "-" for a run without one."""
     if plan is None:
         return "-"
-    return f"{plan['probe_seconds']:.2f} ({plan['probe_steps']})"
+    return f"{plan['plan_seconds']:.2f} ({plan['plan_step']})"
 
 
 def _state_mib(run: Any) -> float | None:
@@ -179,7 +179,7 @@ def results_table(results: Sequence[Any], labels: Mapping[str, str]) -> str:
             state_ratio(r),
             "-" if r.state_bytes_per_parameter is None else f"{r.state_bytes_per_parameter:.3f}",
             state_by_format(r.state_bytes),
-            _probe(r.state_plan),
+            _plan_cost(r.state_plan),
             f"{100 * r.accuracy:.2f}%",
             _time_to_fp32(r, base),
         )
@@ -234,8 +234,9 @@ def state_plan_summary(elastic: Any) -> str:
       elastic: the Tri-Accel run's result (``state_plan``, ``state_bytes``).
 
     Returns:
-      E.g. ``"Adam's moments planned under a cap of 6.5 B/param (parameters plus moments) from a
-      20-step probe (2.61 s): Dense_0/kernel int8, 7 leaves fp32; 6.35 B/param planned"``.
+      E.g. ``"Adam's moments planned under a cap of 6.5 B/param (parameters plus moments) from
+      the run's signals at step 20 (0.05 s), as it started: Dense_0/kernel int8, 7 leaves fp32;
+      6.35 B/param planned"``.
     """
     plan = elastic.state_plan
     by_format: dict[str, list[str]] = {}
@@ -249,9 +250,10 @@ def state_plan_summary(elastic: Any) -> str:
     met = "" if plan["meets_cap"] else ", over the cap: no plan of these formats meets it"
     return (
         f"Adam's moments planned under a cap of {plan['cap']:g} B/param (parameters plus "
-        f"moments) from a {plan['probe_steps']}-step probe ({plan['probe_seconds']:.2f} s, "
-        f"counted in the wall time): {'; '.join(parts)}; {plan['bytes_per_parameter']:.2f} "
-        f"B/param planned{met}"
+        f"moments) from the run's own signals at step {plan['plan_step']} "
+        f"({plan['plan_seconds']:.2f} s, counted in the wall time), "
+        f"{'converted from the formats its sizes gave at the start' if plan['switched'] else 'as it started (by size)'}"
+        f": {'; '.join(parts)}; {plan['bytes_per_parameter']:.2f} B/param planned{met}"
     )
 
 

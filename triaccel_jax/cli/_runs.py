@@ -4,9 +4,10 @@
 * ``bf16``: ``optax.adamw`` with every layer computing in bfloat16 (fp32 masters and state) at
   the same fixed batch: static mixed precision;
 * ``triaccel``: Tri-Accel's update (curvature step sizes over Adam's direction,
-  :func:`triaccel_jax.cli._state.triaccel_optimizer`) with Adam's moments stored in the formats
-  planned per leaf under ``--state-cap`` from a probe of ``--state-probe-steps`` steps
-  (:func:`triaccel_jax.cli._state.plan_state`), the planner re-planning each leaf's compute
+  :func:`triaccel_jax.cli._state.triaccel_optimizer`) with Adam's moments stored in low-bit
+  formats under ``--state-cap``: by size from the start, then planned per leaf from the run's
+  own signals at step ``--state-plan-step`` (:func:`triaccel_jax.cli._state.plan_state`; a plan
+  that differs converts the state and the run goes on), the planner re-planning each leaf's compute
   precision every ``--replan-every`` steps, and the batch moved by goodput within the memory
   budget (buckets up to ``--max-batch``; the learning rate follows the square root of
   AdaScale's gain, the controller's default under goodput).
@@ -51,19 +52,20 @@ class RunResult:
     ``memory_report``'s analytic total, the ``*_compiled_mib`` ones XLA's compiled memory of one
     whole training step (forward, backward and the optimizer's update, parameters and state
     donated as the controller's step donates them) under the run's final policy at that batch.
-    ``seconds`` is the run's wall time without its evaluations, Tri-Accel's state plan's probe
-    included (its ``probe_seconds``); of it, ``compile_seconds`` went to compiling the
+    ``seconds`` is the run's wall time without its evaluations, Tri-Accel's state plan
+    included (its ``plan_seconds``); of it, ``compile_seconds`` went to compiling the
     controller's steps (or loading them from the persistent cache) and ``step_seconds`` to
-    running them (the controller's ``timings``). ``samples_per_second`` is training samples over
-    the wall time less compiles and the probe. Each of ``evals`` holds ``seconds`` (the probe's
-    included) and ``compile_seconds`` so far, from which the time to an accuracy is read with or
-    without compiles.
+    running them (the controller's ``timings``, summed over the controller a changed state plan
+    hands the run to). ``samples_per_second`` is training samples over the wall time less
+    compiles and the plan. Each of ``evals`` holds ``seconds`` and ``compile_seconds`` so far,
+    from which the time to an accuracy is read with or without compiles.
 
     ``state_bytes`` is the optimizer state's bytes by the format each leaf is stored in
     (:func:`triaccel_jax.cli._state.state_bytes_by_format`); ``state_compiled_bytes`` XLA's
     figure of the whole state in the compiled update (None without a memory analysis), and
     ``parameters`` the trainable elements, for bytes per parameter. ``state_plan`` is
-    Tri-Accel's :class:`triaccel_jax.cli._state.StatePlan` as a dict (None for the other runs).
+    Tri-Accel's :class:`triaccel_jax.cli._state.StatePlan` as a dict (None for the other runs,
+    and for a run that ended before its plan's step).
     """
 
     name: str
@@ -125,6 +127,15 @@ class _RunLog:
     step_scales: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     eval_seconds: float = 0.0  # spent evaluating and recording figures: not training time
     common_batch_peak_bytes: int | None = None
+    # The controllers the run was handed on from (a changed state plan), first first: their
+    # compiles, steps and events are the run's too.
+    earlier: list[Any] = dataclasses.field(default_factory=list)
+    controller: Any = None  # the controller the run ended with
+
+    def timing(self, controller: Any, key: str) -> float:
+        """The run's ``key`` seconds so far (``"compile"``, ``"step"``), ``controller`` the one
+        now training."""
+        return sum(c.timings[key] for c in self.earlier) + controller.timings[key]
 
 
 def init_variables(model: Any, has_state: bool, data: task.Data, seed: int) -> tuple[Any, Any]:
@@ -145,13 +156,20 @@ def build_controller(
     args: Any,
     *,
     state_formats: str | dict[str, str] = "fp32",
+    start: tuple[Any, Any, Any] | None = None,
 ) -> controller_lib.Controller:
     """The controller of ``run``: its optimizer, policy, batch range and memory probe.
 
     ``state_formats`` is the format of Tri-Accel's moments (a plan's ``formats``, or one name);
-    the fixed runs' AdamW keeps float32 state.
+    the fixed runs' AdamW keeps float32 state. ``start`` is ``(params, model_state,
+    opt_state)`` to go on from (a run handed to a new state plan); None: the seed's
+    initialisation.
     """
-    params, model_state = init_variables(model, has_state, data, args.seed)
+    if start is None:
+        params, model_state = init_variables(model, has_state, data, args.seed)
+        opt_state = None
+    else:
+        params, model_state, opt_state = start
     common: dict[str, Any] = {
         "model_state": model_state,
         "has_aux": True,
@@ -193,7 +211,9 @@ def build_controller(
             policy=policy,
             lr_scaling="none",
         )
-    return controller_lib.Controller(loss_fn, params, tx, data.train, **common, **kwargs)
+    return controller_lib.Controller(
+        loss_fn, params, tx, data.train, opt_state=opt_state, **common, **kwargs
+    )
 
 
 def _history_row(info: Any, samples: int) -> dict[str, float]:
@@ -229,8 +249,11 @@ def _advance(progress: Any, samples: int) -> None:
     progress.update(samples)
 
 
-def _chunk_steps(controller: controller_lib.Controller, args: Any, max_steps: float) -> int:
-    """Steps to the epoch's end, the next evaluation or the step limit.
+def _chunk_steps(
+    controller: controller_lib.Controller, args: Any, max_steps: float, stop_at: float = math.inf
+) -> int:
+    """Steps to the epoch's end, the next evaluation, the step limit or ``stop_at`` (the state
+    plan's step, until it is taken).
 
     Counted at the largest batch the run may reach, so that a batch that grows inside the chunk
     cannot carry it past the epoch's end (at most the epoch's last step draws into the next).
@@ -239,6 +262,8 @@ def _chunk_steps(controller: controller_lib.Controller, args: Any, max_steps: fl
     largest = max(controller.batch_size, *controller.buckets)
     left_in_epoch = -(-(sampler.num_examples - sampler.cursor) // largest)
     steps = min(left_in_epoch, _MAX_CHUNK, max_steps - controller.step_count)
+    if stop_at > controller.step_count:
+        steps = min(steps, stop_at - controller.step_count)
     if args.eval_every:
         steps = min(steps, args.eval_every - controller.step_count % args.eval_every)
     return max(int(steps), 1)
@@ -252,13 +277,20 @@ def _train_epochs(
     args: Any,
     progress: Any,
     spent: float = 0.0,
+    replan: tuple[int, Callable[[Any], Any]] | None = None,
 ) -> _RunLog:
     """Steps ``controller`` through ``args.epochs`` epochs (or ``--max-steps``), recording.
 
-    ``spent`` is the run's seconds before its first step (Tri-Accel's state plan's probe),
-    counted in every evaluation's ``seconds``."""
+    ``spent`` is the run's seconds before its first step (the formats Tri-Accel's state starts
+    in), counted in every evaluation's ``seconds``.
+
+    ``replan`` is ``(step, hand_on)``: once the run has taken ``step`` steps, ``hand_on(controller)``
+    returns the controller it goes on with (Tri-Accel's state plan: the same one, or one with the
+    state in the plan's formats that carries on from the same step); its seconds are the run's.
+    """
     log = _RunLog()
     start = time.perf_counter()
+    plan_step = math.inf if replan is None else replan[0]
 
     def record_eval() -> float:
         seconds = spent + time.perf_counter() - start - log.eval_seconds
@@ -272,7 +304,7 @@ def _train_epochs(
                 "samples": controller.sampler.samples_seen,
                 "accuracy": accuracy,
                 "seconds": seconds,
-                "compile_seconds": controller.timings["compile"],
+                "compile_seconds": log.timing(controller, "compile"),
             }
         )
         log.eval_seconds += time.perf_counter() - eval_start
@@ -296,7 +328,7 @@ def _train_epochs(
             # device never waits for the host to read metrics); a chunk ends at the epoch's end,
             # the next evaluation or the step limit at the current batch (a batch that grows
             # inside a chunk may end it a few steps into the next epoch).
-            for info in controller.run(_chunk_steps(controller, args, max_steps)):
+            for info in controller.run(_chunk_steps(controller, args, max_steps, plan_step)):
                 samples += info.batch_size
                 log.history.append(_history_row(info, samples))
                 grown = grown or info.batch_size > args.batch_size
@@ -315,6 +347,12 @@ def _train_epochs(
                     batch=info.batch_size,
                     mem=f"{(info.peak_bytes or 0) / 2**20:.0f}MiB",
                 )
+            if replan is not None and controller.step_count >= plan_step:
+                handed_on = replan[1](controller)
+                if handed_on is not controller:
+                    log.earlier.append(controller)
+                    controller = handed_on
+                plan_step = math.inf
             if run == "triaccel":
                 record_step_scales()
             # The high-water mark at the common batch: read until the batch first grows.
@@ -330,15 +368,18 @@ def _train_epochs(
             log.epoch_accuracy.append(record_eval())
         if controller.step_count >= max_steps:
             break
+    log.controller = controller
     return log
 
 
 def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any) -> RunResult:
     """Trains ``run`` (one of :data:`RUNS`) on ``data`` and measures it.
 
-    Tri-Accel's run first plans its state's formats from a probe
-    (:func:`triaccel_jax.cli._state.plan_state`, ``--state-probe-steps`` steps under
-    ``--state-cap``), whose seconds count in its wall time.
+    Tri-Accel's state starts in the formats its size gives under ``--state-cap``
+    (:func:`triaccel_jax.cli._state.initial_state_formats`) and is planned from the run's own
+    signals at step ``--state-plan-step`` (:func:`triaccel_jax.cli._state.plan_state`); a plan
+    that differs hands the run to a controller with the state converted, which goes on from the
+    same step. Planning's seconds count in its wall time.
 
     Args:
       run: ``"fp32"``, ``"bf16"`` or ``"triaccel"``.
@@ -351,28 +392,54 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
     """
     model, has_state = task.build_model(args.model, data.num_classes)
     loss_fn = task.make_loss(model, has_state, data.channel_stats)
-    plan = None
+    plans: list[state_lib.StatePlan] = []
     formats: str | dict[str, str] = "fp32"
+    replan = None
+    start = time.perf_counter()
     if run == "triaccel":
-        params, model_state = init_variables(model, has_state, data, args.seed)
-        plan = state_lib.plan_state(
-            loss_fn,
-            params,
-            model_state,
-            data.train,
-            learning_rate=args.lr,
-            batch_size=args.batch_size,
-            steps=args.state_probe_steps,
-            cap=args.state_cap,
-            seed=args.seed,
-        )
-        formats = plan.formats
-    probe_seconds = 0.0 if plan is None else plan.probe_seconds
+        params, _ = init_variables(model, has_state, data, args.seed)
+        initial = state_lib.initial_state_formats(params, learning_rate=args.lr, cap=args.state_cap)
+        formats = initial
+
+        def hand_on(old: controller_lib.Controller) -> controller_lib.Controller:
+            begin = time.perf_counter()
+            plan = state_lib.plan_state(
+                old.opt_state,
+                old.params,
+                learning_rate=args.lr,
+                cap=args.state_cap,
+                step=old.step_count,
+                started_in=initial,
+            )
+            new = old
+            if plan.switched:
+                opt_state = state_lib.convert_state_formats(
+                    old.opt_state, old.params, learning_rate=args.lr, formats=plan.formats
+                )
+                new = build_controller(
+                    run,
+                    model,
+                    has_state,
+                    loss_fn,
+                    data,
+                    args,
+                    state_formats=plan.formats,
+                    start=(old.params, old.model_state, opt_state),
+                )
+                new.load_state_dict(old.state_dict())
+            plans.append(dataclasses.replace(plan, plan_seconds=time.perf_counter() - begin))
+            return new
+
+        replan = (args.state_plan_step, hand_on)
+    spent = time.perf_counter() - start
     controller = build_controller(run, model, has_state, loss_fn, data, args, state_formats=formats)
     start = time.perf_counter()
-    log = _train_epochs(run, controller, loss_fn, data, args, progress, spent=probe_seconds)
-    seconds = probe_seconds + time.perf_counter() - start - log.eval_seconds
-    compile_seconds = controller.timings["compile"]
+    log = _train_epochs(run, controller, loss_fn, data, args, progress, spent=spent, replan=replan)
+    controller = log.controller
+    seconds = spent + time.perf_counter() - start - log.eval_seconds
+    compile_seconds = log.timing(controller, "compile")
+    plan = plans[0] if plans else None
+    plan_seconds = spent + (0.0 if plan is None else plan.plan_seconds)
 
     # Memory of one step under the run's final policy, at the largest batch the run trained at
     # and at the common batch: a run that grew its batch needs more than the common figure says.
@@ -382,14 +449,14 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
         common = run_report
     else:
         common = step_memory(loss_fn, controller, data, args.batch_size)
-    training_seconds = seconds - compile_seconds - probe_seconds
+    training_seconds = seconds - compile_seconds - plan_seconds
     return RunResult(
         name=run,
         seconds=seconds,
         peak_bytes_in_use_mib=_mib(device_peak_bytes()),
         common_batch_peak_bytes_in_use_mib=_mib(log.common_batch_peak_bytes),
         compile_seconds=compile_seconds,
-        step_seconds=controller.timings["step"],
+        step_seconds=log.timing(controller, "step"),
         samples_per_second=controller.sampler.samples_seen / max(training_seconds, 1e-9),
         steps=controller.step_count,
         final_batch=controller.batch_size,
@@ -403,7 +470,7 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
         history=log.history,
         epoch_accuracy=log.epoch_accuracy,
         evals=log.evals,
-        events=[_jsonable(r) for r in controller.event_records()],
+        events=[_jsonable(r) for c in (*log.earlier, controller) for r in c.event_records()],
         policies=log.policies,
         step_scales=log.step_scales,
         parameters=sum(

@@ -5,10 +5,11 @@ Tri-Accel's row trains :func:`triaccel_optimizer`: the curvature observer, Adam'
 its moments kept by :func:`triaccel_jax.quantize_state`, Tri-Accel's step scale, decoupled weight
 decay and the rate: :func:`triaccel_jax.triaccel`'s update, composed so that its large state,
 Adam's ``mu`` and ``nu``, is the wrapped part (``triaccel`` keeps them inside the curvature
-signals' state, which ``quantize_state`` leaves as it is). The formats are planned per leaf by
-:func:`plan_state` from a short probe of the run's own signals (:func:`triaccel_jax.precision.
-plan_state_formats` under the cap ``--state-cap``); the probe's steps and seconds are the plan's
-cost, reported with the run.
+signals' state, which ``quantize_state`` leaves as it is). The formats are started in by size under
+the cap ``--state-cap`` (:func:`initial_state_formats`) and planned per leaf by :func:`plan_state`
+from the run's own signals after its first steps (:func:`triaccel_jax.precision.
+plan_state_formats`); where the plan differs, the state is converted
+(:func:`convert_state_formats`) and the run goes on from the same step.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
@@ -101,85 +101,104 @@ def injected_triaccel(
 class StatePlan:
     """The formats Tri-Accel's state is stored in, and what planning them cost.
 
-    ``formats`` maps each parameter path to its moments' format; ``cap`` is the planner's
-    ``max_bytes_per_parameter`` (parameters plus Adam's two moments, per parameter) and
-    ``bytes_per_parameter`` what the plan takes by the registry's count; ``probe_steps`` and
-    ``probe_seconds`` (its compile included) are the probe's, whose signals the plan read.
+    The run starts in ``initial_formats`` (:func:`initial_state_formats`: by size, before any
+    step has given signals) and at step ``plan_step`` plans ``formats`` from its own signals
+    (:func:`plan_state`); ``switched`` says whether they differed, so that the state was
+    converted (:func:`convert_state_formats`) and the step compiled again. ``cap`` is the
+    planner's ``max_bytes_per_parameter`` (parameters plus Adam's two moments, per parameter)
+    and ``bytes_per_parameter`` what the plan takes by the registry's count; ``plan_seconds``
+    is the host's time reading the signals, planning and converting (a new step's compile is
+    counted with the controller's compiles).
     """
 
     formats: dict[str, str]
+    initial_formats: dict[str, str]
     cap: float
     bytes_per_parameter: float
     meets_cap: bool
     predicted_increase: float
-    probe_steps: int
-    probe_seconds: float
+    plan_step: int
+    plan_seconds: float
+    switched: bool
     reasons: dict[str, str]
 
 
-def plan_state(
-    loss_fn: Callable[..., Any],
-    params: Any,
-    model_state: Any,
-    train: Mapping[str, np.ndarray],
-    *,
-    learning_rate: float,
-    batch_size: int,
-    steps: int,
-    cap: float,
-    seed: int,
-) -> StatePlan:
-    """Plans Tri-Accel's state formats from a probe of the run's own signals.
-
-    Trains ``steps`` steps of :func:`triaccel_optimizer` with float32 state from ``params`` on
-    batches of a seeded order of ``train`` (a throwaway: the run itself starts from ``params``
-    again), then plans each leaf's format with
-    :func:`triaccel_jax.precision.plan_state_formats` from the probe's signals under ``cap``.
-
-    Args:
-      loss_fn: the main job's loss (``loss_fn(params, batch, *, policy, rng, model_state)``).
-      params: the run's initial parameters.
-      model_state: the model's state (BatchNorm statistics) or None.
-      train: the training split, ``{"image", "label"}``.
-      learning_rate: the run's rate (the plan's loss model is per step at this rate).
-      batch_size: the probe's batch.
-      steps: the probe's steps, >= 1.
-      cap: bytes per parameter of parameters plus Adam's moments, > 0.
-      seed: the order of the probe's samples and its dropout keys.
-
-    Returns:
-      A :class:`StatePlan`.
-
-    Raises:
-      ValueError: ``steps`` < 1 or ``cap`` not a positive number.
-    """
-    if steps < 1:
-        raise ValueError(f"the state plan's probe needs at least 1 step, got {steps}")
+def _check_cap(cap: float) -> None:
     if not (cap > 0 and math.isfinite(cap)):
         raise ValueError(f"the state cap must be a positive number of bytes, got {cap!r}")
+
+
+def initial_state_formats(params: Any, *, learning_rate: float, cap: float) -> dict[str, str]:
+    """The formats Tri-Accel's run starts in: under ``cap``, the largest leaves lowest.
+
+    No step has given signals yet (the state's are zeros), so the assignment ranks the leaves
+    by size alone (:func:`triaccel_jax.precision.plan_state_formats` with ``rank_by="size"``):
+    the signal-blind assignment the plan is compared against. :func:`plan_state` re-plans from
+    the run's own signals after its first steps.
+
+    Args:
+      params: the run's parameters.
+      learning_rate: the run's rate.
+      cap: bytes per parameter of parameters plus Adam's moments, > 0.
+
+    Returns:
+      ``{parameter path: format}``.
+
+    Raises:
+      ValueError: ``cap`` is not a positive number.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> params = {"big": jnp.ones((256, 256)), "small": jnp.ones((8,))}
+      >>> initial_state_formats(params, learning_rate=1e-3, cap=7.0)
+      {'big': 'int8', 'small': 'fp32'}
+    """
+    _check_cap(cap)
+    signals = transforms.signals(injected_triaccel(learning_rate).init(params))
+    plan = precision_lib.plan_state_formats(
+        signals,
+        params,
+        learning_rate=learning_rate,
+        max_bytes_per_parameter=cap,
+        state_copies=STATE_COPIES,
+        rank_by="size",
+    )
+    return dict(plan.formats)
+
+
+def plan_state(
+    opt_state: Any,
+    params: Any,
+    *,
+    learning_rate: float,
+    cap: float,
+    step: int,
+    started_in: Mapping[str, str],
+) -> StatePlan:
+    """Plans Tri-Accel's state formats from the run's own signals at ``step``.
+
+    :func:`triaccel_jax.precision.plan_state_formats` reads the curvature and noise signals of
+    ``opt_state``, the state of :func:`injected_triaccel` after the run's first ``step`` steps,
+    under ``cap``. Nothing is trained for the plan: the run's first steps are its signals'
+    source (a throwaway probe would cost its own compile and steps).
+
+    Args:
+      opt_state: the run's optimizer state (any formats).
+      params: its parameters.
+      learning_rate: the run's rate (the plan's loss model is per step at this rate).
+      cap: bytes per parameter of parameters plus Adam's moments, > 0.
+      step: the steps the run has taken, recorded in the plan.
+      started_in: the formats the run started in (:func:`initial_state_formats`).
+
+    Returns:
+      A :class:`StatePlan`; ``switched`` when its formats differ from ``started_in``.
+
+    Raises:
+      ValueError: ``cap`` is not a positive number.
+    """
+    _check_cap(cap)
     start = time.perf_counter()
-    tx = injected_triaccel(learning_rate)
-    state = tx.init(params)
-
-    @jax.jit
-    def step(params, state, model_state, batch, rng):
-        def loss(p):
-            return loss_fn(p, batch, policy=None, rng=rng, model_state=model_state)
-
-        (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, aux.get("model_state", model_state)
-
-    size = len(train["label"])
-    order = np.random.default_rng(seed).permutation(size)
-    key = jax.random.key(seed)
-    for i in range(steps):
-        rows = order[np.arange(i * batch_size, (i + 1) * batch_size) % size]
-        batch = {k: v[rows] for k, v in train.items()}
-        params, state, model_state = step(
-            params, state, model_state, batch, jax.random.fold_in(key, i)
-        )
-    signals = jax.device_get(transforms.signals(state))
+    signals = jax.device_get(transforms.signals(opt_state))
     plan = precision_lib.plan_state_formats(
         signals,
         params,
@@ -189,14 +208,65 @@ def plan_state(
     )
     return StatePlan(
         formats=dict(plan.formats),
+        initial_formats=dict(started_in),
         cap=float(cap),
         bytes_per_parameter=float(plan.bytes_per_parameter),
         meets_cap=plan.meets_cap,
         predicted_increase=float(plan.predicted_increase),
-        probe_steps=steps,
-        probe_seconds=time.perf_counter() - start,
+        plan_step=int(step),
+        plan_seconds=time.perf_counter() - start,
+        switched=dict(plan.formats) != dict(started_in),
         reasons=dict(plan.reasons),
     )
+
+
+def _is_moments(node: Any) -> bool:
+    # Adam's moments as triaccel_optimizer keeps them: wrapped, or plain where every leaf is fp32.
+    return isinstance(node, (transforms.QuantizedState, optax.ScaleByAdamState))
+
+
+def convert_state_formats(
+    opt_state: Any, params: Any, *, learning_rate: float, formats: str | Mapping[str, str]
+) -> Any:
+    """The state of :func:`injected_triaccel` with Adam's moments stored in ``formats``.
+
+    Every other part (the observer's signals, the counts, the injected rate) is kept as it is;
+    the moments are converted by :func:`triaccel_jax.transforms.to_quantized_state` (from
+    float32 or from another format, rounded to nearest) or read back by
+    :func:`triaccel_jax.transforms.dequantize_state` where ``formats`` keeps every leaf fp32.
+    So a running job moves its state to a new plan without losing its moments.
+
+    Args:
+      opt_state: the run's optimizer state, in any formats.
+      params: its parameters.
+      learning_rate: the rate :func:`injected_triaccel` is built with (the state's own injected
+        rate is kept).
+      formats: the new ``{parameter path: format}``, or one format's name for every leaf.
+
+    Returns:
+      The state ``injected_triaccel(learning_rate, formats)`` updates.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> params = {"w": jnp.ones((128, 128))}
+      >>> fp32 = injected_triaccel(1e-3).init(params)
+      >>> int8 = convert_state_formats(fp32, params, learning_rate=1e-3, formats={"w": "int8"})
+      >>> sorted(state_bytes_by_format(int8))
+      ['fp32', 'int8', 'other']
+    """
+    template = jax.eval_shape(injected_triaccel(learning_rate, formats).init, params)
+    wrapped = formats if isinstance(formats, str) else dict(formats)
+    moments_tx = transforms.quantize_state(optax.scale_by_adam(), format=wrapped)
+
+    def convert(like: Any, node: Any) -> Any:
+        # ``node`` is the part of ``opt_state`` where the new state keeps ``like``.
+        if isinstance(like, transforms.QuantizedState):
+            return transforms.to_quantized_state(moments_tx, node, params)
+        if isinstance(like, optax.ScaleByAdamState) and isinstance(node, transforms.QuantizedState):
+            return transforms.dequantize_state(node)
+        return node
+
+    return jax.tree.map(convert, template, opt_state, is_leaf=_is_moments)
 
 
 def _is_stored(node: Any) -> bool:
