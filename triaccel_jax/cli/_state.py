@@ -123,9 +123,20 @@ class StatePlan:
     reasons: dict[str, str]
 
 
-def _check_cap(cap: float) -> None:
+def _plan_under_cap(
+    signals: Any, params: Any, learning_rate: float, cap: float, rank_by: str
+) -> precision_lib.StateFormatPlan:
+    """:func:`triaccel_jax.precision.plan_state_formats` of Adam's two moments under ``cap``."""
     if not (cap > 0 and math.isfinite(cap)):
         raise ValueError(f"the state cap must be a positive number of bytes, got {cap!r}")
+    return precision_lib.plan_state_formats(
+        signals,
+        params,
+        learning_rate=learning_rate,
+        max_bytes_per_parameter=cap,
+        state_copies=STATE_COPIES,
+        rank_by=rank_by,
+    )
 
 
 def initial_state_formats(params: Any, *, learning_rate: float, cap: float) -> dict[str, str]:
@@ -153,17 +164,8 @@ def initial_state_formats(params: Any, *, learning_rate: float, cap: float) -> d
       >>> initial_state_formats(params, learning_rate=1e-3, cap=7.0)
       {'big': 'int8', 'small': 'fp32'}
     """
-    _check_cap(cap)
     signals = transforms.signals(injected_triaccel(learning_rate).init(params))
-    plan = precision_lib.plan_state_formats(
-        signals,
-        params,
-        learning_rate=learning_rate,
-        max_bytes_per_parameter=cap,
-        state_copies=STATE_COPIES,
-        rank_by="size",
-    )
-    return dict(plan.formats)
+    return dict(_plan_under_cap(signals, params, learning_rate, cap, "size").formats)
 
 
 def plan_state(
@@ -196,16 +198,9 @@ def plan_state(
     Raises:
       ValueError: ``cap`` is not a positive number.
     """
-    _check_cap(cap)
     start = time.perf_counter()
     signals = jax.device_get(transforms.signals(opt_state))
-    plan = precision_lib.plan_state_formats(
-        signals,
-        params,
-        learning_rate=learning_rate,
-        max_bytes_per_parameter=cap,
-        state_copies=STATE_COPIES,
-    )
+    plan = _plan_under_cap(signals, params, learning_rate, cap, "signals")
     return StatePlan(
         formats=dict(plan.formats),
         initial_formats=dict(started_in),
