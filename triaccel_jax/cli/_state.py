@@ -5,11 +5,11 @@ Tri-Accel's row trains :func:`triaccel_optimizer`: the curvature observer, Adam'
 its moments kept by :func:`triaccel_jax.quantize_state`, Tri-Accel's step scale, decoupled weight
 decay and the rate: :func:`triaccel_jax.triaccel`'s update, composed so that its large state,
 Adam's ``mu`` and ``nu``, is the wrapped part (``triaccel`` keeps them inside the curvature
-signals' state, which ``quantize_state`` leaves as it is). The formats are started in by size under
-the cap ``--state-cap`` (:func:`initial_state_formats`) and planned per leaf by :func:`plan_state`
-from the run's own signals after its first steps (:func:`triaccel_jax.precision.
-plan_state_formats`); where the plan differs, the state is converted
-(:func:`convert_state_formats`) and the run goes on from the same step.
+signals' state, which ``quantize_state`` leaves as it is). The moments start in the formats
+their sizes give under the cap ``--state-cap`` (:func:`initial_state_formats`) and are planned
+per leaf by :func:`plan_state` from the run's own signals after its first steps
+(:func:`triaccel_jax.precision.plan_state_formats`); where the plan differs, the state is
+converted (:func:`convert_state_formats`) and the run goes on from the same step.
 """
 
 from __future__ import annotations
