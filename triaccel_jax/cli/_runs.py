@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -395,36 +396,26 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
     plans: list[state_lib.StatePlan] = []
     formats: str | dict[str, str] = "fp32"
     replan = None
+    build = functools.partial(build_controller, run, model, has_state, loss_fn, data, args)
     start = time.perf_counter()
     if run == "triaccel":
         params, _ = init_variables(model, has_state, data, args.seed)
-        initial = state_lib.initial_state_formats(params, learning_rate=args.lr, cap=args.state_cap)
+        under_cap = {"learning_rate": args.lr, "cap": args.state_cap}
+        initial = state_lib.initial_state_formats(params, **under_cap)
         formats = initial
 
         def hand_on(old: controller_lib.Controller) -> controller_lib.Controller:
             begin = time.perf_counter()
             plan = state_lib.plan_state(
-                old.opt_state,
-                old.params,
-                learning_rate=args.lr,
-                cap=args.state_cap,
-                step=old.step_count,
-                started_in=initial,
+                old.opt_state, old.params, step=old.step_count, started_in=initial, **under_cap
             )
             new = old
             if plan.switched:
                 opt_state = state_lib.convert_state_formats(
                     old.opt_state, old.params, learning_rate=args.lr, formats=plan.formats
                 )
-                new = build_controller(
-                    run,
-                    model,
-                    has_state,
-                    loss_fn,
-                    data,
-                    args,
-                    state_formats=plan.formats,
-                    start=(old.params, old.model_state, opt_state),
+                new = build(
+                    state_formats=plan.formats, start=(old.params, old.model_state, opt_state)
                 )
                 new.load_state_dict(old.state_dict())
             plans.append(dataclasses.replace(plan, plan_seconds=time.perf_counter() - begin))
@@ -432,7 +423,7 @@ def train_run(run: str, data: task.Data, args: argparse.Namespace, progress: Any
 
         replan = (args.state_plan_step, hand_on)
     spent = time.perf_counter() - start
-    controller = build_controller(run, model, has_state, loss_fn, data, args, state_formats=formats)
+    controller = build(state_formats=formats)
     start = time.perf_counter()
     log = _train_epochs(run, controller, loss_fn, data, args, progress, spent=spent, replan=replan)
     controller = log.controller
