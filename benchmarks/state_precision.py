@@ -440,7 +440,7 @@ def run_workload(bench: Workbench, store: Store, args: argparse.Namespace) -> No
                 "lr_from": "fp32" if reused is not None else ("centre" if not tuned else "own"),
             }
             store.save()
-            for seed in args.seeds:
+            for seed in [] if args.tune_only else args.seeds:
                 one_run(bench, store, opt, state, "final", best, seed)
     if args.skip_timing:
         return
@@ -452,8 +452,12 @@ def run_workload(bench: Workbench, store: Store, args: argparse.Namespace) -> No
                 continue
             fmt: Any = state
             if state in ("planned", "blind"):
+                # The formats of the first final run, else (--tune-only) of the tuning run at
+                # the chosen rate.
                 first = store.data["runs"].get(
                     run_key(bench.name, opt, state, "final", chosen["lr"], args.seeds[0])
+                ) or store.data["runs"].get(
+                    run_key(bench.name, opt, state, "tune", chosen["lr"], args.tune_seed)
                 )
                 if first is None:
                     continue
@@ -661,10 +665,38 @@ def report(store: Store, seeds: list[int]) -> str:
                 f"over seeds: {len(r['plans'])}: {'; '.join(r['plans'])}; the plan's formats "
                 f"equal the signal-blind assignment's at {r['same_as_blind']} of {r['n']} seeds"
             )
+    out += tuned_without_finals(store, rows)
     out += ["", "Targets:", *targets(rows)]
     for note in store.data["notes"]:
         out.append(f"- note: {note}")
     return "\n".join(out)
+
+
+def tuned_without_finals(store: Store, rows: list[dict[str, Any]]) -> list[str]:
+    """The rows tuned on the validation split with no final runs (--tune-only): each rate's
+    validation accuracy, the chosen rate and the same optimizer's fp32 rate."""
+    with_finals = {f"{r['workload']}/{r['optimizer']}/{r['state']}" for r in rows}
+    out = []
+    for row, chosen in sorted(store.data["chosen"].items()):
+        if row in with_finals or not chosen["validation"]:
+            continue
+        workload, opt, _ = row.split("/")
+        fp32 = store.data["chosen"].get(f"{workload}/{opt}/fp32")
+        vals = ", ".join(f"{lr}: {acc:.2f}%" for lr, acc in chosen["validation"].items())
+        same = (
+            ""
+            if fp32 is None
+            else (
+                f"; the fp32 row's rate {fp32['lr']:.4g}"
+                f" ({'the same' if fp32['lr'] == chosen['lr'] else 'a different one'})"
+            )
+        )
+        edge = " (grid edge)" if chosen["edge"] else ""
+        out.append(
+            f"- {row} (tuned, no final runs): validation {vals}; chosen {chosen['lr']:.4g}"
+            f"{edge}{same}"
+        )
+    return ["", *out] if out else []
 
 
 def targets(rows: list[dict[str, Any]]) -> list[str]:
@@ -719,6 +751,12 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=7, help="timed blocks per row")
     parser.add_argument("--block-steps", type=int, default=40, help="steps per timed block")
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument(
+        "--tune-only",
+        action="store_true",
+        help="tune each row's rate on the validation split and run no final seeds (the "
+        "timing, unless skipped, takes a planned row's formats from its tuning run)",
+    )
     parser.add_argument(
         "--timing-only", action="store_true", help="only time the rows already trained"
     )

@@ -106,3 +106,46 @@ def test_quick_run_reports_every_optimizer_and_state_row(tmp_path):
         assert blind["plan_bytes_per_parameter"] <= planned["plan_bytes_per_parameter"] + 1e-6
         assert blind["bytes_per_parameter"] <= planned["bytes_per_parameter"] + 0.01
         assert abs(blind["bytes_per_parameter"] - planned["bytes_per_parameter"]) <= 1.6
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    find_fashion_mnist() is None,
+    reason=fashion_mnist_not_found_message().splitlines()[0]
+    + " (TRIACCEL_INSTALL_SYSTEM_DATA=1 bash tools/test.sh installs Debian's package as root)",
+)
+def test_tune_only_tunes_every_row_runs_no_final_seed_and_times_the_plan(tmp_path):
+    command = [
+        sys.executable,
+        "benchmarks/state_precision.py",
+        "--quick",
+        "--tune-only",
+        "--workloads",
+        "fashion_mlp",
+        "--optimizers",
+        "adamw",
+        "--states",
+        "fp32",
+        "planned",
+        "--out",
+        str(tmp_path),
+    ]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    raw = json.loads((tmp_path / "state_precision.json").read_text())
+    phases = {(r["state"], r["phase"]) for r in raw["runs"].values()}
+    assert phases == {("fp32", "tune"), ("planned", "tune")}
+    assert len(raw["runs"]) == 6  # the 3-point grid, per row, at the tuning seed only
+    for row in ("fashion_mlp/adamw/fp32", "fashion_mlp/adamw/planned"):
+        chosen = raw["chosen"][row]
+        assert len(chosen["validation"]) == 3 and chosen["lr_from"] == "own"
+        best = max(chosen["validation"], key=chosen["validation"].get)
+        assert chosen["lr"] == pytest.approx(float(best))
+    # The planned row is timed with its tuning run's formats.
+    assert set(raw["timing"]["fashion_mlp"]["seconds_per_step"]) == {"adamw/fp32", "adamw/planned"}
+    assert raw["summary"] == []
+    table = (tmp_path / "state_precision.md").read_text()
+    for row in ("fashion_mlp/adamw/fp32", "fashion_mlp/adamw/planned"):
+        assert f"- {row} (tuned, no final runs): validation " in table
