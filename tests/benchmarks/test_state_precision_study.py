@@ -16,30 +16,26 @@ from triaccel_jax.data import fashion_mnist_not_found_message
 from triaccel_jax.data import find_fashion_mnist
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
+needs_fashion_mnist = pytest.mark.skipif(
     find_fashion_mnist() is None,
     reason=fashion_mnist_not_found_message().splitlines()[0]
     + " (TRIACCEL_INSTALL_SYSTEM_DATA=1 bash tools/test.sh installs Debian's package as root)",
 )
-def test_quick_run_reports_every_optimizer_and_state_row(tmp_path):
-    command = [
-        sys.executable,
-        "benchmarks/state_precision.py",
-        "--quick",
-        "--workloads",
-        "fashion_mlp",
-        "--optimizers",
-        "adamw",
-        "muon",
-        "--out",
-        str(tmp_path),
-    ]
+
+
+def run_quick(out: pathlib.Path, *args: str) -> None:
+    """Runs ``benchmarks/state_precision.py --quick ARGS --out OUT`` on the CPU; fails with its
+    output's tail when it fails."""
+    command = [sys.executable, "benchmarks/state_precision.py", "--quick", *args, "--out", str(out)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.slow
+@needs_fashion_mnist
+def test_quick_run_reports_every_optimizer_and_state_row(tmp_path):
+    run_quick(tmp_path, "--workloads", "fashion_mlp", "--optimizers", "adamw", "muon")
 
     raw = json.loads((tmp_path / "state_precision.json").read_text())
     rows = {(r["optimizer"], r["state"]): r for r in raw["summary"]}
@@ -109,30 +105,13 @@ def test_quick_run_reports_every_optimizer_and_state_row(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    find_fashion_mnist() is None,
-    reason=fashion_mnist_not_found_message().splitlines()[0]
-    + " (TRIACCEL_INSTALL_SYSTEM_DATA=1 bash tools/test.sh installs Debian's package as root)",
-)
+@needs_fashion_mnist
 def test_tune_only_tunes_every_row_runs_no_final_seed_and_times_the_plan(tmp_path):
-    command = [
-        sys.executable,
-        "benchmarks/state_precision.py",
-        "--quick",
+    run_quick(
+        tmp_path,
         "--tune-only",
-        "--workloads",
-        "fashion_mlp",
-        "--optimizers",
-        "adamw",
-        "--states",
-        "fp32",
-        "planned",
-        "--out",
-        str(tmp_path),
-    ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        *("--workloads", "fashion_mlp", "--optimizers", "adamw", "--states", "fp32", "planned"),
+    )
 
     raw = json.loads((tmp_path / "state_precision.json").read_text())
     phases = {(r["state"], r["phase"]) for r in raw["runs"].values()}
