@@ -41,6 +41,7 @@ gap, so it is unbiased in value between the lowest and the highest level.
 
 from __future__ import annotations
 
+from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -196,6 +197,72 @@ def count_at_most(table: np.ndarray, t: jax.Array) -> jax.Array:
     return index
 
 
+def refine_count(table: np.ndarray, t: jax.Array, guess: jax.Array) -> jax.Array:
+    """:func:`count_at_most` from a ``guess`` within one of it, with two gathers.
+
+    Where the count ``c`` (entries of the sorted ``table`` at most ``t``) is ``guess - 1``,
+    ``guess`` or ``guess + 1``, ``table[c - 1] <= t < table[c]`` picks it: below
+    ``table[guess - 1]`` it is ``guess - 1``, at or above ``table[guess]`` ``guess + 1``.
+
+    Args:
+      table: a sorted table whose last entry is +inf.
+      t: float32 values.
+      guess: int32 in ``[1, table.size - 1]``, shaped like ``t``, within one of the count.
+
+    Returns:
+      The count as int32; 0 where ``t`` is NaN, as :func:`count_at_most` gives.
+    """
+    below = t < take(table, guess - np.int32(1))
+    above = t >= take(table, guess)
+    count = guess - below.astype(jnp.int32) + above.astype(jnp.int32)
+    return lax.select(jnp.isnan(t), jnp.zeros_like(count), count)
+
+
+def dynamic_guess(mapping: str, t: jax.Array) -> jax.Array:
+    """The index of the 8-bit dynamic map's level nearest ``t``, give or take one, by arithmetic.
+
+    A level of decade ``i`` (values in ``[0.1, 1) * 10**(i - 6)``) is the centre of one of the
+    decade's equal cells, so the decade (six compares with its lower bounds) and the cell (from
+    the value's fraction of the decade) give its index. The nearest level is that cell's, or at
+    a decade's lower edge the decade below's top level; float32 rounding at a cell's or a
+    decade's edge moves the guess by one more at most, and the cell is clamped into its decade,
+    so the guess is within one of the index :func:`count_at_most` finds: :func:`refine_count`
+    settles it. Compares and selects only: on a CPU ``log10`` and ``pow`` cost more than the
+    search's gathers.
+
+    Args:
+      mapping: ``"dynamic"`` or ``"dynamic_unsigned"``.
+      t: float32 fractions of the scale (NaN gives some in-range guess).
+
+    Returns:
+      int32 guesses in ``[1, 255]``, shaped like ``t``.
+    """
+    signed = TABLE_MAPS[mapping].signed
+    # Unsigned: a negative value lands in decade 0, cell 0, which refine_count takes down to 0.
+    magnitude = jnp.abs(t) if signed else t
+    # Decade i holds 2**i levels a sign (signed) or 2**(i + 1) (unsigned); below 10**-6 (decade
+    # 0's start) the value is clamped into decade 0's first cell.
+    per_unit: Any = f32(1e6)  # 1 / 10**(i - 6), exact in float32
+    cells: Any = f32(1 if signed else 2)
+    for i in range(1, 7):
+        inside = magnitude >= f32(10.0 ** (i - 7))
+        per_unit = jnp.where(inside, f32(10.0 ** (6 - i)), per_unit)
+        cells = jnp.where(inside, f32(2**i if signed else 2 ** (i + 1)), cells)
+    cell = jnp.floor((magnitude * per_unit - f32(0.1)) * (cells / f32(0.9)))
+    # The positive levels before this decade's (2**i - 1, or 2**(i + 1) - 2 after the floor
+    # level), plus the cell.
+    index = cells - f32(1) + jnp.clip(cell, f32(0), cells - f32(1))
+    if signed:
+        # Sorted: the 127 negative levels, 0 (index 127), the 127 positive ones, then 1.
+        index = jnp.where(t < 0, f32(126) - index, f32(128) + index)
+    guess = jnp.clip(index, f32(1), f32(255))
+    return jnp.where(jnp.isnan(guess), f32(1), guess).astype(jnp.int32)
+
+
+def f32(value: float) -> np.float32:
+    return np.float32(value)
+
+
 def codes(mapping: str, t: jax.Array, uniform: jax.Array | None) -> jax.Array:
     """int32 codes of ``t`` (values over their scale, float32) under a table map.
 
@@ -209,6 +276,9 @@ def codes(mapping: str, t: jax.Array, uniform: jax.Array | None) -> jax.Array:
       int32 indices into :data:`LEVELS` ``[mapping]``, shaped like ``t``.
     """
     if uniform is None:
+        if mapping in ("dynamic", "dynamic_unsigned"):
+            # Eight dependent gathers of the binary search become two (dynamic_guess).
+            return refine_count(MIDPOINTS[mapping], t, dynamic_guess(mapping, t))
         return count_at_most(MIDPOINTS[mapping], t)
     table = LEVELS[mapping]
     if table.size <= 16:

@@ -111,6 +111,40 @@ def test_nearest_rounding_takes_the_nearest_level(mapping, layout):
     assert np.all(error <= best + scale * 2e-7), np.max(error - best)
 
 
+def _edges(points: np.ndarray, ulps: int) -> np.ndarray:
+    """Every float32 within ``ulps`` of each point, the points included."""
+    out = [points.astype(np.float32)]
+    for direction in (np.inf, -np.inf):
+        x = points.astype(np.float32)
+        for _ in range(ulps):
+            x = np.nextafter(x, np.float32(direction))
+            out.append(x)
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("mapping", ["dynamic", "dynamic_unsigned"])
+def test_the_8bit_dynamic_codes_from_arithmetic_are_the_binary_searchs(mapping):
+    # The guess (decade and cell) is within one of the nearest level's index; two gathers settle
+    # it. Checked where a guess can slip: a few ulps around every midpoint, level and decade
+    # bound, and over six decades of random values, both signs, zero, +-1, beyond, inf and NaN.
+    table = _quantize_maps.MIDPOINTS[mapping]
+    bounds = np.float32(10.0) ** np.arange(-9, 1, dtype=np.float32)
+    points = _edges(np.concatenate([table[:-1], quantize_lib.levels(mapping), bounds]), 4)
+    rng = np.random.default_rng(0)
+    spread = rng.standard_normal(400_000) * 10.0 ** rng.uniform(-9, 0, 400_000)
+    special = [0.0, -0.0, 1.0, -1.0, 1.5, -1.5, np.inf, -np.inf, np.nan, 1e-30, -1e-30, 1e-45]
+    t = np.concatenate([points, -points, np.clip(spread, -1, 1), special]).astype(np.float32)
+    guess = np.asarray(_quantize_maps.dynamic_guess(mapping, jnp.asarray(t)))
+    searched = np.asarray(_quantize_maps.count_at_most(table, jnp.asarray(t)))
+    assert guess.min() >= 1 and guess.max() <= table.size - 1
+    assert np.abs(guess - searched)[~np.isnan(t)].max() <= 1
+    np.testing.assert_array_equal(
+        np.asarray(_quantize_maps.codes(mapping, jnp.asarray(t), None)), searched
+    )
+    jitted = jax.jit(lambda v: _quantize_maps.codes(mapping, v, None))
+    np.testing.assert_array_equal(np.asarray(jitted(jnp.asarray(t))), searched)
+
+
 @pytest.mark.parametrize("mapping", quantize_lib.TABLE_MAPS)
 def test_stochastic_rounding_lands_on_a_neighbouring_level(mapping):
     x = _wide_range((4, 256), 1, mapping not in UNSIGNED)
