@@ -5,7 +5,8 @@ this script on this machine, and judged against its target ("met", else "MISSED"
 report, not a test: it exits 0 whatever the figures, 1 only when one is not finite. Rows:
 
 * **update**: the jitted update alone (``tx.update``, the state donated) on four 1024 x 1024
-  float32 leaves, for ``quantize_state(adamw)`` with int8 and bf16 state, each rounding. The
+  float32 leaves, for ``quantize_state(adamw)`` with int8 and bf16 state, each rounding, and
+  with int8_dynamic and int4 state, rounded to nearest. The
   variants take turns round-robin, each turn ``--steps`` updates and a block until ready; the
   ratio is the median over ``--rounds`` rounds of a turn's time over AdamW's turn in the same
   round (the per-update medians are printed beside it). Target <= 1.3x.
@@ -78,6 +79,8 @@ VARIANTS: dict[str, Factory] = {
     "int8/stochastic": stored("int8", "stochastic"),
     "bf16/nearest": stored("bf16", "nearest"),
     "bf16/stochastic": stored("bf16", "stochastic"),
+    "int8_dynamic/nearest": stored("int8_dynamic", "nearest"),
+    "int4/nearest": stored("int4", "nearest"),
 }
 CNN_VARIANTS = ("int8/nearest", "int8/stochastic")
 
