@@ -1,8 +1,10 @@
 """The table maps of the block-wise quantizer: their levels, and a value's code among them.
 
 A table map is a sorted list of levels in [-1, 1] (signed) or (0, 1] (unsigned), fractions of a
-block's scale; a value's code is the index of its level, found by a branchless binary search over
-the table (one gather per halving: 8 for the 256 levels of an 8-bit map, 4 for a 4-bit one),
+block's scale; a value's code is the index of its level. Rounded to nearest, an 8-bit dynamic
+map's code is computed from the value's decade and its cell within the decade, then settled with
+two gathers (:func:`dynamic_guess`, :func:`refine_count`); a 4-bit map's by compares with its
+15 midpoints; otherwise by a branchless binary search over the table (one gather per halving),
 as bitsandbytes' kernels search their 256-entry code (Dettmers et al., 2022). Four maps:
 
 * ``"dynamic"``: bitsandbytes' signed dynamic-exponent map (``create_dynamic_map(signed=True)``,

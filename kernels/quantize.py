@@ -41,7 +41,7 @@ Maps from values to codes, as fractions of the block's scale (:func:`levels` lis
   ``layout="flat"``; along the last axis under ``layout="rows"``. A packed array cannot tell an
   odd from an even count, so dequantizing takes the ``shape``.
 
-The table maps' levels and their binary search are :mod:`triaccel_jax.kernels._quantize_maps`;
+The table maps' levels and their search are :mod:`triaccel_jax.kernels._quantize_maps`;
 :func:`stored_bytes`, :func:`codes_shape` and :func:`scales_shape` give what an array takes.
 
 Rounding to a code is to the nearest level or stochastic: the code above or below, the upper one
@@ -552,7 +552,7 @@ def _quantize_block_array(
     of the last axis; ``uniform`` (shaped like ``blocks``) for stochastic rounding, else None.
 
     Per element: a product with the block's reciprocal (computed once per block), a rounding to
-    an integer and compares; the sqrt map adds a square root, a table map a binary search of its
+    an integer and compares; the sqrt map adds a square root, a table map a search of its
     levels. The sqrt map decides whether to take the upper level by comparing distances in value,
     ``uniform * gap < x - low`` (stochastic) or ``x - low >= gap / 2`` (nearest), rather than by
     dividing by the gap. Written in ``lax`` operations: an optimizer quantizes every state leaf,
