@@ -15,19 +15,27 @@ rounding to nearest, and the table reports:
   the other exact, ``||u_hat - u|| / ||u||`` (a second moment stored as 0 makes it ``m / eps``);
 * ``bytes/elem``: codes and scales (:func:`triaccel_jax.kernels.quantize.stored_bytes`).
 
+A second table times the search for the 8-bit dynamic maps' nearest codes on the same values
+over their row's maximum: the branchless binary search (``count_at_most``, eight dependent
+gathers) against the decade-and-cell guess settled by two gathers (what ``codes`` does), each
+jitted, interleaved over ``--rounds`` rounds, medians; the codes are checked equal first.
+
 Usage::
 
-  .venv/bin/python benchmarks/quantize_maps.py [--rows 1024] [--columns 256] [--seed 0]
+  .venv/bin/python benchmarks/quantize_maps.py [--rows 1024] [--columns 256] [--seed 0] [--rounds 21]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from triaccel_jax.kernels import _quantize_maps
 from triaccel_jax.kernels import quantize as quantize_lib
 
 
@@ -93,11 +101,45 @@ def rows_of(m: np.ndarray, v: np.ndarray) -> list[tuple[str, str, int | str, tup
     return out
 
 
+def search_seconds(m: np.ndarray, v: np.ndarray, rounds: int) -> list[tuple[str, float, float]]:
+    """Per dynamic map: median seconds of the binary search and of the decade-and-cell codes."""
+    out = []
+    for mapping, x in (("dynamic", m), ("dynamic_unsigned", v)):
+        t = jnp.asarray(x / np.max(np.abs(x), axis=-1, keepdims=True))
+        searches = {
+            "binary search": jax.jit(
+                lambda t, mapping=mapping: _quantize_maps.count_at_most(
+                    _quantize_maps.MIDPOINTS[mapping], t
+                )
+            ),
+            "decade and cell": jax.jit(
+                lambda t, mapping=mapping: _quantize_maps.codes(mapping, t, None)
+            ),
+        }
+        first = [np.asarray(search(t)) for search in searches.values()]
+        np.testing.assert_array_equal(*first)  # the same codes
+        seconds: dict[str, list[float]] = {name: [] for name in searches}
+        for _ in range(rounds):
+            for name, search in searches.items():
+                start = time.perf_counter()
+                jax.block_until_ready(search(t))
+                seconds[name].append(time.perf_counter() - start)
+        out.append(
+            (
+                mapping,
+                statistics.median(seconds["binary search"]),
+                statistics.median(seconds["decade and cell"]),
+            )
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--columns", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=21, help="timed rounds of each search")
     args = parser.parse_args(argv)
     m, v = workload(args.rows, args.columns, args.seed)
     print(f"{args.rows}x{args.columns}, column scales log-uniform over 10**-2 .. 1, nearest")
@@ -110,6 +152,15 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{moment:<17} {mapping:<17} {block!s:>6} {norm:>16.4f} {mean_text:>16} "
             f"{zeroed:>8.1%} {update:>13.4g} {nbytes:>10.3f}"
+        )
+    print(
+        f"\nnearest codes of the {args.rows}x{args.columns} values, medians of {args.rounds} rounds"
+    )
+    print(f"{'map':<17} {'binary search ms':>17} {'decade and cell ms':>19} {'ratio':>7}")
+    for mapping, searched, guessed in search_seconds(m, v, args.rounds):
+        print(
+            f"{mapping:<17} {searched * 1e3:>17.3f} {guessed * 1e3:>19.3f} "
+            f"{guessed / searched:>6.2f}x"
         )
 
 
