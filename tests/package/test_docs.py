@@ -132,7 +132,10 @@ def test_the_readme_example_shows_per_layer_step_scales_that_differ():
     printed = done.stdout
     scales = [float(s) for s in re.findall(r"step scale (\d+\.\d+)", printed)]
     assert len(scales) >= 3 and len(set(scales)) >= 2, printed
-    assert scales == [float(s) for s in re.findall(r"step scale (\d+\.\d+)", shown)]
+    # To the shown digits, give or take 0.02: 500 steps amplify the last bits, which move with
+    # the jax release (out/w's scale printed 0.63 under jax 0.12.0 and 0.62 under 0.12.1).
+    expected = [float(s) for s in re.findall(r"step scale (\d+\.\d+)", shown)]
+    assert scales == pytest.approx(expected, abs=0.02), (printed, shown)
     assert printed.splitlines()[0] == shown.splitlines()[0]  # the loss line
 
 
