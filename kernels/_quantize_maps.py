@@ -239,6 +239,7 @@ def dynamic_guess(mapping: str, t: jax.Array) -> jax.Array:
     Returns:
       int32 guesses in ``[1, 255]``, shaped like ``t``.
     """
+    f32 = np.float32
     signed = TABLE_MAPS[mapping].signed
     # Unsigned: a negative value lands in decade 0, cell 0, which refine_count takes down to 0.
     magnitude = jnp.abs(t) if signed else t
@@ -259,10 +260,6 @@ def dynamic_guess(mapping: str, t: jax.Array) -> jax.Array:
         index = jnp.where(t < 0, f32(126) - index, f32(128) + index)
     guess = jnp.clip(index, f32(1), f32(255))
     return jnp.where(jnp.isnan(guess), f32(1), guess).astype(jnp.int32)
-
-
-def f32(value: float) -> np.float32:
-    return np.float32(value)
 
 
 def codes(mapping: str, t: jax.Array, uniform: jax.Array | None) -> jax.Array:
